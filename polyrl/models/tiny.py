@@ -1,0 +1,156 @@
+"""Tiny Qwen3-architecture models with a ChatML tokenizer, built offline.
+
+Tests and the quickstart need a real Hugging Face causal LM that loads from a local directory
+with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``, without any
+hub access. ``build_tiny_model`` writes one: random weights in the Qwen3 architecture and a small
+byte-level BPE tokenizer (digits split one per token, as in Qwen's tokenizer) with Qwen3's chat
+special tokens and chat template. Real users point polyrl at real models; the loading code is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Plain added tokens in the real Qwen3 tokenizer (not "special": they survive decode(skip_special_tokens)).
+ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+# Qwen2/3 pre-tokenizer pattern: words, single digits, punctuation runs, newlines, spaces.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class TinySize:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+
+SIZES: dict[str, TinySize] = {
+    # ~60k parameters: unit tests.
+    "unit": TinySize(32, 2, 2, 1, 64, 768),
+    # ~0.3M parameters: fast end-to-end tests.
+    "small": TinySize(64, 2, 4, 2, 192, 1024),
+    # ~1.5M parameters: the quickstart.
+    "quickstart": TinySize(128, 4, 4, 2, 384, 1536),
+    # ~4M parameters: benchmarks.
+    "base": TinySize(256, 4, 4, 2, 768, 2048),
+}
+
+_WORDS = (
+    "the a an of to in and or is are was be it that this with for on as at by from you your we our "
+    "what which who how many much number numbers answer question solve compute calculate result value "
+    "target reach use each exactly once guess secret between higher lower correct wrong try again "
+    "game win lose turn move player tool tools call calculator expression add subtract multiply divide "
+    "plus minus times sum difference product total equals equal not yes no please reason step think "
+    "final boxed user assistant system function name arguments error invalid observation action reward "
+    "done true false null is the only if then else let me first next so therefore because"
+).split()
+
+
+def chat_template() -> str:
+    return resources.files("polyrl.models").joinpath("qwen3_chat_template.jinja").read_text()
+
+
+def _corpus(rng: random.Random, n: int = 4000) -> list[str]:
+    """Synthetic training text for the BPE: prompts, arithmetic, JSON tool calls, chat markup."""
+    lines = []
+    for _ in range(n):
+        kind = rng.random()
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 14)))
+        if kind < 0.4:
+            lines.append(words.capitalize() + rng.choice([".", "?", "!", ":"]))
+        elif kind < 0.7:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*/")
+            lines.append(f"What is {a} {op} {b}? The answer is \\boxed{{{a}}}.")
+        elif kind < 0.85:
+            lines.append(
+                '{"name": "calculator", "arguments": {"expression": "%d * %d"}}'
+                % (rng.randint(0, 99), rng.randint(0, 99))
+            )
+        else:
+            lines.append(f"<|im_start|>user\n{words}<|im_end|>\n<|im_start|>assistant\n{words}<|im_end|>")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with Qwen3's chat tokens and template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = chat_template()
+    return fast
+
+
+def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> Path:
+    """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
+
+    ``size`` is one of ``SIZES`` (``unit`` ~60k params, ``small``, ``quickstart``, ``base`` ~4M).
+    The result loads offline with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, seed=seed)
+    vocab = len(tokenizer)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "polyrl_tiny.json").write_text(json.dumps({"size": size, "seed": seed}))
+    return out
