@@ -1,0 +1,1 @@
+"""Chat renderers; importing the package registers every renderer."""
