@@ -1,0 +1,513 @@
+"""Run configuration: YAML/TOML files plus dotted overrides, validated by pydantic.
+
+``load_config("run.yaml", ["batch_size=64", "environments.arithmetic.num_rollouts=8"])`` reads the
+file (format by extension), applies each ``key.path=value`` override (value parsed as YAML), loads
+``.env`` and validates. Every problem -- unknown key, wrong type, impossible combination -- comes back
+as one :class:`ConfigError` line naming the dotted key. The field descriptions below are the
+reference documentation (``polyrl train --help-config`` prints :func:`config_reference`).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import re
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any, Iterable, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
+
+from polyrl.secrets import redact, redact_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+M = TypeVar("M", bound=BaseModel)
+
+LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
+SplitName = Literal["train", "test"]
+_SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"shuffle": True, "num_samples": None},
+    "test": {"shuffle": False, "num_samples": 32},
+}
+_LOCAL_ONLY_DEFAULTS: dict[str, Any] = {"device": "auto", "dtype": "auto", "store_dir": None}
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str()`` is one line naming the dotted key and the reason."""
+
+
+class _Problems(ValueError):
+    """Raised inside validators: ``(dotted key relative to the validated model, reason)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{key}: {msg}" for key, msg in problems))
+        self.problems = problems
+
+
+# --------------------------------------------------------------------------------------- models
+
+
+class SplitConfig(BaseModel):
+    """How tasks of one split (``train`` or ``test``) of an environment are drawn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shuffle: bool = Field(
+        True, description="Visit tasks in a seeded random order (default: true for train, false for test)."
+    )
+    num_samples: int | None = Field(
+        None,
+        gt=0,
+        description="Use only the first N tasks of the split; null = all of them "
+        "(default: null for train, 32 for test).",
+    )
+    seed: int | None = Field(None, description="Seed of this split's task order; null = use the run's seed.")
+
+
+def _default_splits() -> dict[SplitName, SplitConfig]:
+    return {name: SplitConfig(**values) for name, values in _SPLIT_DEFAULTS.items()}  # type: ignore[misc]
+
+
+class EnvConfig(BaseModel):
+    """One entry of ``environments``: an environment type with its sampling and reward settings."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    type: str | None = Field(
+        None,
+        description="Environment type (a registered name, or 'prefix:rest' for adapters); defaults to the "
+        "entry's name, so a second instance of a type needs another name and an explicit type.",
+    )
+    splits: dict[SplitName, SplitConfig] = Field(
+        default_factory=_default_splits,
+        description="Task splits, train and test by default. A split given here is merged over that split's "
+        "defaults; a split set to null is left out (e.g. test: null for no held-out evaluation).",
+    )
+    num_rollouts: int = Field(8, ge=1, description="Group size: episodes sampled per task; advantages compare them.")
+    max_failing_rollouts: int = Field(
+        1, ge=0, description="A group with more failing episodes (errors, timeouts) than this is dropped."
+    )
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    max_turns: int = Field(8, ge=1, description="Assistant turns per episode before it is cut off.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens sampled per turn; null = the top-level max_tokens."
+    )
+    reward_reduction: Literal["sum", "mean"] = Field(
+        "sum", description="How an episode's step rewards combine into its reward."
+    )
+    nonterminal_reward: float | None = Field(
+        None,
+        description="Reward of an episode the environment did not finish (max_turns reached or the turn was "
+        "truncated at max_tokens); null keeps the reduced step rewards.",
+    )
+    weight: float = Field(1.0, gt=0, description="Relative share of each batch's groups drawn from this environment.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Environment-specific arguments for its builder.")
+    timeout: float = Field(300, gt=0, description="Seconds per episode; an episode that times out is failing.")
+
+    @field_validator("splits", mode="before")
+    @classmethod
+    def _merge_split_defaults(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        merged: dict[Any, Any] = {**_SPLIT_DEFAULTS, **value}
+        splits = {
+            name: {**_SPLIT_DEFAULTS.get(str(name), {}), **split} if isinstance(split, dict) else split
+            for name, split in merged.items()
+            if split is not None
+        }
+        if not splits:
+            raise ValueError("at least one split (train or test) is needed")
+        return splits
+
+
+class TrainConfig(BaseModel):
+    """Everything ``polyrl train`` needs."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+    # model and engine
+    backend: Literal["local", "tinker"] = Field(
+        "local", description="Training engine: 'local' (built-in, PyTorch) or 'tinker' (a Tinker service)."
+    )
+    base_url: str | None = Field(
+        None, description="URL of the Tinker service; null = the client's default (needs TINKER_API_KEY)."
+    )
+    model_name: str = Field(description="Base model: a Hugging Face hub id or a local directory.")
+    lora_rank: int = Field(32, gt=0, description="Rank of the LoRA adapter being trained.")
+    renderer: str | None = Field(
+        None, description="Chat format used to turn messages into tokens; null = inferred from the model."
+    )
+    resume_from: str | None = Field(
+        None, description="Checkpoint to start from, a 'tinker://.../weights/<name>' path."
+    )
+    device: str = Field("auto", description="Local engine only: torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Local engine only: parameter dtype; 'auto' picks from the device."
+    )
+    store_dir: str | None = Field(
+        None, description="Local engine only: directory of the engine's weight store; null = the engine's default."
+    )
+
+    # loss and advantages
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"] = Field(
+        "importance_sampling", description="Policy-gradient loss."
+    )
+    loss_fn_config: dict[str, float] = Field(
+        default_factory=dict,
+        description="Loss parameters: clip_low_threshold and clip_high_threshold (ppo, cispo, gspo), "
+        "beta (dro).",
+    )
+    advantage_estimator: Literal["grpo", "rebn"] = Field(
+        "grpo",
+        description="'grpo': episode reward minus its group's mean. 'rebn': per-step discounted returns "
+        "normalized over the batch (GEM-style), for multi-turn environments.",
+    )
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount of future step rewards; rebn only.")
+    normalize_advantages_by_std: bool = Field(False, description="Divide group advantages by the group's std.")
+    remove_constant_reward_groups: bool = Field(
+        False, description="Drop groups whose episodes all got the same reward (they carry no signal)."
+    )
+
+    # optimization
+    batch_size: int = Field(8, ge=1, description="Groups per training step.")
+    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
+    adam_beta1: float = Field(0.9, description="Adam beta1.")
+    adam_beta2: float = Field(0.95, description="Adam beta2.")
+    adam_eps: float = Field(1e-8, description="Adam epsilon.")
+    weight_decay: float = Field(0.0, description="Weight decay (AdamW-style).")
+    grad_clip_norm: float = Field(0.0, ge=0, description="Clip the gradient norm to this; 0 = no clipping.")
+    max_steps: int = Field(100, ge=1, description="Training steps.")
+    max_tokens: int = Field(256, ge=1, description="Tokens sampled per turn unless an environment sets its own.")
+    seed: int = Field(0, description="Run seed: task order, sampling and environment generation.")
+
+    # checkpoints, evaluation, logging
+    save_every: int = Field(20, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate on the test splits every N steps; 0 = never during training."
+    )
+    eval_num_samples: int = Field(1, ge=1, description="Samples per test task during evaluation (for pass@k).")
+    log_path: str = Field("runs/polyrl", description="Directory for metrics, trajectories, checkpoints and the report.")
+    report: bool = Field(True, description="Refresh the HTML report whenever a checkpoint is saved.")
+    wandb_project_name: str | None = Field(None, description="Weights & Biases project; null = no W&B logging.")
+    wandb_run_name: str | None = Field(None, description="Weights & Biases run name; null = W&B's default.")
+    openreward_run_name: str | None = Field(
+        None, description="Run name reported to OpenReward; null = OpenReward's default."
+    )
+
+    environments: dict[str, EnvConfig] = Field(
+        description="Environments to train on, by name; at least one. Each batch mixes them by weight."
+    )
+
+    @field_validator("environments")
+    @classmethod
+    def _named_environments(cls, envs: dict[str, EnvConfig]) -> dict[str, EnvConfig]:
+        if not envs:
+            raise ValueError("at least one environment is required")
+        for name in envs:
+            if not name.strip() or "." in name:
+                raise ValueError(f"environment name {name!r} must be non-empty and contain no '.'")
+        return {name: env if env.type else env.model_copy(update={"type": name}) for name, env in envs.items()}
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainConfig:
+        problems: list[tuple[str, str]] = []
+        for key in self.loss_fn_config:
+            if key not in LOSS_FN_CONFIG_KEYS:
+                problems.append((f"loss_fn_config.{key}", f"unknown key (allowed: {', '.join(LOSS_FN_CONFIG_KEYS)})"))
+            elif key == "beta" and self.loss_fn != "dro":
+                problems.append((f"loss_fn_config.{key}", f"only used by loss_fn 'dro', not {self.loss_fn!r}"))
+            elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling"):
+                problems.append((f"loss_fn_config.{key}", f"not used by loss_fn {self.loss_fn!r}"))
+        if self.gamma != 1.0 and self.advantage_estimator != "rebn":
+            problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
+        if self.backend == "tinker":
+            for key, default in _LOCAL_ONLY_DEFAULTS.items():
+                if getattr(self, key) != default:
+                    problems.append((key, "only used by the local backend, but backend is 'tinker'"))
+            if self.base_url is None and not os.environ.get("TINKER_API_KEY"):
+                problems.append(("backend", "'tinker' needs TINKER_API_KEY (environment or .env) or a base_url"))
+        if self.eval_every > 0 and not any("test" in env.splits for env in self.environments.values()):
+            problems.append(("eval_every", "evaluation needs at least one environment with a test split"))
+        if self.renderer is not None and (reason := _unknown_renderer(self.renderer)):
+            problems.append(("renderer", reason))
+        problems += _unknown_env_types(self.environments)
+        if problems:
+            raise _Problems(problems)
+        return self
+
+    def turn_max_tokens(self, env_name: str) -> int:
+        """Per-turn token cap of an environment: its own ``max_tokens`` or the top-level one."""
+        return self.environments[env_name].max_tokens or self.max_tokens
+
+    def dump(self) -> dict[str, Any]:
+        """JSON-safe dict of the config with secrets redacted (for logs and run directories)."""
+        return redact(self.model_dump(mode="json"))
+
+
+def _unknown_renderer(name: str) -> str | None:
+    """Why ``name`` is not a renderer, or None (also when the renderers cannot be imported or are none yet)."""
+    try:
+        try:
+            from polyrl.renderers import renderer_names
+        except ImportError:
+            from polyrl.renderers.base import renderer_names
+        names = renderer_names()
+    except ImportError:
+        return None
+    if names and name not in names:
+        return f"unknown renderer {name!r} (known: {', '.join(names)})"
+    return None
+
+
+def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
+    try:
+        from polyrl.envs.base import get_env_builder
+    except ImportError:
+        return []
+    problems = []
+    for name, env in envs.items():
+        try:
+            get_env_builder(env.type or name)
+        except KeyError as exc:
+            problems.append((f"environments.{name}.type", str(exc.args[0] if exc.args else exc)))
+        except ImportError:  # built-in environments not importable (yet): skip the check
+            return []
+    return problems
+
+
+# ------------------------------------------------------------------------------- files, overrides
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads exponent numbers without a dot (``2e-5``, ``1E6``) as floats."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_scalar(text: str) -> Any:
+    """An override value as YAML: ``8`` -> 8, ``2e-5`` -> 2e-05, ``true`` -> True, ``null`` -> None, ``[1, 2]`` -> list.
+
+    Text that is not valid YAML stays a string.
+    """
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``key.path=value`` set, creating intermediate mappings as needed."""
+    data = copy.deepcopy(data)
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(part.strip() for part in parts):
+            raise ConfigError(redact_text(f"override {override!r}: expected key.path=value"))
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(redact_text(f"override {override!r}: {prefix} is not a mapping"))
+            node = child
+        node[parts[-1]] = parse_scalar(text)
+    return data
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a ``.yaml``/``.yml``/``.json`` or ``.toml`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        elif suffix in (".yaml", ".yml", ".json"):
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}  # noqa: S506
+        else:
+            raise ConfigError(f"{path}: unsupported config format {suffix!r} (use .yaml, .yml or .toml)")
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {_one_line(str(exc))}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {_yaml_reason(exc)}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _yaml_reason(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return _one_line(str(exc))
+    return f"line {mark.line + 1}, column {mark.column + 1}: {_one_line(problem)}"
+
+
+def load_dotenv_file(path: str | Path = ".env") -> bool:
+    """Load ``path`` (relative to the working directory) into ``os.environ``; variables already set win."""
+    from dotenv import load_dotenv
+
+    path = Path(path)
+    return path.is_file() and load_dotenv(path, override=False)
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Iterable[str] = (),
+    *,
+    model: type[M] = TrainConfig,  # type: ignore[assignment]
+    base: dict[str, Any] | None = None,
+) -> M:
+    """Read ``path`` (over ``base``, if given), apply ``overrides``, load ``.env`` and validate.
+
+    Raises :class:`ConfigError` with one line naming every offending dotted key.
+    """
+    load_dotenv_file()
+    data = copy.deepcopy(base) if base else {}
+    if path is not None:
+        data = _merge(data, read_config_file(path))
+    data = apply_overrides(data, overrides)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, model)) from exc
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merge(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    """One line: ``dotted.key: reason`` for each error, joined with '; '."""
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"] if part != "[key]"]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _Problems):
+            lines += [_error_line(loc + key.split("."), msg) for key, msg in cause.problems]
+            continue
+        msg = err["msg"]
+        if err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif err["type"] == "extra_forbidden":
+            match = difflib.get_close_matches(loc[-1], _fields_at(model, loc[:-1]), n=1)
+            msg = "unknown key" + (f" (did you mean {match[0]}?)" if match else "")
+        lines.append(_error_line(loc, msg))
+    return redact_text("; ".join(dict.fromkeys(lines)))
+
+
+def _error_line(loc: list[str], msg: str) -> str:
+    msg = msg.replace("; ", ", ")  # '; ' only separates errors
+    key = ".".join(loc)
+    return f"{key}: {_one_line(msg)}" if key else _one_line(msg)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _fields_at(model: type[BaseModel], path: list[str]) -> list[str]:
+    """Field names of the model found at ``path`` below ``model`` (dict keys are skipped over)."""
+    tp: Any = model
+    for part in path:
+        tp = _strip_none(tp)
+        if _is_model(tp):
+            field = tp.model_fields.get(part)
+            if field is None:
+                return []
+            tp = field.annotation
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return []
+    tp = _strip_none(tp)
+    return list(tp.model_fields) if _is_model(tp) else []
+
+
+# ------------------------------------------------------------------------------------ reference
+
+
+def config_reference(model: type[BaseModel] = TrainConfig) -> str:
+    """Every field as ``dotted.name  (type, default)`` plus its description, nested models included."""
+    lines = [f"{model.__name__}: set in the config file or with --overrides key.path=value", ""]
+    _describe(model, "", lines)
+    return "\n".join(lines)
+
+
+def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        default = "required" if field.is_required() else "default " + _show(field.get_default(call_default_factory=True))
+        lines.append(f"{key}  ({_type_name(field.annotation)}{_bounds(field)}, {default})")
+        lines += textwrap.wrap(field.description or "", width=100, initial_indent="    ", subsequent_indent="    ")
+        tp = _strip_none(field.annotation)
+        if _is_model(tp):
+            _describe(tp, key + ".", lines)
+        elif get_origin(tp) is dict and _is_model(get_args(tp)[1]):
+            key_type, value_type = get_args(tp)
+            placeholder = "|".join(get_args(key_type)) if get_origin(key_type) is Literal else "name"
+            _describe(value_type, f"{key}.<{placeholder}>.", lines)
+
+
+def _bounds(field: FieldInfo) -> str:
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    found = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in ops.items() if hasattr(m, attr)]
+    return ", " + ", ".join(found) if found else ""
+
+
+def _show(value: Any) -> str:
+    return json.dumps(to_jsonable_python(value))
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return " | ".join(json.dumps(arg) for arg in args)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in args)
+    if origin is dict:
+        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _strip_none(tp: Any) -> Any:
+    if get_origin(tp) in (Union, types.UnionType):
+        rest = [arg for arg in get_args(tp) if arg is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)

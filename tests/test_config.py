@@ -1,0 +1,303 @@
+"""Config loading, overrides, one-line errors, .env handling, redaction and the field reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from polyrl.config import (
+    ConfigError,
+    EnvConfig,
+    TrainConfig,
+    apply_overrides,
+    config_reference,
+    load_config,
+    load_dotenv_file,
+    parse_scalar,
+)
+from polyrl.secrets import SECRET_ENV_VARS, redact, redact_text
+
+KNOWN_ENV_TYPES = {"arithmetic", "wordle"}
+BASE = {"model_name": "tiny", "environments": {"arithmetic": {}}}
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """Run in an empty directory (no stray .env), with no real keys and fixed registries."""
+    monkeypatch.chdir(tmp_path)
+    for name in (*SECRET_ENV_VARS, "POLYRL_TEST_VAR", "HF_TOKEN"):
+        monkeypatch.setenv(name, "placeholder")  # recorded, so monkeypatch restores the original state
+        monkeypatch.delenv(name)
+
+    def get_env_builder(type_name: str):
+        if type_name not in KNOWN_ENV_TYPES:
+            raise KeyError(f"unknown environment type {type_name!r}; known: arithmetic, wordle")
+        return object
+
+    import polyrl.envs.base
+    import polyrl.renderers
+    import polyrl.renderers.base
+
+    monkeypatch.setattr(polyrl.envs.base, "get_env_builder", get_env_builder)
+    for module in (polyrl.renderers, polyrl.renderers.base):
+        monkeypatch.setattr(module, "renderer_names", lambda: ["qwen3", "role_colon"], raising=False)
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def test_yaml_file_with_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model_name: Qwen/Qwen3-0.6B\n"
+        "learning_rate: 2e-5\n"
+        "environments:\n"
+        "  arithmetic: {num_rollouts: 4, args: {scale: 1e3}}\n"
+        "  easy_math: {type: arithmetic, weight: 0.5, splits: {train: {num_samples: 100}}}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.model_name == "Qwen/Qwen3-0.6B"
+    assert cfg.learning_rate == 2e-5 and isinstance(cfg.learning_rate, float)
+    assert cfg.batch_size == 8 and cfg.backend == "local" and cfg.loss_fn == "importance_sampling"
+    arith, easy = cfg.environments["arithmetic"], cfg.environments["easy_math"]
+    assert arith.type == "arithmetic" and arith.num_rollouts == 4
+    assert arith.args == {"scale": 1000.0}  # untyped args get YAML 1.2-style floats too
+    assert arith.splits["train"].shuffle is True and arith.splits["train"].num_samples is None
+    assert arith.splits["test"].shuffle is False and arith.splits["test"].num_samples == 32
+    assert easy.type == "arithmetic" and easy.weight == 0.5
+    assert set(easy.splits) == {"train", "test"} and easy.splits["train"].shuffle is True
+    assert easy.splits["test"].num_samples == 32
+    assert easy.splits["train"].num_samples == 100
+    assert cfg.turn_max_tokens("arithmetic") == 256
+
+
+def test_toml_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'model_name = "tiny"\nbatch_size = 16\nloss_fn = "ppo"\n'
+        "[loss_fn_config]\nclip_low_threshold = 0.8\n"
+        "[environments.wordle]\nmax_turns = 6\nmax_tokens = 64\n"
+        "[environments.wordle.splits.test]\nnum_samples = 10\n"
+    )
+    cfg = load_config(path)
+    assert cfg.batch_size == 16 and cfg.loss_fn_config == {"clip_low_threshold": 0.8}
+    wordle = cfg.environments["wordle"]
+    assert wordle.type == "wordle" and wordle.max_turns == 6 and cfg.turn_max_tokens("wordle") == 64
+    assert set(wordle.splits) == {"train", "test"} and wordle.splits["test"].num_samples == 10
+    assert wordle.splits["test"].shuffle is False
+
+
+def test_overrides_nested_new_entries_and_scalars(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name: tiny\nenvironments:\n  arithmetic: {num_rollouts: 4}\n")
+    cfg = load_config(
+        path,
+        [
+            "batch_size=64",
+            "learning_rate=2e-5",
+            "environments.arithmetic.num_rollouts=8",
+            "environments.arithmetic.splits.test=null",
+            "environments.more.type=wordle",
+            "environments.more.temperature=0.7",
+            "environments.more.splits.test.num_samples=5",
+            "normalize_advantages_by_std=true",
+            "wandb_project_name=2024",
+            "renderer=qwen3",
+        ],
+    )
+    assert cfg.batch_size == 64 and cfg.learning_rate == 2e-5
+    assert cfg.environments["arithmetic"].num_rollouts == 8
+    assert set(cfg.environments["arithmetic"].splits) == {"train"}
+    more = cfg.environments["more"]
+    assert more.type == "wordle" and more.temperature == 0.7 and more.splits["test"].num_samples == 5
+    assert cfg.normalize_advantages_by_std is True
+    assert cfg.wandb_project_name == "2024"
+    assert cfg.renderer == "qwen3"
+
+
+def test_path_none_starts_from_base_and_base_is_not_mutated():
+    base = {"model_name": "tiny", "environments": {"arithmetic": {"num_rollouts": 2}}}
+    cfg = load_config(None, ["environments.arithmetic.num_rollouts=3"], base=base)
+    assert cfg.environments["arithmetic"].num_rollouts == 3
+    assert base["environments"]["arithmetic"]["num_rollouts"] == 2
+
+
+def test_parse_scalar():
+    assert parse_scalar("1e-4") == 1e-4 and isinstance(parse_scalar("1e-4"), float)
+    assert parse_scalar("2e-5") == 2e-5 and isinstance(parse_scalar("2E+5"), float)
+    assert parse_scalar("3") == 3 and isinstance(parse_scalar("3"), int)
+    assert parse_scalar("0.5") == 0.5
+    assert parse_scalar("true") is True and parse_scalar("false") is False
+    assert parse_scalar("null") is None and parse_scalar("~") is None
+    assert parse_scalar("hello world") == "hello world"
+    assert parse_scalar("[1, 2]") == [1, 2]
+    assert parse_scalar("'2e-5'") == "2e-5"
+    assert parse_scalar("a: b: c") == "a: b: c"  # not valid YAML: kept as text
+
+
+def test_apply_overrides_copies_and_creates_mappings():
+    data = {"a": {"b": 1}, "n": None}
+    out = apply_overrides(data, ["a.c.d=x", "n.k=1", "top=2"])
+    assert out == {"a": {"b": 1, "c": {"d": "x"}}, "n": {"k": 1}, "top": 2}
+    assert data == {"a": {"b": 1}, "n": None}
+    with pytest.raises(ConfigError, match=r"a\.b is not a mapping"):
+        apply_overrides(data, ["a.b.c=1"])
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["learning_rat=0.1"], "learning_rat: unknown key (did you mean learning_rate?)"),
+        (["environments.arithmetic.num_rollout=4"], "environments.arithmetic.num_rollout: unknown key"),
+        (["environments.arithmetic.splits.valid.shuffle=true"], "environments.arithmetic.splits.valid: Input should be 'train' or 'test'"),
+        (["environments.arithmetic.num_rollouts=eight"], "environments.arithmetic.num_rollouts: Input should be a valid integer"),
+        (["environments.arithmetic.num_rollouts=0"], "environments.arithmetic.num_rollouts: Input should be greater than or equal to 1"),
+        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro' or 'gspo'"),
+        (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
+        (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
+        (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"], "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
+        (["gamma=0.9"], "gamma: only used by advantage_estimator 'rebn'"),
+        (["gamma=0"], "gamma: Input should be greater than 0"),
+        (["eval_every=5", "environments.arithmetic.splits.test=null"], "eval_every: evaluation needs at least one environment with a test split"),
+        (["renderer=nope"], "renderer: unknown renderer 'nope'"),
+        (["environments.arithmetic.type=nope"], "environments.arithmetic.type: unknown environment type 'nope'"),
+        (["environments={}"], "environments: at least one environment is required"),
+        (["environments.arithmetic.splits={train: null, test: null}"], "environments.arithmetic.splits: at least one split"),
+        (["model_name=null"], "model_name: Input should be a valid string"),
+    ],
+)
+def test_errors_are_one_line_naming_the_key(overrides, expected):
+    message = error_of(None, overrides, base=BASE)
+    assert message.startswith(expected), message
+    assert ";" not in message  # exactly one problem reported
+
+
+def test_missing_required_field():
+    assert error_of(None, base={"environments": {"arithmetic": {}}}) == "model_name: Field required"
+
+
+def test_several_errors_joined_on_one_line():
+    message = error_of(None, ["batch_size=0", "environments.arithmetic.temperature=hot"], base=BASE)
+    assert message.startswith("batch_size: Input should be greater than or equal to 1; ")
+    assert "environments.arithmetic.temperature: Input should be a valid number" in message
+
+
+def test_tinker_backend_rules(monkeypatch):
+    message = error_of(None, ["backend=tinker"], base=BASE)
+    assert message.startswith("backend: 'tinker' needs TINKER_API_KEY")
+    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "device=cpu"], base=BASE) == (
+        "device: only used by the local backend, but backend is 'tinker'"
+    )
+    message = error_of(None, ["backend=tinker", "dtype=bfloat16", "store_dir=/tmp/x"], base=BASE)
+    assert message.startswith("dtype: ") and "; store_dir: only used by the local backend" in message and "backend:" in message
+    monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
+    assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
+
+
+def test_tinker_key_from_dotenv(tmp_path):
+    (tmp_path / ".env").write_text("TINKER_API_KEY=tk-from-dotenv-file\n")
+    assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
+    assert os.environ["TINKER_API_KEY"] == "tk-from-dotenv-file"
+
+
+def test_file_errors(tmp_path):
+    assert error_of(tmp_path / "absent.yaml") == f"config file not found: {tmp_path / 'absent.yaml'}"
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model_name: tiny\nenvironments: [a\nbatch_size: 3\n")
+    message = error_of(bad_yaml)
+    assert message.startswith(f"{bad_yaml}: invalid YAML: line ") and "column" in message
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text('model_name = "tiny"\nbatch_size = = 3\n')
+    message = error_of(bad_toml)
+    assert message.startswith(f"{bad_toml}: invalid TOML: ") and "line 2" in message
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just text\n")
+    assert "top level must be a mapping" in error_of(scalar)
+    ini = tmp_path / "run.ini"
+    ini.write_text("[x]\n")
+    assert error_of(ini) == f"{ini}: unsupported config format '.ini' (use .yaml, .yml or .toml)"
+
+
+def test_override_without_equals():
+    assert error_of(None, ["batch_size"], base=BASE) == "override 'batch_size': expected key.path=value"
+    assert error_of(None, ["a..b=1"], base=BASE) == "override 'a..b=1': expected key.path=value"
+
+
+def test_bad_environment_name():
+    assert error_of(None, base={"model_name": "x", "environments": {"": {"type": "arithmetic"}}}).startswith(
+        "environments: environment name '' must be non-empty"
+    )
+
+
+# -------------------------------------------------------------------------------- .env, secrets
+
+
+def test_dotenv_does_not_override_existing_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", "from-shell")
+    (tmp_path / ".env").write_text("OPENAI_API_KEY=from-dotenv\nPOLYRL_TEST_VAR=loaded\n")
+    assert load_dotenv_file() is True
+    assert os.environ["OPENAI_API_KEY"] == "from-shell"
+    assert os.environ["POLYRL_TEST_VAR"] == "loaded"
+    assert load_dotenv_file(tmp_path / "missing.env") is False
+
+
+def test_redact_nested_values_and_sensitive_keys(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-123")
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdef")
+    monkeypatch.setenv("OPENAI_API_KEY", "abc")  # too short to mask safely
+    data = {
+        "messages": [{"role": "user", "content": "key is wandb-secret-123!"}, ("hf_abcdef", 3)],
+        "headers": {"Authorization": "Bearer hf_abcdef", "api_key": 42, "ClientSecret": "x", "user_password": None},
+        "accessToken": "t", "hf_token": "t", "max_tokens": 256, "token_ids": [1, 2], "abc": "abc",
+    }
+    out = redact(data)
+    assert out["messages"][0] == {"role": "user", "content": "key is ***!"}
+    assert out["messages"][1] == ("***", 3)
+    assert out["headers"] == {"Authorization": "Bearer ***", "api_key": "***", "ClientSecret": "***", "user_password": None}
+    assert out["accessToken"] == "***" and out["hf_token"] == "***"
+    assert out["max_tokens"] == 256 and out["token_ids"] == [1, 2] and out["abc"] == "abc"
+    assert data["messages"][0]["content"] == "key is wandb-secret-123!"  # input untouched
+    assert redact_text("x wandb-secret-123 y hf_abcdef") == "x *** y ***"
+
+
+def test_dump_is_json_safe_and_redacted(monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", "tk-very-secret")
+    cfg = load_config(
+        None, ["backend=tinker", "environments.arithmetic.args.api_key=k", "wandb_run_name=run-tk-very-secret"], base=BASE
+    )
+    dumped = cfg.dump()
+    text = json.dumps(dumped)
+    assert "tk-very-secret" not in text
+    assert dumped["environments"]["arithmetic"]["args"]["api_key"] == "***"
+    assert dumped["wandb_run_name"] == "run-***"
+    assert dumped["max_tokens"] == 256 and dumped["environments"]["arithmetic"]["type"] == "arithmetic"
+    assert TrainConfig.model_validate({**BASE}).environments["arithmetic"].type == "arithmetic"
+
+
+# ------------------------------------------------------------------------------------ reference
+
+
+def test_config_reference_lists_every_field():
+    text = config_reference()
+    for name in TrainConfig.model_fields:
+        assert f"\n{name}  (" in text, name
+    for name in EnvConfig.model_fields:
+        assert f"\nenvironments.<name>.{name}  (" in text, name
+    for name in ("shuffle", "num_samples", "seed"):
+        assert f"\nenvironments.<name>.splits.<train|test>.{name}  (" in text, name
+    assert "environments.<name>.num_rollouts  (int, >= 1, default 8)" in text
+    assert "model_name  (str, required)" in text
+    assert TrainConfig.model_fields["eval_every"].description in text.replace("\n    ", " ")
