@@ -1,0 +1,5 @@
+"""polyrl's local engine: the Tinker client interface served in-process by PyTorch + PEFT."""
+
+from polyrl.local.service import ServiceClient, SamplingClient, TrainingClient
+
+__all__ = ["ServiceClient", "TrainingClient", "SamplingClient"]

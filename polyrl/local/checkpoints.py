@@ -1,0 +1,126 @@
+"""The local checkpoint store: ``tinker://<run_id>/<kind>/<name>`` paths resolved to directories.
+
+Layout: ``<root>/<run_id>/{weights|sampler_weights}/<name>/`` holding a standard PEFT adapter
+(``adapter_model.safetensors`` + ``adapter_config.json``), ``polyrl.json`` (base model, LoRA spec,
+optimizer steps) and, for training state, ``optimizer.pt``. Every checkpoint is written to a
+temporary directory and renamed into place, so a crash never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def default_store_dir() -> Path:
+    env = os.environ.get("POLYRL_STORE_DIR")
+    if env:
+        return Path(env).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "polyrl" / "store"
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    run_id: str
+    kind: str  # "weights" | "sampler_weights"
+    name: str
+
+    @classmethod
+    def parse(cls, path: str) -> "CheckpointPath":
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise ValueError(f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
+        parts = path[len("tinker://") :].split("/")
+        if len(parts) != 3 or not all(parts) or parts[1] not in KINDS:
+            raise ValueError(
+                f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
+                "or tinker://<run_id>/sampler_weights/<name>"
+            )
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+def check_name(name: str) -> str:
+    if not name or "/" in name or name in (".", "..") or name.startswith(".tmp"):
+        raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
+    return name
+
+
+class Store:
+    def __init__(self, root: str | Path | None = None):
+        self.root = Path(root).expanduser() if root else default_store_dir()
+
+    def directory(self, cp: CheckpointPath) -> Path:
+        return self.root / cp.run_id / cp.kind / cp.name
+
+    def resolve(self, path: str) -> tuple[CheckpointPath, Path]:
+        cp = CheckpointPath.parse(path)
+        d = self.directory(cp)
+        if not (d / "polyrl.json").exists():
+            raise ValueError(f"checkpoint {path} not found (looked in {d})")
+        return cp, d
+
+    def write(self, cp: CheckpointPath, writer: Callable[[Path], None], meta: dict, overwrite: bool = False) -> str:
+        """Run ``writer(tmp_dir)``, add ``polyrl.json``, and move the directory into place atomically."""
+        final = self.directory(cp)
+        if final.exists() and not overwrite:
+            raise ValueError(f"checkpoint {cp} already exists (pass overwrite=True to replace it)")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{cp.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            writer(tmp)
+            meta = {**meta, "time": datetime.now(timezone.utc).isoformat(), "tinker_path": str(cp)}
+            (tmp / "polyrl.json").write_text(json.dumps(meta, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return str(cp)
+
+    @staticmethod
+    def meta(directory: Path) -> dict:
+        return json.loads((directory / "polyrl.json").read_text())
+
+    def list(self, run_id: str) -> list[dict]:
+        """Checkpoints of a run, oldest first: dicts with Tinker's ``Checkpoint`` fields."""
+        rows = []
+        for kind, ctype in KINDS.items():
+            base = self.root / run_id / kind
+            if not base.is_dir():
+                continue
+            for d in base.iterdir():
+                if d.name.startswith(".tmp") or not (d / "polyrl.json").exists():
+                    continue
+                meta = self.meta(d)
+                rows.append(
+                    {
+                        "checkpoint_id": f"{kind}/{d.name}",
+                        "checkpoint_type": ctype,
+                        "time": meta.get("time"),
+                        "tinker_path": meta.get("tinker_path", f"tinker://{run_id}/{kind}/{d.name}"),
+                        "size_bytes": sum(f.stat().st_size for f in d.iterdir() if f.is_file()),
+                        "public": False,
+                        "user_metadata": meta.get("user_metadata"),
+                    }
+                )
+        return sorted(rows, key=lambda r: r["time"] or "")
+
+    def runs(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+
+    def delete(self, path: str) -> None:
+        cp, d = self.resolve(path)
+        shutil.rmtree(d)

@@ -1,0 +1,362 @@
+"""The local engine: one worker thread that owns the models and runs every operation.
+
+Training operations run strictly in submission order (so ``forward_backward`` then ``optim_step``
+submitted back to back keep their order). Sampling requests against fixed weight snapshots do not
+depend on that order, so the worker gathers every sampling request waiting in the queue and
+generates them in one batch (see :mod:`polyrl.local.sampler`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tinker import types
+
+from polyrl.local import losses
+from polyrl.local.checkpoints import CheckpointPath, Store, check_name
+from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.sampler import SampleJob, generate
+
+BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
+MAX_BATCH_ROWS = 512
+
+
+@dataclass
+class TrainerState:
+    """One training client's adapter, optimizer and identity."""
+
+    model_id: str
+    base: BaseModel
+    adapter: str
+    spec: LoraSpec
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+@dataclass(eq=False)
+class SamplerState:
+    """Weights a sampling client samples from: a frozen adapter snapshot, or the bare base model."""
+
+    base: BaseModel
+    spec: LoraSpec | None
+    weights: list[torch.Tensor] | None
+    model_path: str | None = None
+    sampler_id: str = field(default_factory=lambda: f"sampler-{uuid.uuid4().hex[:12]}")
+
+
+@dataclass
+class _Op:
+    fn: Callable[[], Any]
+    future: Future
+
+
+@dataclass
+class _SampleOp:
+    sampler: SamplerState
+    job: SampleJob
+    future: Future
+
+
+class Engine:
+    """Owns base models, adapters and the worker thread. One per (store, device, dtype)."""
+
+    _shared: dict[tuple, "Engine"] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "Engine":
+        key = (str(Store(store_dir).root), device, dtype)
+        with cls._shared_lock:
+            if key not in cls._shared:
+                cls._shared[key] = cls(store_dir, device, dtype)
+            return cls._shared[key]
+
+    def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+                 micro_batch_tokens: int = 4096):
+        self.store = Store(store_dir)
+        self.device_name = device
+        self.dtype_name = dtype
+        self.micro_batch_tokens = micro_batch_tokens
+        self._bases: dict[str, BaseModel] = {}
+        self._adapter_ids = itertools.count()
+        self._queue: queue.Queue = queue.Queue()
+        self._generator: torch.Generator | None = None
+        self._thread = threading.Thread(target=self._run, name="polyrl-engine", daemon=True)
+        self._thread.start()
+
+    # ---- submission -------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._queue.put(_Op(fn, fut))
+        return fut
+
+    def submit_sample(self, sampler: SamplerState, job: SampleJob) -> Future:
+        fut: Future = Future()
+        self._queue.put(_SampleOp(sampler, job, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker and wait (for set-up work such as loading a model)."""
+        return self.submit(fn).result()
+
+    # ---- worker ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        pending: list = []
+        while True:
+            op = pending.pop(0) if pending else self._queue.get()
+            if isinstance(op, _Op):
+                self._execute(op.future, op.fn)
+                continue
+            batch = [op]
+            deadline = time.monotonic() + BATCH_WINDOW_S
+            while sum(o.job.num_samples for o in batch) < MAX_BATCH_ROWS:
+                try:
+                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                (batch if isinstance(nxt, _SampleOp) else pending).append(nxt)
+            self._run_samples(batch)
+
+    @staticmethod
+    def _execute(future: Future, fn: Callable[[], Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller through the future
+            future.set_exception(e)
+
+    def _run_samples(self, batch: list[_SampleOp]) -> None:
+        groups: dict[int, list[_SampleOp]] = {}
+        for op in batch:
+            if op.future.set_running_or_notify_cancel():
+                groups.setdefault(id(op.sampler), []).append(op)
+        for ops in groups.values():
+            sampler = ops[0].sampler
+            try:
+                base = sampler.base
+                adapter = None
+                if sampler.weights is not None:
+                    adapter = base.load_snapshot(sampler.spec, sampler.weights, owner=sampler)
+                if self._generator is None:
+                    self._generator = torch.Generator(device=base.device)
+                    self._generator.seed()
+                with base.use(adapter) as model:
+                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator)
+                for op, res in zip(ops, results):
+                    op.future.set_result(res)
+            except BaseException as e:  # noqa: BLE001
+                for op in ops:
+                    if not op.future.done():
+                        op.future.set_exception(e)
+
+    # ---- models (worker thread only) ---------------------------------------------------------
+    def base(self, name: str) -> BaseModel:
+        if name not in self._bases:
+            self._bases[name] = BaseModel(name, self.device_name, self.dtype_name)
+        return self._bases[name]
+
+    def loaded_models(self) -> list[BaseModel]:
+        return list(self._bases.values())
+
+    def create_trainer(self, model_id: str, base_model: str, spec: LoraSpec) -> TrainerState:
+        base = self.base(base_model)
+        adapter = f"train_{next(self._adapter_ids)}"
+        params = base.add_adapter(adapter, spec)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        return TrainerState(model_id, base, adapter, spec, params, optimizer)
+
+    # ---- training operations (worker thread only) --------------------------------------------
+    def forward_backward(self, st: TrainerState, data: list[types.Datum], loss_fn: str,
+                         loss_fn_config: dict | None, backward: bool) -> types.ForwardBackwardOutput:
+        spec = losses.get_loss(loss_fn)
+        config = dict(loss_fn_config or {})
+        unknown = sorted(set(config) - set(spec.config_keys))
+        if unknown:
+            raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {loss_fn!r} "
+                             f"(it takes: {list(spec.config_keys) or 'none'})")
+        prepared = [_prepare_datum(i, d, spec, st.base.vocab_size) for i, d in enumerate(data)]
+        outputs: list[torch.Tensor | None] = [None] * len(data)
+        parts: list[dict[str, float]] = []
+        with st.base.use(st.adapter, train=backward) as model, torch.set_grad_enabled(backward):
+            for idx in _micro_batches([len(p[0]) for p in prepared], self.micro_batch_tokens):
+                lps = target_logprobs(model, [prepared[i][0] for i in idx], [prepared[i][1] for i in idx], st.base.device)
+                flat_lp = torch.cat(lps)
+                inputs = {k: torch.cat([prepared[i][2][k] for i in idx]).to(st.base.device)
+                          for k in prepared[idx[0]][2]}
+                seg_ids = torch.cat([torch.full((len(lp),), n, dtype=torch.long) for n, lp in enumerate(lps)])
+                loss, m = spec.fn(flat_lp, inputs, losses.Segments(seg_ids.to(st.base.device), len(idx)), config)
+                if backward:
+                    loss.backward()
+                for n, i in enumerate(idx):
+                    outputs[i] = lps[n].detach()
+                parts.append(m)
+        return types.ForwardBackwardOutput(
+            loss_fn_output_type="ArrayRecord",
+            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(o.float().cpu())} for o in outputs],
+            metrics=reduce_metrics(parts),
+        )
+
+    def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
+        prepared = [_prepare_datum(i, d, None, st.base.vocab_size) for i, d in enumerate(data)]
+        with st.base.use(st.adapter, train=True) as model:
+            lps = target_logprobs(model, [p[0] for p in prepared], [p[1] for p in prepared], st.base.device)
+            loss, user_metrics = fn(data, lps)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError("a custom loss function must return (scalar tensor, metrics dict)")
+            loss.backward()
+        metrics = {"loss:sum": float(loss.detach())}
+        metrics.update({k if ":" in k else f"{k}:sum": float(v) for k, v in (user_metrics or {}).items()})
+        return types.ForwardBackwardOutput(
+            loss_fn_output_type="ArrayRecord",
+            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())} for lp in lps],
+            metrics=metrics,
+        )
+
+    def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
+        for group in st.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
+                         weight_decay=params.weight_decay)
+        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
+        grads = [p for p in st.params if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        st.optimizer.step()
+        st.optimizer.zero_grad(set_to_none=True)
+        st.steps += 1
+        return types.OptimStepResponse(metrics={"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate})
+
+    # ---- checkpoints (worker thread only) ---------------------------------------------------
+    def _meta(self, st: TrainerState, user_metadata: dict | None = None) -> dict:
+        return {"base_model": st.base.name, "lora": st.spec.to_dict(), "steps": st.steps,
+                "model_id": st.model_id, "user_metadata": user_metadata}
+
+    def save_state(self, st: TrainerState, name: str, overwrite: bool = False, user_metadata: dict | None = None) -> str:
+        cp = CheckpointPath(st.model_id, "weights", check_name(name))
+
+        def write(d: Path) -> None:
+            st.base.save_adapter(st.adapter, d)
+            torch.save(st.optimizer.state_dict(), d / "optimizer.pt")
+
+        return self.store.write(cp, write, self._meta(st, user_metadata), overwrite)
+
+    def save_for_sampler(self, st: TrainerState, name: str, user_metadata: dict | None = None) -> str:
+        cp = CheckpointPath(st.model_id, "sampler_weights", check_name(name))
+        return self.store.write(cp, lambda d: st.base.save_adapter(st.adapter, d), self._meta(st, user_metadata), True)
+
+    def snapshot_sampler(self, st: TrainerState, model_path: str | None = None) -> SamplerState:
+        return SamplerState(st.base, st.spec, st.base.snapshot(st.adapter), model_path)
+
+    def load_trainer(self, model_id: str, path: str, with_optimizer: bool) -> TrainerState:
+        _, directory = self.store.resolve(path)
+        meta = self.store.meta(directory)
+        st = self.create_trainer(model_id, meta["base_model"], LoraSpec(**meta["lora"]))
+        st.base.load_adapter_weights(st.adapter, directory)
+        if with_optimizer:
+            if not (directory / "optimizer.pt").exists():
+                raise ValueError(f"checkpoint {path} has no optimizer state (it is sampler weights)")
+            st.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location=st.base.device))
+            st.steps = int(meta.get("steps", 0))
+        return st
+
+    def load_sampler(self, path: str) -> SamplerState:
+        _, directory = self.store.resolve(path)
+        meta = self.store.meta(directory)
+        base = self.base(meta["base_model"])
+        spec = LoraSpec(**meta["lora"])
+        tmp = f"load_{next(self._adapter_ids)}"
+        base.add_adapter(tmp, spec)
+        try:
+            base.load_adapter_weights(tmp, directory)
+            weights = base.snapshot(tmp)
+        finally:
+            base.delete_adapter(tmp)
+        return SamplerState(base, spec, weights, path)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, vocab: int):
+    """(input tokens, target tokens, float inputs) of one datum, validated with clear errors."""
+    if not isinstance(datum, types.Datum):
+        raise ValueError(f"data[{i}] is a {type(datum).__name__}, not a tinker.types.Datum")
+    tokens: list[int] = []
+    for chunk in datum.model_input.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise ValueError(f"data[{i}].model_input has a {chunk.type!r} chunk; the local engine takes text tokens only")
+        tokens.extend(int(t) for t in chunk.tokens)
+    if not tokens:
+        raise ValueError(f"data[{i}].model_input is empty")
+    inputs = datum.loss_fn_inputs
+    required = spec.inputs if spec else ("target_tokens",)
+    for key in required:
+        if key not in inputs:
+            raise ValueError(f"data[{i}].loss_fn_inputs is missing {key!r} (loss {spec.name if spec else 'custom'} "
+                             f"needs {list(required)})")
+    allowed = set(required) | set(spec.optional_inputs if spec else ()) | {"weights", "mask"}
+    target = inputs["target_tokens"].to_torch().reshape(-1).long()
+    if len(target) != len(tokens):
+        raise ValueError(f"data[{i}]: target_tokens has {len(target)} entries but model_input has {len(tokens)} tokens")
+    if len(target) and (int(target.min()) < 0 or int(target.max()) >= vocab):
+        raise ValueError(f"data[{i}]: target_tokens out of range for vocabulary size {vocab}")
+    if max(tokens) >= vocab or min(tokens) < 0:
+        raise ValueError(f"data[{i}]: model_input token out of range for vocabulary size {vocab}")
+    floats = {}
+    for key, td in inputs.items():
+        if key == "target_tokens" or key not in allowed:
+            continue
+        t = td.to_torch().reshape(-1).float()
+        if len(t) != len(tokens):
+            raise ValueError(f"data[{i}]: loss_fn_inputs[{key!r}] has {len(t)} entries but model_input has {len(tokens)} tokens")
+        floats[key] = t
+    return tokens, target, floats
+
+
+def target_logprobs(model, inputs: list[list[int]], targets: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Log-probabilities of each target token under ``model``; right-padded batch, causal attention."""
+    width = max(len(x) for x in inputs)
+    ids = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
+    tgt = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
+    for i, (x, t) in enumerate(zip(inputs, targets)):
+        ids[i, : len(x)] = torch.tensor(x, device=device)
+        tgt[i, : len(x)] = t.to(device)
+    # Padding sits after every real token, so causal attention alone keeps it invisible.
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    lp = -torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view(tgt.shape)
+    return [lp[i, : len(x)] for i, x in enumerate(inputs)]
+
+
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Datum indices grouped so each padded micro-batch stays under ``budget`` tokens; sorting by
+    length keeps padding waste low."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        new_max = max(cur_max, lengths[i])
+        if cur and new_max * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur, new_max = [], lengths[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-micro-batch metrics by the reduction their ``name:reduction`` key names."""
+    reducers = {"sum": sum, "max": max, "min": min}
+    keys = {k for p in parts for k in p}
+    out = {}
+    for k in sorted(keys):
+        values = [p[k] for p in parts if k in p]
+        out[k] = reducers.get(k.rsplit(":", 1)[-1], lambda v: sum(v) / len(v))(values)
+    return out
