@@ -214,7 +214,7 @@ class BaseModel:
         from peft.utils import get_peft_model_state_dict
         from safetensors.torch import save_file
 
-        state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter)
+        state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter, save_embedding_layers=False)
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors")
         config = self.peft_model.peft_config[adapter].to_dict()
         config["base_model_name_or_path"] = self.name

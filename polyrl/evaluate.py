@@ -1,0 +1,68 @@
+"""Held-out evaluation: mean reward, pass@1 and pass@k per environment on the test splits.
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` succeed,
+``pass@k = 1 - C(n-c, k) / C(n, k)``, averaged over tasks.
+"""
+
+from __future__ import annotations
+
+from math import comb
+from typing import Any
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per task, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+async def evaluate_sampler(sampler: Any, renderer: Any, runtimes: dict, num_samples: int = 1, seed: int = 0,
+                           prefix: str = "test") -> dict[str, float]:
+    """Run every test task of every environment with a test split ``num_samples`` times."""
+    from polyrl.train import collect_groups
+
+    plan = []
+    for name, rt in sorted(runtimes.items()):
+        if rt.cfg.splits.get("test") is None:
+            continue
+        n_tasks = rt.num_tasks("test")
+        if n_tasks is None:
+            raise ValueError(f"environments.{name}.splits.test.num_samples must be set: the test split is unbounded")
+        plan += [(name, rt.task_index("test", i)) for i in range(n_tasks)]
+    if not plan:
+        return {}
+    groups = await collect_groups(runtimes, plan, "test", num_samples, sampler, renderer, (seed, "test"))
+    out: dict[str, float] = {}
+    by_env: dict[str, list] = {}
+    for g in groups:
+        by_env.setdefault(g[0].env_name, []).append(g)
+    for name, env_groups in by_env.items():
+        episodes = [ep for g in env_groups for ep in g]
+        out[f"{prefix}/{name}/reward"] = sum(ep.reward for ep in episodes) / len(episodes)
+        out[f"{prefix}/{name}/failed"] = float(sum(ep.failed for ep in episodes))
+        for k in sorted({1, num_samples}):
+            scores = [pass_at_k(len(g), sum(ep.success and not ep.failed for ep in g), k) for g in env_groups]
+            out[f"{prefix}/{name}/pass@{k}"] = sum(scores) / len(scores)
+    successes = [v for k, v in out.items() if k.endswith("/pass@1")]
+    out[f"{prefix}/pass@1"] = sum(successes) / len(successes)
+    return out
+
+
+async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dict[str, float]:
+    """``polyrl eval``: the test splits of ``config.environments`` against a checkpoint (a sampler or
+    state path) or, without one, the base model."""
+    from polyrl.backend import make_service_client
+    from polyrl.renderers import get_renderer, infer_renderer
+    from polyrl.train import EnvRuntime
+
+    runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens) for n, c in config.environments.items()}
+    service = make_service_client(config)
+    if checkpoint:
+        sampler = await service.create_sampling_client(model_path=checkpoint)
+    else:
+        sampler = await service.create_sampling_client(base_model=config.model_name)
+    tokenizer = sampler.get_tokenizer()
+    renderer = get_renderer(config.renderer or infer_renderer(config.model_name, tokenizer), tokenizer)
+    return await evaluate_sampler(sampler, renderer, runtimes, config.eval_num_samples, config.seed)

@@ -1,0 +1,1 @@
+"""Run tracking: files in log_path, the console, Weights & Biases."""
