@@ -10,6 +10,7 @@ Registry: ``@register_renderer("name")`` on a subclass; ``get_renderer(name, tok
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -48,6 +49,92 @@ class Renderer(ABC):
         """Tokens of a whole conversation and per-token weights: 1 on assistant-produced tokens
         (including their end-of-turn token), 0 elsewhere. Built turn by turn from
         ``initial_prompt``/``continuation`` so supervised data matches what sampling sees."""
+
+    # -- Shared helpers (concrete). Not part of the abstract interface; renderers build on them. --
+
+    def assistant_tokens(self, message: Message) -> list[int]:
+        """The tokens a model would sample for assistant ``message``, end-of-turn token included.
+        Used by :meth:`supervised_by_turns`; renderers that use it override this."""
+        raise NotImplementedError(f"{type(self).__name__} does not render assistant turns")
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids with no BOS/EOS added: renderers write every special token themselves."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        """Ids -> text keeping special tokens and spacing exactly (parsing needs the markers)."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def single_token_id(self, text: str) -> int | None:
+        """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None."""
+        return single_token_id(self.tokenizer, text)
+
+    def stop_marker(self, text: str) -> list[int] | list[str]:
+        """Stop sequences for end-of-turn marker ``text``: its token id when it is one token, else the
+        string (tokenizers without the special token still work, with a string stop)."""
+        tid = self.single_token_id(text)
+        return [tid] if tid is not None else [text]
+
+    def supervised_by_turns(
+        self, messages: list[Message], tools: list[ToolSpec] | None = None
+    ) -> tuple[list[int], list[float]]:
+        """The :meth:`supervised` recipe, built exactly as a rollout would be: ``initial_prompt`` of
+        everything before the first assistant message, then each assistant message's
+        :meth:`assistant_tokens` (weight 1) and the ``continuation`` of the messages between
+        assistant turns (weight 0). Messages after the last assistant turn carry no signal and are
+        dropped (no trailing generation prompt)."""
+        turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not turns:
+            prompt = self.initial_prompt(messages, tools)
+            return prompt, [0.0] * len(prompt)
+        tokens = self.initial_prompt(messages[: turns[0]], tools)
+        weights = [0.0] * len(tokens)
+        for k, i in enumerate(turns):
+            if k:
+                env = self.continuation(messages[turns[k - 1] + 1 : i], assistant_finished=True)
+                tokens += env
+                weights += [0.0] * len(env)
+            sampled = self.assistant_tokens(messages[i])
+            tokens += sampled
+            weights += [1.0] * len(sampled)
+        return tokens, weights
+
+
+def single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` if ``tokenizer`` encodes it as exactly one token that decodes back to it."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == text:
+        return int(ids[0])
+    return None
+
+
+def message_text(message: Message) -> str:
+    """A message's text: string content as is, ``None`` as empty, OpenAI text parts joined."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = [p for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
+    return "".join(p.get("text", "") for p in parts)
+
+
+def tool_call_from_json(obj: Any, call_id: str) -> tuple[Message | None, str | None]:
+    """Validate one decoded tool-call object ``{"name": str, "arguments"|"parameters": object}``.
+
+    Returns ``(tool_call, None)`` in the OpenAI shape, or ``(None, error)`` naming the problem, so
+    that a malformed call becomes feedback for the model instead of an exception. A missing
+    arguments field means a call without arguments."""
+    if not isinstance(obj, dict):
+        return None, f"tool call is not a JSON object: {json.dumps(obj)[:200]}"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None, f'tool call has no "name" string: {json.dumps(obj)[:200]}'
+    key = "arguments" if "arguments" in obj else "parameters"
+    args = obj.get(key, {})
+    if not isinstance(args, dict):
+        return None, f'tool call {name!r}: "{key}" must be a JSON object, got {type(args).__name__}'
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}, None
 
 
 _REGISTRY: dict[str, type[Renderer]] = {}
