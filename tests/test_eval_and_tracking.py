@@ -1,0 +1,72 @@
+"""Evaluation (pass@k), `polyrl eval`, in-run evaluation and Weights & Biases logging."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from math import comb
+
+import pytest
+
+from polyrl.config import TrainConfig
+from polyrl.evaluate import pass_at_k
+from polyrl.tracking.console import ConsoleLog
+from polyrl.train import train
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (4, 4, 2), (6, 1, 6)])
+def test_pass_at_k_is_the_probability_a_random_k_subset_has_a_success(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(outcomes[i] for i in s) for s in subsets) / comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(brute)
+
+
+def test_pass_at_k_needs_enough_samples():
+    with pytest.raises(ValueError, match="pass@3"):
+        pass_at_k(2, 1, 3)
+
+
+def _config(model_dir, tmp_path, **over):
+    data = dict(model_name=model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=4, save_every=0,
+                log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), eval_every=1, eval_num_samples=3,
+                environments={"arithmetic": {"num_rollouts": 2, "splits": {"test": {"num_samples": 3}}}})
+    data.update(over)
+    return TrainConfig(**data)
+
+
+@pytest.mark.slow
+def test_in_run_evaluation_and_polyrl_eval_cli(tiny_model_dir, tmp_path):
+    cfg = _config(tiny_model_dir, tmp_path)
+    train(cfg, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert {"test/arithmetic/pass@1", "test/arithmetic/pass@3", "test/arithmetic/reward"} <= set(r)
+        assert r["test/arithmetic/pass@1"] <= r["test/arithmetic/pass@3"] <= 1.0
+    final = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()][-1]
+    (tmp_path / "run.json").write_text(json.dumps(cfg.model_dump()))
+    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path", str(tmp_path / "run.json"),
+                          "--checkpoint", final["sampler_path"]], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    printed = dict(line.split() for line in out.stdout.strip().splitlines())
+    assert set(printed) >= {"test/arithmetic/pass@1", "test/arithmetic/pass@3", "test/pass@1"}
+    assert 0.0 <= float(printed["test/arithmetic/pass@3"]) <= 1.0
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_gets_the_metrics(tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _config(tiny_model_dir, tmp_path, eval_every=0, wandb_project_name="polyrl-test", wandb_run_name="t1")
+    train(cfg, ConsoleLog(enabled=False))
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    record_log = next(runs[0].glob("run-*.wandb"))  # written by wandb's own service process
+    deadline = time.monotonic() + 30
+    while b"env/arithmetic/reward/mean" not in record_log.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b"env/arithmetic/reward/mean" in record_log.read_bytes()
