@@ -17,7 +17,7 @@ from typing import Any
 from tinker import types
 
 from polyrl.envs.base import Env, maybe_await
-from polyrl.renderers.base import Renderer
+from polyrl.renderers.base import Message, Renderer
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Episode:
     split: str
     task_index: int
     group_id: int
+    role: str = ""  # multi-agent workflows: advantages are grouped per role
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -68,6 +69,42 @@ class Episode:
             self.action_mask.extend([1] * len(tokens))
 
 
+@dataclass
+class RolloutContext:
+    """What an environment that drives its own rollouts (``EnvBuilder.rollout``) is given."""
+
+    env_name: str
+    split: str
+    task_index: int
+    group_id: int
+    sampler: Any
+    renderer: Renderer
+    settings: "RolloutSettings"
+    seed: int | None
+
+    def episode(self, role: str = "") -> Episode:
+        """A fresh episode of this rollout's task for ``role``."""
+        return Episode(self.env_name, self.split, self.task_index, self.group_id, role=role)
+
+    async def sample(self, episode: Episode, max_tokens: int | None = None) -> Message:
+        """Sample one assistant turn continuing ``episode.tokens``; append it; return the parsed message.
+        Seeded per (rollout seed, turn), so a resumed run samples exactly what the original did."""
+        turn = len(episode.turn_spans)
+        params = types.SamplingParams(
+            max_tokens=max_tokens or self.settings.max_tokens,
+            temperature=self.settings.temperature,
+            stop=self.renderer.stop_sequences(),
+            seed=None if self.seed is None else (self.seed * 1009 + turn) % (2**31),
+        )
+        response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
+        seq = response.sequences[0]
+        episode.append(list(seq.tokens), list(seq.logprobs or [0.0] * len(seq.tokens)))
+        episode.stop_reasons.append(seq.stop_reason)
+        message = self.renderer.parse_response(list(seq.tokens))
+        episode.messages.append(message)
+        return message
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     max_turns: int
@@ -82,25 +119,15 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                       settings: RolloutSettings, seed: int | None = None) -> Episode:
     """Play one episode to the end; exceptions propagate (the caller counts them as failures)."""
     start = time.monotonic()
+    ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id, sampler, renderer,
+                         settings, seed)
     try:
         obs = await maybe_await(env.reset())
         episode.messages = list(obs.messages)
         episode.tools = list(obs.tools)
         episode.append(renderer.initial_prompt(obs.messages, obs.tools or None))
-        stop = renderer.stop_sequences()
         for turn in range(settings.max_turns):
-            params = types.SamplingParams(
-                max_tokens=settings.max_tokens,
-                temperature=settings.temperature,
-                stop=stop,
-                seed=None if seed is None else (seed * 1009 + turn) % (2**31),
-            )
-            response = await sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
-            seq = response.sequences[0]
-            episode.append(list(seq.tokens), list(seq.logprobs or [0.0] * len(seq.tokens)))
-            episode.stop_reasons.append(seq.stop_reason)
-            message = renderer.parse_response(list(seq.tokens))
-            episode.messages.append(message)
+            message = await ctx.sample(episode)
             result = await maybe_await(env.step(message))
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
@@ -109,7 +136,8 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                 episode.done_by_env = True
                 break
             if turn + 1 < settings.max_turns:
-                episode.append(renderer.continuation(result.messages, assistant_finished=seq.stop_reason == "stop"))
+                finished = episode.stop_reasons[-1] == "stop"
+                episode.append(renderer.continuation(result.messages, assistant_finished=finished))
     finally:
         await maybe_await(env.close())
         episode.duration_s = time.monotonic() - start
@@ -128,20 +156,39 @@ def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
     episode.success = bool(episode.metrics["success"]) if "success" in episode.metrics else total > 0
 
 
-async def run_group(make_env, episodes: list[Episode], renderer: Renderer, sampler: Any,
+async def run_group(builder, episodes: list[Episode], renderer: Renderer, sampler: Any,
                     settings: RolloutSettings, seeds: list[int | None]) -> list[Episode]:
-    """Run a group's episodes concurrently. A failing episode (exception or timeout) is marked
-    with ``error`` and kept in the list, so the caller can apply the failure budget."""
+    """Run a group's rollouts concurrently. A failing rollout (exception or timeout) is marked
+    with ``error`` and kept in the list, so the caller can apply the failure budget. A builder that
+    drives its own rollouts may return several episodes (roles) per rollout."""
 
-    async def one(ep: Episode, seed: int | None) -> Episode:
+    async def one(ep: Episode, seed: int | None) -> list[Episode]:
         try:
-            env = make_env()
-            return await asyncio.wait_for(run_episode(env, ep, renderer, sampler, settings, seed), settings.timeout)
+            if builder.drives_rollouts:
+                ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer, settings, seed)
+                return list(await asyncio.wait_for(builder.rollout(ctx), settings.timeout))
+            env = builder.make(ep.split, ep.task_index)
+            return [await asyncio.wait_for(run_episode(env, ep, renderer, sampler, settings, seed), settings.timeout)]
         except asyncio.TimeoutError:
             ep.error = f"timeout after {settings.timeout:g}s"
         except Exception as e:  # noqa: BLE001 - an environment or sampler failure is counted, not fatal
             ep.error = f"{type(e).__name__}: {e}"
             ep.metrics["traceback_lines"] = float(len(traceback.format_exc().splitlines()))
-        return ep
+        return [ep]
 
-    return list(await asyncio.gather(*(one(ep, s) for ep, s in zip(episodes, seeds))))
+    results = await asyncio.gather(*(one(ep, s) for ep, s in zip(episodes, seeds)))
+    return [ep for eps in results for ep in eps]
+
+
+def split_roles(groups: list[list[Episode]]) -> list[list[Episode]]:
+    """Groups of single-role environments unchanged; multi-role groups split into one group per role
+    (failed rollouts, which have no role, stay with the first role's group)."""
+    out = []
+    for group in groups:
+        roles = list(dict.fromkeys(ep.role for ep in group if not ep.failed)) or [""]
+        if len(roles) == 1:
+            out.append(group)
+            continue
+        for i, role in enumerate(roles):
+            out.append([ep for ep in group if ep.role == role or (i == 0 and ep.failed)])
+    return out

@@ -23,7 +23,7 @@ from polyrl.backend import make_service_client
 from polyrl.config import EnvConfig, TrainConfig
 from polyrl.envs.base import EnvBuilder, get_env_builder
 from polyrl.renderers import get_renderer, infer_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_group
+from polyrl.rollouts import Episode, RolloutSettings, run_group, split_roles
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
@@ -106,7 +106,7 @@ async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, 
         n = group_size if isinstance(group_size, int) else group_size[env_name]
         episodes = [Episode(env_name, split, task, g) for _ in range(n)]
         seeds = [stable_seed(*seed_parts, g, i) for i in range(n)]
-        result = await run_group(lambda: rt.builder.make(split, task), episodes, renderer, sampler, rt.settings, seeds)
+        result = await run_group(rt.builder, episodes, renderer, sampler, rt.settings, seeds)
         if progress is not None:
             progress.advance(progress.task_ids[0])
         return result
@@ -122,6 +122,7 @@ def episode_row(step: int, ep: Episode, tokenizer, dropped: bool) -> dict:
         "split": ep.split,
         "task_index": ep.task_index,
         "group": ep.group_id,
+        "role": ep.role,
         "reward": ep.reward,
         "success": ep.success,
         "step_rewards": ep.step_rewards,
@@ -276,7 +277,7 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         t_rollout = time.monotonic() - t0
 
         # ---- advantages and update ---------------------------------------------------------------
-        kept, stats = filter_groups(groups, runtimes, config.remove_constant_reward_groups)
+        kept, stats = filter_groups(split_roles(groups), runtimes, config.remove_constant_reward_groups)
         adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
         episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
         datums = [adv_lib.to_datum(ep) for ep in episodes]

@@ -216,7 +216,7 @@ def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
     rt = EnvRuntime.create("flaky", cfg, 0, 8)
     eps = [Episode("flaky", "train", 0, 0) for _ in range(4)]
     start = time.monotonic()
-    eps = asyncio.run(run_group(lambda: rt.builder.make("train", 0), eps, renderer, policy, rt.settings, [None] * 4))
+    eps = asyncio.run(run_group(rt.builder, eps, renderer, policy, rt.settings, [None] * 4))
     assert time.monotonic() - start < 5  # the hanging episode was timed out
     errors = [e.error for e in eps]
     assert errors[0] is None and "exploded" in errors[1] and errors[2] is None and "timeout" in errors[3]

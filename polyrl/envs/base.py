@@ -92,6 +92,20 @@ class EnvBuilder(ABC):
         """An expert conversation for task ``index`` (for ``polyrl sft`` warm starts), or ``None``."""
         return None
 
+    async def rollout(self, ctx: Any) -> list[Any]:
+        """Drive the model yourself instead of through ``make``/``step``: multi-agent workflows and
+        frameworks that run their own conversation loop override this. ``ctx`` is a
+        :class:`polyrl.rollouts.RolloutContext` (sampler, renderer, settings, seed, task). Return the
+        :class:`polyrl.rollouts.Episode` objects of ONE rollout, one per role (``episode.role``),
+        each with its tokens, logprobs, action mask and final ``reward``; advantages are computed
+        per role within the group. Raising counts as one failing rollout."""
+        raise NotImplementedError
+
+    @property
+    def drives_rollouts(self) -> bool:
+        """True when this builder overrides :meth:`rollout`."""
+        return type(self).rollout is not EnvBuilder.rollout
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         return None
 
