@@ -1,0 +1,491 @@
+"""The run report: data extraction, incremental builds, `polyrl report`, the training hook, and the
+page itself in headless Chromium (charts drawn, clicking through to an episode's turns)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from polyrl.report import build_report
+from polyrl.report import data as D
+from polyrl.report.synthetic import synthetic_episode, write_synthetic_run
+from polyrl.tracking.files import RunFiles, step_file
+
+
+def _js_payload(path: Path):
+    """The arguments of the one call in a report data file, e.g. ``polyrlStep(3, {...});``."""
+    m = re.fullmatch(r"(\w+)\((.*)\);\s*", path.read_text(), re.S)
+    assert m, path
+    return json.loads("[" + m.group(2) + "]")
+
+
+def _index(run: Path) -> dict:
+    return _js_payload(run / "report" / "data" / "index.js")[0]
+
+
+# ---------------------------------------------------------------------------------------- extraction
+def test_clean_number_rounds_and_drops_what_json_cannot_hold():
+    assert D.clean_number(0.123456789) == 0.12346
+    assert D.clean_number(3.0) == 3 and isinstance(D.clean_number(3.0), int)
+    assert D.clean_number(True) == 1
+    assert D.clean_number(float("nan")) is None and D.clean_number(float("inf")) is None
+    assert D.clean_number("x") is None and D.clean_number(None) is None
+    assert D.clean_number(-1.5e-7) == -1.5e-7
+
+
+def test_metrics_one_row_per_step_torn_line_ignored_missing_keys_are_gaps(tmp_path):
+    rows = [
+        {"step": 0, "reward/mean": 0.1},
+        {"step": 1, "reward/mean": 0.2, "optim/loss": float("nan")},
+        {"step": 1, "reward/mean": 0.3, "optim/kl_sample_train_v1": 0.01},  # a re-run step: the last row wins
+        {"step": 2, "reward/mean": 0.4, "note": "text"},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')
+    read = D.read_metrics(tmp_path)
+    assert [r["step"] for r in read] == [0, 1, 2]
+    table = D.metric_table(read)
+    assert table["steps"] == [0, 1, 2]
+    assert table["series"]["reward/mean"] == [0.1, 0.3, 0.4]
+    assert table["series"]["optim/kl_sample_train_v1"] == [None, 0.01, None]
+    assert "note" not in table["series"] and "optim/loss" not in table["series"]  # text / only NaN
+
+
+def test_chart_specs_per_env_lines_eval_points_and_only_charts_with_data():
+    keys = {
+        "reward/mean",
+        "env/calc/reward/mean",
+        "env/guess/reward/mean",
+        "success/mean",
+        "env/calc/success/mean",
+        "test/calc/reward",
+        "test/calc/pass@1",
+        "test/calc/pass@4",
+        "test/pass@1",
+        "optim/kl_sample_train_v1",
+        "optim/entropy",
+        "optim/loss",
+        "optim/grad_norm",
+        "env/calc/tool_calls",
+        "env/calc/failed_rollouts",
+        "rollouts/failed",
+        "time/rollout",
+        "time/total",
+        "env/calc/tokens/action_per_episode",
+        "weird/thing",
+    }
+    envs = D.env_names({"environments": {"calc": {}}}, keys)
+    assert envs == ["calc", "guess"]
+    charts = {c["id"]: c for c in D.chart_specs(keys, envs)}
+    reward = charts["reward"]["series"]
+    assert [(s["key"], s["style"]) for s in reward] == [
+        ("reward/mean", "line"),
+        ("env/calc/reward/mean", "line"),
+        ("env/guess/reward/mean", "line"),
+        ("test/calc/reward", "points"),
+    ]
+    assert (
+        reward[0]["color"] == -1 and reward[1]["color"] == reward[3]["color"] == 0 and reward[2]["color"] == 1
+    )
+    success = {s["key"]: s for s in charts["success"]["series"]}
+    assert success["test/calc/pass@1"]["style"] == success["test/calc/pass@4"]["style"] == "points"
+    assert success["test/calc/pass@4"]["label"] == "calc pass@4" and "test/pass@1" in success
+    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens"} <= set(charts)
+    assert [s["key"] for s in charts["env-calc"]["series"]] == ["env/calc/tool_calls"]
+    assert [s["key"] for s in charts["other-weird"]["series"]] == ["weird/thing"]
+    assert "dropped" not in charts and "clip" not in charts  # no data, no chart
+    used = [s["key"] for c in charts.values() for s in c["series"]]
+    assert sorted(used) == sorted(set(used)) and set(used) == keys  # every key drawn exactly once
+
+
+def test_compact_episode_keeps_turns_and_sampled_logprobs_drops_token_ids():
+    row = {
+        "step": 3,
+        "env": "calc",
+        "group": 1,
+        "task_index": 7,
+        "reward": 1.0,
+        "success": True,
+        "advantages": [0.5, -0.25],
+        "step_rewards": [0.0, 1.0],
+        "num_turns": 2,
+        "stop_reasons": ["tool_calls", "stop"],
+        "error": None,
+        "dropped": False,
+        "metrics": {"tool_calls": 1.0},
+        "duration_s": 1.23456,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"function": {"name": "calculator"}}],
+        "tokens": [1, 2, 3, 4, 5, 6],
+        "token_text": ["a", "b", "c", "d", "e", "f"],
+        "logprobs": [0.0, -0.123456, -2.0, 0.0, -0.5, 0.0],
+        "action_mask": [0, 1, 1, 0, 1, 0],
+        "turn_spans": [[1, 3], [4, 5]],
+    }
+    ep = D.compact_episode(row, 9)
+    assert "tokens" not in ep and ep["text"] == row["token_text"]
+    assert ep["lp"] == [0, -0.123, -2, 0, -0.5, 0]
+    assert ep["mask"] == [[1, 3], [4, 5]] and ep["spans"] == [[1, 3], [4, 5]]
+    assert (ep["i"], ep["env"], ep["group"], ep["task"], ep["adv"], ep["turns"]) == (
+        9,
+        "calc",
+        1,
+        7,
+        [0.5, -0.25],
+        2,
+    )
+    assert ep["dur"] == 1.23 and ep["messages"] == row["messages"]
+    assert D.mask_runs([1, 1, 0, 1]) == [[0, 2], [3, 4]] and D.mask_runs([]) == []
+    payload = D.step_payload(3, [row, {**row, "env": "abc", "group": 0}, {**row, "group": 0}])
+    assert [(e["env"], e["group"], e["i"]) for e in payload["episodes"]] == [
+        ("abc", 0, 1),
+        ("calc", 0, 2),
+        ("calc", 1, 0),
+    ]
+    assert payload["tools"]["calc"] == row["tools"]
+    summary = D.summarize_step([row, {**row, "reward": 0.0, "success": False, "error": "boom", "group": 2}])
+    assert summary == {"calc": {"n": 2, "g": 2, "r": 0.5, "s": 0.5, "f": 1}}
+
+
+def test_config_is_redacted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", "tml-very-secret-123")
+    (tmp_path / "config.json").write_text(
+        json.dumps({"base_url": "http://x?key=tml-very-secret-123", "wandb_api_key": "abc", "max_tokens": 5})
+    )
+    assert D.read_config(tmp_path) == {
+        "base_url": "http://x?key=***",
+        "wandb_api_key": "***",
+        "max_tokens": 5,
+    }
+
+
+# ---------------------------------------------------------------------------------------- building
+def _mtimes(report: Path) -> dict[str, int]:
+    return {str(p.relative_to(report)): p.stat().st_mtime_ns for p in report.rglob("*") if p.is_file()}
+
+
+def test_build_writes_page_index_and_one_data_file_per_step_then_only_what_changed(tmp_path):
+    run = write_synthetic_run(
+        tmp_path / "run",
+        steps=5,
+        episodes_per_step=8,
+        group_size=4,
+        eval_every=2,
+        save_every=2,
+        think_words=5,
+    )
+    page = build_report(run)
+    report = run / "report"
+    assert page == report / "index.html" and page.exists()
+    assert {"report.js", "report.css", "data/index.js"} <= set(_mtimes(report))
+    assert "{{version}}" not in page.read_text()
+    index = _index(run)
+    assert index["metrics"]["steps"] == list(range(5))
+    assert [s["step"] for s in index["steps"]] == list(range(5))
+    assert index["envs"] == ["arithmetic", "calculator", "guess_number"]
+    assert [c["name"] for c in index["checkpoints"]] == ["000002", "000004", "final"]
+    assert index["run"]["max_steps"] == 5 and index["run"]["last_step"] == 4
+    assert any(s["key"] == "test/calculator/pass@4" for c in index["charts"] for s in c["series"])
+    step, payload = _js_payload(report / "data" / "step_000003.js")
+    assert step == 3 and len(payload["episodes"]) == 8
+    assert sum(e["n"] for e in index["steps"][3]["envs"].values()) == 8
+
+    # nothing changed: nothing is rewritten
+    before = _mtimes(report)
+    time.sleep(0.01)
+    build_report(run)
+    assert _mtimes(report) == before
+
+    # a run in progress: a new step, and a torn last metrics line
+    rows = [synthetic_episode(5, "calculator", 0, 50, random.Random(0), 1.0, 0.5)]
+    RunFiles(run).log_trajectories(5, rows)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "reward/mean": 1.0}) + "\n" + '{"step": 6, "rewa')
+    build_report(run)
+    after = _mtimes(report)
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert changed == {"data/step_000005.js", "data/index.js", "data/manifest.json", "index.html"}
+    assert _index(run)["metrics"]["steps"] == list(range(6))
+
+
+def test_resumed_run_drops_and_rewrites_truncated_steps(tmp_path):
+    run = write_synthetic_run(tmp_path / "run", steps=4, episodes_per_step=4, think_words=3)
+    build_report(run)
+    files = RunFiles(run)
+    files.truncate_from(2)  # what a resume from the step-2 checkpoint does
+    build_report(run)
+    data = run / "report" / "data"
+    assert not (data / "step_000002.js").exists() and not (data / "step_000003.js").exists()
+    assert [s["step"] for s in _index(run)["steps"]] == [0, 1]
+    rows = [synthetic_episode(2, "guess_number", 0, 9, random.Random(1), 0.0, -1.0)]
+    files.log_trajectories(2, rows)
+    build_report(run)
+    _, payload = _js_payload(data / "step_000002.js")
+    assert [e["env"] for e in payload["episodes"]] == ["guess_number"]
+
+
+def test_refresh_of_a_1000_step_run_is_cheap_when_nothing_changed(tmp_path):
+    run = tmp_path / "run"
+    (run / "trajectories").mkdir(parents=True)
+    row = synthetic_episode(0, "calculator", 0, 0, random.Random(0), 1.0, 0.0, think_words=2)
+    line = json.dumps(row) + "\n"
+    metrics = {
+        f"env/{e}/{k}": 0.5 for e in ("a", "b", "c") for k in ("reward/mean", "success/mean", "turns/mean")
+    }
+    with open(run / "metrics.jsonl", "w") as f:
+        for step in range(1000):
+            (run / "trajectories" / step_file(step)).write_text(line)
+            f.write(json.dumps({"step": step, "reward/mean": step / 1000, **metrics}) + "\n")
+    build_report(run)
+    t0 = time.perf_counter()
+    build_report(run)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.5, f"no-change refresh took {elapsed:.3f}s"
+    assert len(_index(run)["steps"]) == 1000
+
+
+def test_refresh_during_training_never_raises(tmp_path):
+    from polyrl.report import refresh_for_training
+
+    class Console:
+        def __init__(self):
+            self.lines: list[str] = []
+
+        def info(self, text):
+            self.lines.append(text)
+
+    console = Console()
+    assert refresh_for_training(tmp_path / "missing", console) is None
+    assert console.lines[-1].startswith("report not refreshed: FileNotFoundError")
+    run = write_synthetic_run(tmp_path / "run", steps=1, episodes_per_step=4, think_words=3)
+    assert refresh_for_training(run, console) == run / "report" / "index.html"
+    assert console.lines[-1] == f"report: {run / 'report' / 'index.html'}"
+
+
+def test_cli_report(tmp_path):
+    run = write_synthetic_run(tmp_path / "run", steps=2, episodes_per_step=4, think_words=3)
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "report", str(run)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(run / "report" / "index.html")
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "no run directory" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------- browser
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,1800"]
+
+
+def _ensure_chromium() -> None:
+    """Debian's chromium + chromium-driver, installed here when missing (as root); skip otherwise."""
+    why = "not root or no apt-get"
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            install = ["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"]
+            for cmd in (["apt-get", "update", "-q"], install):
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+                why = f"`{' '.join(cmd)}` exited {done.returncode}: {done.stderr.strip()[-300:]}"
+        if not (shutil.which("chromium") and shutil.which("chromedriver")):
+            pytest.skip(f"headless Chromium (Debian packages chromium, chromium-driver) is missing and "
+                        f"could not be installed: {why}")
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium: "
+                                           "pip install selenium")
+
+
+@contextlib.contextmanager
+def _browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never download anything
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    with tempfile.TemporaryDirectory() as profile:
+        for flag in CHROMIUM_FLAGS + [f"--user-data-dir={profile}"]:
+            options.add_argument(flag)
+        driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+def _wait(driver, script: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = driver.execute_script(script)
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for: {script}")
+
+
+def _select(driver, select_id: str, value) -> None:
+    driver.execute_script(
+        "const s = document.getElementById(arguments[0]); s.value = String(arguments[1]);"
+        "s.dispatchEvent(new Event('change'));",
+        select_id,
+        value,
+    )
+
+
+def _check_charts(driver, required: set[str]) -> None:
+    _wait(driver, "return document.body.dataset.ready === 'charts'")
+    lines = driver.execute_script(
+        "return [...document.querySelectorAll('svg.plot path.series-line')]"
+        ".map(p => [p.dataset.key, +p.dataset.points, p.getAttribute('d')])"
+    )
+    keys = {k for k, _, _ in lines}
+    assert required <= keys, keys
+    for key, n, d in lines:
+        assert n >= 1 and d.startswith("M") and d.count("L") == n - 1, (key, n, d[:80])
+    reward = next(d for k, _, d in lines if k == "reward/mean")
+    assert reward.count("L") >= 2  # several steps drawn
+    titles = driver.execute_script(
+        "return [...document.querySelectorAll('.chart h3')].map(h => h.textContent)"
+    )
+    assert {"Reward", "Turns per episode", "Failing rollouts", "Time per phase (s)"} <= set(titles), titles
+
+
+def _open_episode(driver, step: int, env: str) -> list[str]:
+    _select(driver, "step-select", step)
+    _wait(driver, f"return document.getElementById('step-select').value === '{step}'")
+    _select(driver, "env-select", env)
+    _wait(driver, "return document.querySelectorAll('#groups .ep-card').length")
+    driver.find_element("css selector", "#groups .ep-card").click()
+    _wait(driver, "return document.querySelectorAll('#episode .msg').length")
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#episode .msg')].map(m => m.dataset.role)"
+    )
+
+
+@pytest.mark.slow
+def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, tmp_path):
+    from polyrl.config import TrainConfig
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train
+
+    _ensure_chromium()
+
+    class Recording(ConsoleLog):
+        def __init__(self):
+            super().__init__(enabled=False)
+            self.lines: list[str] = []
+
+        def info(self, text: str) -> None:
+            self.lines.append(text)
+
+    console = Recording()
+    cfg = TrainConfig(
+        model_name=small_model_dir,
+        lora_rank=4,
+        batch_size=3,
+        max_steps=4,
+        max_tokens=6,
+        save_every=2,
+        eval_every=2,
+        eval_num_samples=2,
+        log_path=str(tmp_path / "run"),
+        store_dir=str(tmp_path / "store"),
+        environments={
+            "arithmetic": {"num_rollouts": 2, "splits": {"test": {"num_samples": 2}}},
+            "calculator": {"num_rollouts": 2, "max_turns": 2},
+            "guess_number": {"num_rollouts": 2, "max_turns": 2},
+        },
+    )
+    train(cfg, console)
+    run = tmp_path / "run"
+    page = run / "report" / "index.html"
+    assert (
+        f"report: {page}" in console.lines
+    )  # refreshed at the step-2 checkpoint and at the end, path printed
+    assert sum(line.startswith("report: ") for line in console.lines) >= 2
+    index = _index(run)
+    assert [s["step"] for s in index["steps"]] == [0, 1, 2, 3]
+    assert any(s["key"].startswith("test/arithmetic/pass@") for c in index["charts"] for s in c["series"])
+
+    # a copy of the run with a synthetic multi-turn tool episode (tiny random models rarely call tools)
+    tools_run = tmp_path / "tools_run"
+    shutil.copytree(run, tools_run)
+    rng = random.Random(0)
+    traj = tools_run / "trajectories" / step_file(3)
+    rows = [json.loads(x) for x in traj.read_text().splitlines()]
+    rows += [
+        synthetic_episode(3, "calculator", 90, 5, rng, r, a, tool_turns=2, think_words=12)
+        for r, a in ((1.0, 0.5), (0.0, -0.5))
+    ]
+    traj.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build_report(tools_run)
+
+    with _browser() as driver:
+        driver.get(page.as_uri())
+        _check_charts(
+            driver,
+            {"reward/mean", "success/mean", "turns/mean", "time/total", "env/guess_number/reward/mean"},
+        )
+        roles = _open_episode(driver, 1, "guess_number")
+        assert roles[0] == "user" and 1 <= roles.count("assistant") <= 2, roles  # multi-turn: max_turns=2
+        assert driver.execute_script("return location.hash").startswith("#step=1&env=guess_number&ep=")
+
+        driver.get((tools_run / "report" / "index.html").as_uri())
+        _check_charts(driver, {"reward/mean", "time/total"})
+        _select(driver, "smooth-select", "0.6")  # smoothed lines over faint raw ones
+        _wait(driver, "return document.querySelectorAll('svg.plot path.series-raw').length")
+        _check_charts(driver, {"reward/mean", "time/total"})
+        _select(driver, "step-select", 3)
+        _select(driver, "env-select", "calculator")
+        _wait(driver, "return document.querySelector('#groups [data-group=\"90\"] .ep-card')")
+        driver.find_element("css selector", '#groups [data-group="90"] .ep-card').click()
+        _wait(driver, "return document.querySelectorAll('#episode .msg-tool').length")
+        roles = driver.execute_script(
+            "return [...document.querySelectorAll('#episode .msg')].map(m => m.dataset.role)"
+        )
+        assert roles == ["user", "assistant", "tool", "assistant", "tool", "assistant"], roles
+        calls = driver.execute_script(
+            "return [...document.querySelectorAll('#episode .tool-call')].map(c => c.textContent)"
+        )
+        assert len(calls) == 2 and all("calculator" in c and "expression" in c for c in calls), calls
+        tool_head = driver.find_element("css selector", "#episode .msg-tool .msg-head").text
+        assert "result of calculator" in tool_head, tool_head
+        driver.find_element("css selector", '#episode [data-tab="tokens"]').click()
+        shaded = driver.execute_script(
+            "return [...document.querySelectorAll('#episode .tokens .tok')].map(t => t.style.background)"
+        )
+        assert shaded and all(s.startswith("rgba(37, 99, 235") for s in shaded), shaded[
+            :3
+        ]  # advantage > 0: blue
+        _select(driver, "shade-select", "lp")
+        shaded = driver.execute_script(
+            "return [...document.querySelectorAll('#episode .tokens .tok')].map(t => t.style.background)"
+        )
+        assert shaded and all(s.startswith("rgba(234, 88, 12") for s in shaded), shaded[:3]
+        assert not driver.execute_script("return document.querySelector('#episode .tokens').hidden")
+        driver.execute_script("document.getElementById('trajectories').scrollIntoView()")
+        driver.save_screenshot(str(tmp_path / "report_tokens.png"))
+        driver.find_element("css selector", '#episode [data-tab="turns"]').click()
+        assert driver.execute_script("return document.querySelector('#episode .tokens').hidden")
+        shot = tmp_path / "report.png"
+        driver.save_screenshot(str(shot))
+        errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not errors, errors
+    assert shot.stat().st_size > 10_000
+    print(f"screenshots: {shot}, {tmp_path / 'report_tokens.png'}")
