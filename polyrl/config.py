@@ -241,6 +241,9 @@ class TrainConfig(BaseModel):
             problems.append(("eval_every", "evaluation needs at least one environment with a test split"))
         if self.renderer is not None and (reason := _unknown_renderer(self.renderer)):
             problems.append(("renderer", reason))
+        if self.openreward_run_name and not _installed("openreward"):
+            problems.append(("openreward_run_name", "uploads need the openreward package "
+                                                    "(pip install 'polyrl[openreward]')"))
         problems += _unknown_env_types(self.environments)
         if problems:
             raise _Problems(problems)
@@ -270,6 +273,12 @@ def _unknown_renderer(name: str) -> str | None:
     return None
 
 
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
     try:
         from polyrl.envs.base import get_env_builder
@@ -278,11 +287,16 @@ def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
     problems = []
     for name, env in envs.items():
         try:
-            get_env_builder(env.type or name)
+            builder = get_env_builder(env.type or name)
         except KeyError as exc:
             problems.append((f"environments.{name}.type", str(exc.args[0] if exc.args else exc)))
+            continue
         except ImportError:  # built-in environments not importable (yet): skip the check
             return []
+        try:  # adapters refuse what they cannot support here, before the run starts
+            getattr(builder, "validate_args", lambda *_: None)(env.type or name, env.args)
+        except ValueError as exc:
+            problems.append((f"environments.{name}.args", str(exc)))
     return problems
 
 

@@ -76,9 +76,20 @@ class EnvBuilder(ABC):
     ``args`` are the entry's env-specific ``args`` from the config, ``seed`` the run's seed.
     """
 
-    def __init__(self, args: dict[str, Any], seed: int = 0):
+    #: The configured type string (``openreward:Org/Env``, ``module:pkg.mod``, ...), for adapters.
+    type_name: str = ""
+
+    def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
         self.args = dict(args)
         self.seed = seed
+        if type_name is not None:
+            self.type_name = type_name
+
+    @classmethod
+    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
+        """Check an entry's type and ``args`` when the config is loaded, before anything runs; raise
+        ``ValueError`` with a one-line reason for anything this builder cannot support."""
+        return None
 
     @abstractmethod
     def make(self, split: str, index: int) -> Env:
@@ -133,14 +144,49 @@ def env_types() -> list[str]:
 def get_env_builder(type_name: str) -> Callable[..., EnvBuilder]:
     """The builder class for an environment type. ``prefix:rest`` names go to the ``prefix`` adapter."""
     _load_builtins()
-    key = type_name if type_name in _REGISTRY else type_name.split(":", 1)[0] + ":"
+    if type_name in _REGISTRY:
+        key = type_name
+    elif ":" not in type_name and "/" in type_name:
+        key = "openreward:"  # a bare ``Org/EnvName`` is an OpenReward environment
+    else:
+        key = type_name.split(":", 1)[0] + ":"
     if key not in _REGISTRY:
         raise KeyError(f"unknown environment type {type_name!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[key]
 
 
+def make_env_builder(type_name: str, args: dict[str, Any], seed: int = 0) -> EnvBuilder:
+    """Build the builder of an environment entry; builders whose ``__init__`` takes ``type_name``
+    get it there, every builder gets it as ``builder.type_name``."""
+    cls = get_env_builder(type_name)
+    try:
+        params = inspect.signature(cls).parameters.values()
+        takes_type = any(p.name == "type_name" or p.kind is p.VAR_KEYWORD for p in params)
+    except (TypeError, ValueError):
+        takes_type = False
+    builder = cls(args, seed=seed, type_name=type_name) if takes_type else cls(args, seed=seed)
+    builder.type_name = type_name
+    return builder
+
+
+# Adapters for third-party ecosystems. Their optional packages are imported only when such an
+# environment is configured, so a missing package fails that environment alone.
+_ADAPTER_MODULES = ("polyrl.envs.openreward_env", "polyrl.envs.module_env", "polyrl.envs.verifiers_env",
+                    "polyrl.envs.gem_env", "polyrl.envs.reasoning_gym_env", "polyrl.envs.textarena_env",
+                    "polyrl.workflows.solver_judge")
+
+
 def _load_builtins() -> None:
+    import importlib
+
     from polyrl.envs import builtin  # noqa: F401 - registers the built-in environments
+
+    for module in _ADAPTER_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:  # pragma: no cover - only with a broken install
+            if exc.name != module:
+                raise
 
 
 async def maybe_await(value: T | Awaitable[T]) -> T:

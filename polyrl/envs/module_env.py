@@ -1,0 +1,395 @@
+"""``module:<path/or.module>``: environments written as a plain Python module.
+
+The module (a dotted name, or a ``.py`` file path relative to the working directory) defines
+``load_environment(**args)``; the entry's ``args`` are passed to it. The object it returns is one of:
+
+**Step-based**: ``initial_observation()`` and ``step(text)``, sync or async. ``load_environment`` is
+called once per episode (the object may keep the episode's state). ``initial_observation`` may take
+any of ``index``, ``split``, ``seed`` (the task; ``seed`` derives from the run seed, split and index)
+and returns a string (the user message), a message, a list of messages, or
+``{"messages": [...], "tools": [...]}``. ``step`` gets the assistant reply's text (or the whole
+message, if its parameter is named ``message``) and returns:
+
+- a number: the reward, and the episode ends;
+- a mapping with ``reward`` and optionally ``done`` (default: true unless an ``observation`` /
+  ``messages`` is given), ``observation`` / ``messages`` (the environment's answer) and ``metrics``;
+- a gym-style tuple ``(observation, reward, done[, info])`` or ``(observation, reward, terminated,
+  truncated, info)``.
+
+An optional ``num_tasks`` (an int, or a method taking the split) bounds the splits; without it they
+are unbounded (give ``splits.test.num_samples`` for evaluation).
+
+**Dataset + rubric**: a ``dataset`` of rows with ``prompt`` (a string or messages) or ``question``
+(and whatever else, e.g. ``answer``), optionally an ``eval_dataset`` for the test split and a
+``system_prompt``, and a ``rubric``: reward functions with weights -- a list of functions, of
+``(function, weight)`` pairs, a ``{name: function | (function, weight)}`` mapping, or an object with
+``funcs`` and ``weights`` (verifiers-style). Episodes are single-turn: the reply is scored by every
+function, the reward is the weighted sum and each function's value is logged as ``reward/<name>``.
+Reward functions (sync or async) are called with the keyword arguments they accept among
+``completion`` (the reply text), ``prompt``, ``messages``, ``answer``, ``row``, ``info``, ``index``,
+``split`` and ``sampling_client`` (anything, if they take ``**kwargs``).
+
+**Model-aware rewards**: an object with ``build(sampling_client)`` gets the current sampling client
+before it is used (each new sampler, for a dataset environment; each episode's fresh object, for a
+step-based one).
+
+Rewards that are not numbers (or are NaN) count as 0, with a logged warning and the episode metric
+``non_numeric_reward`` (how many there were). Problems with the module or the object's shape are
+errors when the config is loaded or, for the object itself, when the run starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, maybe_await, register_env
+from polyrl.renderers.base import message_text
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def _looks_like_path(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def load_module(target: str, what: str = "environment") -> ModuleType:
+    """A module by dotted name, or by ``.py`` file path (``.py`` may be left out); one-line
+    ``ValueError`` when it cannot be imported."""
+    if _looks_like_path(target):
+        path = Path(target).expanduser()
+        if not path.is_file() and path.suffix != ".py" and path.with_suffix(".py").is_file():
+            path = path.with_suffix(".py")
+        if not path.is_file():
+            raise ValueError(f"{what} file not found: {target} (from {Path.cwd()})")
+        path = path.resolve()
+        name = "polyrl_user_" + re.sub(r"\W", "_", str(path.with_suffix("")))
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot load {what} file {target}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise ValueError(f"importing {what} file {target} failed: {type(exc).__name__}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
+            raise ValueError(f"{what} module {target!r} not found (is it installed or on sys.path?)") from exc
+        raise ValueError(f"importing {what} module {target!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise ValueError(f"importing {what} module {target!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+import_target = load_module
+
+
+def call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **those kwargs its signature accepts)`` (all of them if it takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+class RewardCoercion:
+    """Turns reward values into floats; anything else is 0 with a counted warning."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.count = 0
+
+    def __call__(self, value: Any, metrics: dict[str, float], what: str = "reward") -> float:
+        if isinstance(value, (bool, int, float)) or (hasattr(value, "__float__") and not isinstance(value, (str, bytes))):
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = math.nan
+            if math.isfinite(number):
+                return number
+        self.count += 1
+        metrics["non_numeric_reward"] = metrics.get("non_numeric_reward", 0.0) + 1.0
+        if self.count == 1 or self.count % 100 == 0:
+            logger.warning("%s: %s %r is not a number; counted as 0 (%d so far, metric 'non_numeric_reward')",
+                           self.where, what, value, self.count)
+        return 0.0
+
+
+def as_messages(obs: Any, what: str = "observation") -> tuple[list[Message], list[dict]]:
+    """An observation as (messages, tools): a string is a user message."""
+    if isinstance(obs, Observation):
+        return list(obs.messages), list(obs.tools)
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}], []
+    if isinstance(obs, dict) and "messages" in obs:
+        return as_messages(obs["messages"], what)[0], list(obs.get("tools") or [])
+    if isinstance(obs, dict) and "role" in obs:
+        return [dict(obs)], []
+    if isinstance(obs, (list, tuple)) and all(isinstance(m, (dict, str)) for m in obs):
+        return [m if isinstance(m, dict) else {"role": "user", "content": m} for m in obs], []
+    raise TypeError(f"{what} must be a string, a message, a list of messages or {{'messages': ...}}, "
+                    f"not {type(obs).__name__}")
+
+
+# ---------------------------------------------------------------------------------- step-based
+
+
+def parse_step(result: Any, coerce: RewardCoercion) -> StepResult:
+    """A ``step`` return value as a StepResult (see the module docstring for the shapes)."""
+    if isinstance(result, StepResult):
+        return result
+    metrics: dict[str, float] = {}
+    messages: list[Message] = []
+    if isinstance(result, dict):
+        obs = result.get("observation", result.get("messages"))
+        if obs is not None:
+            messages = as_messages(obs)[0]
+        done = result.get("done", result.get("terminated"))
+        done = obs is None if done is None else bool(done) or bool(result.get("truncated", False))
+        for key, value in dict(result.get("metrics") or {}).items():
+            if isinstance(value, (bool, int, float)):
+                metrics[key] = float(value)
+        return StepResult(messages, coerce(result.get("reward"), metrics), done, metrics)
+    if isinstance(result, tuple) and len(result) in (3, 4, 5):
+        obs, reward = result[0], result[1]
+        done = bool(result[2]) or (len(result) == 5 and bool(result[3]))
+        info = result[-1] if len(result) in (4, 5) else None
+        if obs is not None and not done:
+            messages = as_messages(obs)[0]
+        if isinstance(info, dict):
+            metrics.update({k: float(v) for k, v in info.items() if isinstance(v, (bool, int, float))})
+        return StepResult(messages, coerce(reward, metrics), done, metrics)
+    return StepResult([], coerce(result, metrics), True, metrics)
+
+
+class StepEnv(Env):
+    """One episode of a step-based module environment."""
+
+    def __init__(self, obj: Any, split: str, index: int, seed: int, coerce: RewardCoercion,
+                 sampler: Any = None):
+        self.obj, self.split, self.index, self.seed = obj, split, index, seed
+        self.coerce, self.sampler = coerce, sampler
+        self._message_arg = "message" in _params(obj.step)
+
+    async def reset(self) -> Observation:
+        build = getattr(self.obj, "build", None)
+        if callable(build) and self.sampler is not None:
+            await maybe_await(build(self.sampler))
+        obs = await maybe_await(call_with_accepted(self.obj.initial_observation, index=self.index,
+                                                   split=self.split, seed=self.seed))
+        messages, tools = as_messages(obs, "initial_observation()")
+        return Observation(messages, tools)
+
+    async def step(self, action: Message) -> StepResult:
+        arg = action if self._message_arg else message_text(action)
+        return parse_step(await maybe_await(self.obj.step(arg)), self.coerce)
+
+    async def close(self) -> None:
+        close = getattr(self.obj, "close", None)
+        if callable(close):
+            await maybe_await(close())
+
+
+def _params(fn: Callable) -> dict:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+# ----------------------------------------------------------------------------- dataset + rubric
+
+
+def parse_rubric(rubric: Any, where: str) -> list[tuple[str, Callable, float]]:
+    """(name, function, weight) triples from any of the accepted rubric shapes."""
+    def named(fn: Callable, i: int) -> str:
+        return getattr(fn, "__name__", None) or f"reward_{i}"
+
+    items: list[tuple[str, Any, Any]] = []
+    if callable(rubric) and not isinstance(rubric, type) and not hasattr(rubric, "funcs"):
+        items = [(named(rubric, 0), rubric, 1.0)]
+    elif isinstance(rubric, dict):
+        for name, value in rubric.items():
+            fn, weight = value if isinstance(value, (tuple, list)) else (value, 1.0)
+            items.append((str(name), fn, weight))
+    elif isinstance(rubric, (list, tuple)):
+        for i, entry in enumerate(rubric):
+            fn, weight = entry if isinstance(entry, (tuple, list)) else (entry, 1.0)
+            items.append((named(fn, i) if callable(fn) else f"reward_{i}", fn, weight))
+    else:
+        funcs = getattr(rubric, "funcs", None) or getattr(rubric, "reward_funcs", None)
+        if funcs is None:
+            raise ValueError(f"{where}: rubric must be reward functions with weights, not {type(rubric).__name__}")
+        weights = getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None) or [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"{where}: rubric has {len(funcs)} functions but {len(weights)} weights")
+        items = [(named(fn, i), fn, w) for i, (fn, w) in enumerate(zip(funcs, weights))]
+    if not items:
+        raise ValueError(f"{where}: the rubric has no reward functions")
+    out = []
+    for name, fn, weight in items:
+        if not callable(fn):
+            raise ValueError(f"{where}: rubric entry {name!r} is not callable")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ValueError(f"{where}: rubric weight of {name!r} must be a number, not {weight!r}")
+        out.append((name, fn, float(weight)))
+    return out
+
+
+def row_messages(row: Any, system_prompt: str | None, where: str) -> tuple[list[Message], list[dict]]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: dataset rows must be mappings, not {type(row).__name__}")
+    if row.get("prompt") is not None:
+        messages, tools = as_messages(row["prompt"], "row['prompt']")
+    elif row.get("question") is not None:
+        messages, tools = [{"role": "user", "content": str(row["question"])}], []
+    else:
+        raise ValueError(f"{where}: dataset rows need a 'prompt' or a 'question' (got keys {sorted(row)})")
+    if system_prompt and not (messages and messages[0].get("role") == "system"):
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages, list(row.get("tools") or tools)
+
+
+class RubricEnv(Env):
+    """One single-turn episode of a dataset + rubric module environment."""
+
+    def __init__(self, builder: "ModuleBuilder", split: str, index: int, sampler: Any = None):
+        self.builder, self.split, self.index, self.sampler = builder, split, index, sampler
+        self.row = dict(builder.rows(split)[index])
+        self.messages: list[Message] = []
+
+    async def reset(self) -> Observation:
+        if self.sampler is not None:
+            await self.builder.build_for(self.sampler)
+        self.messages, tools = row_messages(self.row, self.builder.system_prompt, self.builder.where)
+        return Observation(self.messages, tools)
+
+    async def step(self, action: Message) -> StepResult:
+        text = message_text(action)
+        metrics: dict[str, float] = {}
+        total = 0.0
+        kwargs = dict(completion=text, prompt=self.messages, messages=[*self.messages, action],
+                      answer=self.row.get("answer"), row=self.row, info=self.row.get("info"), index=self.index,
+                      split=self.split, sampling_client=self.sampler)
+        for name, fn, weight in self.builder.rubric:
+            value = self.builder.coerce(await maybe_await(call_with_accepted(fn, **kwargs)), metrics,
+                                        f"reward function {name!r} returned")
+            metrics[f"reward/{name}"] = value
+            total += weight * value
+        return StepResult([], total, True, metrics)
+
+
+# -------------------------------------------------------------------------------------- builder
+
+
+@register_env("module:")
+class ModuleBuilder(EnvBuilder):
+    """Adapter for ``module:`` environments; see the module docstring."""
+
+    @classmethod
+    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
+        target = type_name.partition(":")[2].strip()
+        if not target:
+            raise ValueError("module environments are named 'module:<dotted.module or path/file.py>'")
+        loader = getattr(load_module(target), "load_environment", None)
+        if not callable(loader):
+            raise ValueError(f"{target} has no load_environment() function")
+        try:
+            inspect.signature(loader).bind(**args)
+        except TypeError as exc:
+            raise ValueError(f"{target}.load_environment does not take these args: {exc}") from exc
+
+    def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
+        super().__init__(args, seed, type_name)
+        self.validate_args(type_name, self.args)
+        self.target = type_name.partition(":")[2].strip()
+        self.where = f"module:{self.target}"
+        self._load = load_module(self.target).load_environment
+        self.obj = self._load(**self.args)
+        self.coerce = RewardCoercion(self.where)
+        obj = self.obj
+        if callable(getattr(obj, "initial_observation", None)) and callable(getattr(obj, "step", None)):
+            self.kind = "step"
+        elif getattr(obj, "dataset", None) is not None and getattr(obj, "rubric", None) is not None:
+            self.kind = "dataset"
+            self.rubric = parse_rubric(obj.rubric, self.where)
+            self.system_prompt = getattr(obj, "system_prompt", None)
+            self._rows: dict[str, Any] = {}
+            if self.num_tasks("train") == 0:
+                raise ValueError(f"{self.where}: the dataset is empty")
+            row_messages(self.rows("train")[0], self.system_prompt, self.where)
+        else:
+            raise ValueError(f"{self.where}: load_environment() returned a {type(obj).__name__} with neither "
+                             f"initial_observation() and step(text) nor a dataset and a rubric")
+        self.uses_sampler = callable(getattr(obj, "build", None))
+        self._built_for: Any = None
+        self._build_lock = asyncio.Lock()
+
+    @property
+    def drives_rollouts(self) -> bool:
+        """Environments with ``build(sampling_client)`` need the sampler, which only
+        :meth:`rollout` is given."""
+        return self.uses_sampler
+
+    # -- tasks -------------------------------------------------------------------------------------
+
+    def rows(self, split: str):
+        if split not in self._rows:
+            data = getattr(self.obj, "eval_dataset", None) if split == "test" else None
+            data = data if data is not None else self.obj.dataset
+            self._rows[split] = data() if callable(data) and not hasattr(data, "__len__") else data
+        return self._rows[split]
+
+    def num_tasks(self, split: str) -> int | None:
+        if self.kind == "dataset":
+            return len(self.rows(split))
+        n = getattr(self.obj, "num_tasks", None)
+        if callable(n):
+            n = call_with_accepted(n, split) if _params(n) else n()
+        return None if n is None else int(n)
+
+    async def build_for(self, sampler: Any) -> None:
+        """``obj.build(sampler)`` once per new sampling client (dataset environments)."""
+        async with self._build_lock:
+            if self._built_for is not sampler:
+                await maybe_await(self.obj.build(sampler))
+                self._built_for = sampler
+
+    # -- episodes ----------------------------------------------------------------------------------
+
+    def _env(self, split: str, index: int, sampler: Any = None) -> Env:
+        if self.kind == "dataset":
+            return RubricEnv(self, split, index, sampler)
+        seed = int.from_bytes(hashlib.sha256(repr((self.seed, split, index)).encode()).digest()[:4], "little")
+        return StepEnv(self._load(**self.args), split, index, seed, self.coerce, sampler)
+
+    def make(self, split: str, index: int) -> Env:
+        return self._env(split, index)
+
+    async def rollout(self, ctx) -> list:
+        from polyrl.rollouts import run_episode
+
+        env = self._env(ctx.split, ctx.task_index, ctx.sampler)
+        return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler, ctx.settings, ctx.seed)]

@@ -1,0 +1,190 @@
+"""``module:`` environments: a step-based module loaded by file path and a dataset + rubric module
+with ``build(sampling_client)`` loaded by dotted path (tests/fixtures), config-load errors, reward
+shapes and non-numeric rewards, and a whole ``polyrl train`` run over both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tinker import types
+
+from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.envs.base import StepResult, get_env_builder, make_env_builder
+from polyrl.envs.module_env import ModuleBuilder, RewardCoercion, parse_rubric, parse_step
+from polyrl.renderers import get_renderer
+from polyrl.rollouts import Episode, RolloutSettings, run_episode
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_FILE = "tests/fixtures/module_step_env.py"
+RUBRIC_MODULE = "tests.fixtures.module_rubric_env"
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Run from the repository root with it on sys.path (file paths and dotted paths both resolve)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+class ScriptedSampler:
+    def __init__(self, renderer, replies):
+        self.renderer, self.replies = renderer, list(replies)
+
+    async def sample(self, prompt, num_samples, params):
+        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
+        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
+                                    logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
+        return types.SampleResponse(sequences=[seq])
+
+
+def _settings(**kw):
+    return RolloutSettings(**{"max_turns": 4, "max_tokens": 32, "temperature": 1.0, "timeout": 30, **kw})
+
+
+# ---------------------------------------------------------------------------- config load
+@pytest.mark.parametrize("entry,needle", [
+    ({"type": "module:"}, "module:<dotted.module or path/file.py>"),
+    ({"type": "module:no_such_pkg.envs"}, "module 'no_such_pkg.envs' not found"),
+    ({"type": "module:json"}, "json has no load_environment() function"),
+    ({"type": "module:tests/fixtures/missing_env.py"}, "environment file not found"),
+    ({"type": f"module:{STEP_FILE}", "args": {"max_turns": 3}}, "does not take these args"),
+])
+def test_module_problems_fail_at_config_load(in_repo, tmp_path, entry, needle):
+    (tmp_path / "run.yaml").write_text(json.dumps({"model_name": "m", "environments": {"mine": entry}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "run.yaml")
+    assert needle in str(err.value) and str(err.value).startswith("environments.mine.args")
+
+
+def test_objects_of_the_wrong_shape_fail_before_the_run(tmp_path):
+    (tmp_path / "shapeless.py").write_text("def load_environment():\n    return object()\n")
+    with pytest.raises(ValueError, match="neither initial_observation"):
+        make_env_builder(f"module:{tmp_path / 'shapeless.py'}", {}, seed=0)
+    (tmp_path / "badrubric.py").write_text(
+        "class E:\n    dataset = [{'question': 'q'}]\n    rubric = [(len, 'heavy')]\n"
+        "def load_environment():\n    return E()\n")
+    with pytest.raises(ValueError, match="weight of 'len' must be a number"):
+        make_env_builder(f"module:{tmp_path / 'badrubric.py'}", {}, seed=0)
+    (tmp_path / "norows.py").write_text(
+        "class E:\n    dataset = [{'text': 'q'}]\n    rubric = [len]\n"
+        "def load_environment():\n    return E()\n")
+    with pytest.raises(ValueError, match="need a 'prompt' or a 'question'"):
+        make_env_builder(f"module:{tmp_path / 'norows.py'}", {}, seed=0)
+
+
+# ---------------------------------------------------------------------------- shapes
+def test_step_results_rubrics_and_reward_coercion(caplog):
+    coerce = RewardCoercion("module:x")
+    assert parse_step(0.5, coerce) == StepResult([], 0.5, True, {})
+    r = parse_step({"reward": 1, "observation": "again", "metrics": {"n": 2}}, coerce)
+    assert (r.messages, r.reward, r.done, r.metrics) == ([{"role": "user", "content": "again"}], 1.0, False, {"n": 2.0})
+    assert parse_step({"reward": 2, "observation": "bye", "done": True}, coerce).done
+    r = parse_step(("next", 0.25, False, False, {"k": 1}), coerce)
+    assert (r.messages[0]["content"], r.reward, r.done, r.metrics) == ("next", 0.25, False, {"k": 1.0})
+    assert parse_step(("end", 1.0, True), coerce).messages == []
+    assert parse_step(np.float32(0.75), coerce).reward == 0.75
+    with caplog.at_level(logging.WARNING, logger="polyrl.envs.module_env"):
+        for bad in ("1.0", None, float("nan"), [1]):
+            r = parse_step({"reward": bad, "done": True}, coerce)
+            assert r.reward == 0.0 and r.metrics == {"non_numeric_reward": 1.0}
+    assert coerce.count == 4 and "is not a number; counted as 0" in caplog.text
+
+    def f(completion):
+        return 1.0
+
+    class VfStyle:
+        funcs, weights = [f, len], [2.0, 0.5]
+
+    assert [(n, w) for n, _, w in parse_rubric(VfStyle(), "x")] == [("f", 2.0), ("len", 0.5)]
+    assert [(n, w) for n, _, w in parse_rubric({"a": f, "b": (f, 3)}, "x")] == [("a", 1.0), ("b", 3.0)]
+    assert [(n, w) for n, _, w in parse_rubric(f, "x")] == [("f", 1.0)]
+
+
+def test_step_module_by_file_path_plays_multi_turn_episodes(in_repo, tokenizer, caplog):
+    assert get_env_builder(f"module:{STEP_FILE}") is ModuleBuilder
+    builder = make_env_builder(f"module:{STEP_FILE}", {"max_tries": 3}, seed=0)
+    assert builder.kind == "step" and not builder.drives_rollouts
+    assert builder.num_tasks("train") == 5 and builder.num_tasks("test") == 2
+    renderer = get_renderer("qwen3", tokenizer)
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "xyz"},
+                                        {"role": "assistant", "content": "banana"}])
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("m", "train", 0, 0), renderer, policy, _settings()))
+    assert ep.messages[0] == {"role": "user", "content": "Reply with a word containing the letter a."}
+    assert ep.messages[2] == {"role": "user", "content": "No. Try again."}
+    assert ep.step_rewards == [0.0, 1.0] and ep.reward == 1.0 and ep.done_by_env and ep.metrics["tries"] == 2.0
+    # every episode gets a fresh object: a second episode starts over
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "xyz"}] * 3)
+    ep = asyncio.run(run_episode(builder.make("train", 1), Episode("m", "train", 1, 0), renderer, policy, _settings()))
+    assert ep.step_rewards == [0.0, 0.0, 0.0] and ep.done_by_env and ep.num_turns == 3
+
+    bad = make_env_builder(f"module:{STEP_FILE}", {"bad_reward": True}, seed=0)
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "anything"}])
+    with caplog.at_level(logging.WARNING, logger="polyrl.envs.module_env"):
+        ep = asyncio.run(run_episode(bad.make("train", 2), Episode("m", "train", 2, 0), renderer, policy, _settings()))
+    assert ep.reward == 0.0 and ep.metrics["non_numeric_reward"] == 1.0 and "'lots' is not a number" in caplog.text
+
+
+# ---------------------------------------------------------------------------- polyrl train
+@pytest.mark.slow
+def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_model_dir, tmp_path):
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train
+
+    cfg = TrainConfig(
+        model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
+        learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=2, report=False,
+        environments={
+            "letters": {"type": f"module:{STEP_FILE}", "num_rollouts": 3, "max_turns": 2, "args": {"max_tries": 2}},
+            "judged": {"type": f"module:{RUBRIC_MODULE}", "num_rollouts": 3, "max_turns": 1, "args": {"letter": "a"}},
+        })
+    train(cfg, ConsoleLog(enabled=False))
+
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["rollouts/failed"] == 0 for r in rows)
+    for step in range(2):
+        traj = [json.loads(x) for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert sorted(t["env"] for t in traj) == ["judged"] * 3 + ["letters"] * 3
+        for t in traj:
+            replies = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
+            assert t["error"] is None and len(replies) == t["num_turns"] and sum(t["action_mask"]) > 0
+            if t["env"] == "letters":
+                letter = "aeiou"[t["task_index"] % 5]
+                hit = [letter in r for r in replies]
+                assert t["reward"] == float(any(hit)) and t["done_by_env"]
+                assert t["step_rewards"] == [float(h) for h in hit] and 1 <= t["num_turns"] <= 2
+            else:
+                m = t["metrics"]
+                assert t["messages"][0] == {"role": "system", "content": "Answer with one word."}
+                assert m["reward/contains_answer"] == float("a" in replies[0])
+                assert 0.0 < m["reward/model_confidence"] <= 1.0
+                assert m["reward/builds_seen"] == step + 1  # built once per new sampler
+                assert math.isclose(t["reward"], m["reward/contains_answer"] + 0.5 * m["reward/model_confidence"],
+                                    rel_tol=1e-6)
+        assert rows[step]["env/judged/reward/model_confidence"] > 0
+
+
+def test_step_module_with_build_gets_the_rollouts_sampler(tmp_path, tokenizer):
+    from polyrl.rollouts import RolloutContext
+
+    (tmp_path / "built.py").write_text(
+        "class E:\n"
+        "    sampler = None\n"
+        "    def build(self, sampling_client):\n        self.sampler = sampling_client\n"
+        "    def initial_observation(self):\n        return {'messages': [{'role': 'user', 'content': 'hi'}]}\n"
+        "    async def step(self, message):\n"
+        "        return {'reward': 1.0 if self.sampler is not None else -1.0, 'metrics': {'n': len(message)}}\n"
+        "def load_environment():\n    return E()\n")
+    builder = make_env_builder(f"module:{tmp_path / 'built'}", {}, seed=0)  # '.py' may be left out
+    assert builder.drives_rollouts
+    renderer = get_renderer("qwen3", tokenizer)
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "ok"}])
+    ctx = RolloutContext("m", "train", 0, 0, policy, renderer, _settings(), None)
+    [ep] = asyncio.run(builder.rollout(ctx))
+    assert ep.reward == 1.0 and ep.done_by_env and ep.metrics["n"] >= 2  # step got the whole message
