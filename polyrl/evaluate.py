@@ -38,16 +38,34 @@ async def evaluate_sampler(sampler: Any, renderer: Any, runtimes: dict, num_samp
     by_env: dict[str, list] = {}
     for g in groups:
         by_env.setdefault(g[0].env_name, []).append(g)
+    successes = []
     for name, env_groups in by_env.items():
-        episodes = [ep for g in env_groups for ep in g]
-        out[f"{prefix}/{name}/reward"] = sum(ep.reward for ep in episodes) / len(episodes)
-        out[f"{prefix}/{name}/failed"] = float(sum(ep.failed for ep in episodes))
-        for k in sorted({1, num_samples}):
-            scores = [pass_at_k(len(g), sum(ep.success and not ep.failed for ep in g), k) for g in env_groups]
-            out[f"{prefix}/{name}/pass@{k}"] = sum(scores) / len(scores)
-    successes = [v for k, v in out.items() if k.endswith("/pass@1")]
+        roles = list(dict.fromkeys(ep.role for g in env_groups for ep in g if not ep.failed))
+        if len(roles) > 1 or (roles and roles[0]):
+            # a multi-agent workflow: each role on its own; the environment's numbers are those of the
+            # role whose output is the workflow's answer (the builder's ``eval_role``, else the first)
+            for role in roles:
+                _score(out, f"{prefix}/{name}/{role}", _role_groups(env_groups, role), num_samples)
+            primary = getattr(runtimes[name].builder, "eval_role", None)
+            env_groups = _role_groups(env_groups, primary if primary in roles else roles[0])
+        _score(out, f"{prefix}/{name}", env_groups, num_samples)
+        successes.append(out[f"{prefix}/{name}/pass@1"])
     out[f"{prefix}/pass@1"] = sum(successes) / len(successes)
     return out
+
+
+def _role_groups(groups: list[list], role: str) -> list[list]:
+    """Each task's episodes of ``role``; a failed rollout (no role) counts as a failure of every role."""
+    return [[ep for ep in g if ep.role == role or ep.failed] for g in groups]
+
+
+def _score(out: dict[str, float], key: str, groups: list[list], num_samples: int) -> None:
+    episodes = [ep for g in groups for ep in g]
+    out[f"{key}/reward"] = sum(ep.reward for ep in episodes) / len(episodes)
+    out[f"{key}/failed"] = float(sum(ep.failed for ep in episodes))
+    for k in sorted({1, num_samples}):
+        scores = [pass_at_k(len(g), sum(ep.success and not ep.failed for ep in g), k) for g in groups]
+        out[f"{key}/pass@{k}"] = sum(scores) / len(scores)
 
 
 async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dict[str, float]:

@@ -86,10 +86,11 @@ class RolloutContext:
         """A fresh episode of this rollout's task for ``role``."""
         return Episode(self.env_name, self.split, self.task_index, self.group_id, role=role)
 
-    async def sample(self, episode: Episode, max_tokens: int | None = None) -> Message:
+    async def sample(self, episode: Episode, max_tokens: int | None = None, stream: int = 0) -> Message:
         """Sample one assistant turn continuing ``episode.tokens``; append it; return the parsed message.
-        Seeded per (rollout seed, turn), so a resumed run samples exactly what the original did."""
-        turn = len(episode.turn_spans)
+        Seeded per (rollout seed, ``stream``, turn), so a resumed run samples exactly what the original
+        did; a workflow gives each of its parallel calls (e.g. several solvers) its own ``stream``."""
+        turn = len(episode.turn_spans) + 7919 * stream
         params = types.SamplingParams(
             max_tokens=max_tokens or self.settings.max_tokens,
             temperature=self.settings.temperature,

@@ -186,7 +186,9 @@ class BaseModel:
             with ctx:
                 yield self.peft_model if self.peft_model is not None else self.hf_model
             return
-        self.peft_model.base_model.set_adapter(adapter)
+        # through PeftModel, so its own ``active_adapter`` follows too (it otherwise keeps naming the first
+        # adapter ever added, which breaks forward once that one is deleted, e.g. after load_sampler)
+        self.peft_model.set_adapter(adapter)
         params = self.adapter_params(adapter)
         for p in params:
             p.requires_grad_(train)

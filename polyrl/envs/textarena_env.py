@@ -1,0 +1,402 @@
+"""textarena games (``pip install textarena``): ``type: textarena:<env_id>``.
+
+Single-player games (``textarena:GuessTheNumber-v0``, ``textarena:TowerOfHanoi-v0``, ...) and games
+for two or more players in which the policy plays one seat and every other seat is played by an
+opponent that is not trained::
+
+    environments:
+      tictactoe:
+        type: textarena:TicTacToe-v0
+        max_turns: 9
+        args:
+          opponent: random          # random | first | {actions: ["[4]", ...]} | package.module:callable
+          player_id: alternate      # the policy's seat: an int (default 0) or alternate (by task index)
+
+Opponents: ``random`` picks uniformly among the moves its observation offers (the last
+"available/valid moves" list, else any ``[...]`` in it), seeded per task; ``first`` always takes the
+first one (a fixed deterministic policy); ``{actions: [...]}`` replays fixed actions in turn;
+``package.module:name`` imports a callable ``f(observation: str) -> str`` or a textarena ``Agent``
+class (constructed with ``opponent_kwargs``). Opponents see their accumulated observation text, as
+textarena's ``LLMObservationWrapper`` shows it.
+
+Episodes: the reset observation (the game prompt and board) is the first user message; after each
+policy move the opponents move until it is the policy's turn again, and everything the policy's seat
+observed meanwhile is the next user message (``[GAME] ...`` / ``[Player 1] ...`` lines). textarena
+gives rewards only from ``close()``: the policy's entry is the final step's reward. Rewards are
+validated as numbers (textarena's ``Countdown-v0`` returns a string when a move is invalid): a
+non-numeric or non-finite reward counts as 0 and sets the ``reward_invalid`` metric. An episode is a
+success when that reward is at least ``success_reward`` (default 1.0: a win, or a solved puzzle).
+Action wrappers of the registered id (e.g. bracket formatting) apply; observation wrappers are not
+used, since the conversation already keeps the history.
+
+Args: ``opponent``, ``opponent_kwargs``, ``player_id``, ``num_players`` (default: 1 if the game
+accepts one player, else 2), ``env_kwargs`` (kwargs for ``textarena.make``), ``success_reward``,
+``system_prompt``.
+
+Tasks are seeds derived from (run seed, env id, split, index): even for train, odd for test, so the
+splits never share one. textarena seeds and draws from the process-global ``random`` state: every
+textarena call runs on the episode's private copy of it (:mod:`polyrl.envs.global_rng`).
+
+At config load the game is created and reset once: games that need nltk data (word games) or an
+external LLM key, games for more players than configured, and games whose source does not import
+here are config errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import hashlib
+import importlib
+import io
+import json
+import random
+import re
+from typing import Any, Callable
+
+from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, register_env
+from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
+
+_ARGS = ("opponent", "opponent_kwargs", "player_id", "num_players", "env_kwargs", "success_reward", "system_prompt")
+_GAME_ID = -1
+_MAX_OPPONENT_MOVES = 10_000
+_MOVE_LIST = re.compile(r"(?:available|valid|legal|possible)[^\n:]*(?:moves?|actions?)[^\n:]*:([^\n]*)", re.I)
+_BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
+
+# (env_id, env_kwargs, num_players) -> a created-and-reset game to copy episodes from
+_PROTOTYPES: dict[str, Any] = {}
+
+
+def _import_textarena():
+    try:
+        with PrivateGlobalRng().active():
+            import textarena
+    except ImportError as exc:
+        raise ValueError(f"textarena environments need the textarena package ({exc}): pip install textarena") from exc
+    return textarena
+
+
+def _innermost(env: Any) -> Any:
+    import textarena as ta
+
+    while isinstance(env, ta.Wrapper):
+        env = env.env
+    return env
+
+
+def _format(observation: Any, role_mapping: dict[int, str] | None = None, skip_sender: int | None = None) -> str:
+    """textarena messages ``[(sender, text, type), ...]`` as ``[GAME] text`` lines (messages from
+    ``skip_sender``, the policy's own moves already in the conversation, left out); strings as is."""
+    if observation is None:
+        return ""
+    if isinstance(observation, str):
+        return observation
+    lines = []
+    for item in observation:
+        sender, text = item[0], item[1]
+        if skip_sender is not None and sender == skip_sender:
+            continue
+        if not isinstance(sender, int) or sender == _GAME_ID:
+            name = "GAME"
+        else:
+            name = (role_mapping or {}).get(sender, f"Player {sender}")
+        lines.append(f"[{name}] {text}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ opponents
+
+
+def offered_moves(observation: str) -> list[str]:
+    """The moves an observation offers: the ``[...]`` items of its last "Available moves: ..." style
+    line, else every ``[...]`` in it (in order, without repeats)."""
+    for line in reversed(_MOVE_LIST.findall(observation)):
+        moves = _BRACKETED.findall(line)
+        if moves:
+            return list(dict.fromkeys(moves))
+    return list(dict.fromkeys(_BRACKETED.findall(observation)))
+
+
+class _ScriptedOpponent:
+    def __init__(self, mode: str, seed: int, actions: list[str] | None = None):
+        self.mode, self.actions, self.turn = mode, actions or [], 0
+        self.rng = random.Random(seed)
+
+    def __call__(self, observation: str) -> str:
+        self.turn += 1
+        if self.mode == "actions":
+            return self.actions[(self.turn - 1) % len(self.actions)]
+        moves = offered_moves(observation) or ["[0]"]
+        return moves[0] if self.mode == "first" else self.rng.choice(moves)
+
+
+def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Callable[[str], str]]:
+    """A factory ``seed -> opponent`` for the ``opponent`` arg; raises ValueError when it is invalid."""
+    if spec in ("random", "first"):
+        return lambda seed: _ScriptedOpponent(spec, seed)
+    if isinstance(spec, dict):
+        actions = spec.get("actions")
+        if set(spec) != {"actions"} or not isinstance(actions, list) or not actions or not all(
+            isinstance(a, str) for a in actions
+        ):
+            raise ValueError(f"opponent mapping must be {{actions: [non-empty list of strings]}}, got {spec!r}")
+        return lambda seed: _ScriptedOpponent("actions", seed, actions)
+    if isinstance(spec, str) and ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            target = importlib.import_module(module_name)
+            for part in attr.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"opponent {spec!r} cannot be imported: {exc}") from exc
+        if not callable(target):
+            raise ValueError(f"opponent {spec!r} is not callable")
+        if isinstance(target, type):
+            cls = target
+            return lambda seed: cls(**kwargs)
+        if kwargs:
+            raise ValueError("opponent_kwargs are only used with an opponent class")
+        return lambda seed: target
+    raise ValueError(
+        f"opponent must be 'random', 'first', {{actions: [...]}} or 'package.module:callable', got {spec!r}"
+    )
+
+
+# ------------------------------------------------------------------------------------------ spec
+
+
+class _Spec:
+    """Parsed and checked type + args of one ``textarena:`` entry."""
+
+    def __init__(self, type_name: str, args: dict[str, Any]):
+        prefix, _, env_id = type_name.partition(":")
+        if prefix != "textarena" or not env_id:
+            raise ValueError(f"expected 'textarena:<env_id>' (e.g. textarena:TicTacToe-v0), got {type_name!r}")
+        unknown = sorted(set(args) - set(_ARGS))
+        if unknown:
+            raise ValueError(f"textarena: unknown arg {unknown[0]!r} (known: {', '.join(_ARGS)})")
+        self.env_id = env_id
+        self.env_kwargs = args.get("env_kwargs") or {}
+        if not isinstance(self.env_kwargs, dict):
+            raise ValueError(f"env_kwargs must be a mapping, got {self.env_kwargs!r}")
+        self.success_reward = args.get("success_reward", 1.0)
+        if as_reward(self.success_reward) is None or isinstance(self.success_reward, bool):
+            raise ValueError(f"success_reward must be a number, got {self.success_reward!r}")
+        self.system_prompt = args.get("system_prompt")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"system_prompt must be a string, got {self.system_prompt!r}")
+        self.player_id = args.get("player_id", 0)
+        if self.player_id != "alternate" and (not isinstance(self.player_id, int) or isinstance(self.player_id, bool)
+                                              or self.player_id < 0):
+            raise ValueError(f"player_id must be a seat number (0, 1, ...) or 'alternate', got {self.player_id!r}")
+        num_players = args.get("num_players")
+        if num_players is not None and (not isinstance(num_players, int) or isinstance(num_players, bool)
+                                        or num_players < 1):
+            raise ValueError(f"num_players must be a positive integer, got {num_players!r}")
+        opponent_kwargs = args.get("opponent_kwargs") or {}
+        if not isinstance(opponent_kwargs, dict):
+            raise ValueError(f"opponent_kwargs must be a mapping, got {opponent_kwargs!r}")
+
+        _import_textarena()
+        from textarena.envs.registration import ENV_REGISTRY
+
+        if env_id not in ENV_REGISTRY:
+            close = difflib.get_close_matches(env_id, list(ENV_REGISTRY), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ValueError(f"unknown textarena env id {env_id!r}{hint}")
+        self.num_players = num_players or self._detect_players()
+        _prototype(self)  # created and reset once: unsupported games fail here
+        if isinstance(self.player_id, int) and self.player_id >= self.num_players:
+            raise ValueError(f"player_id {self.player_id} is not a seat of a {self.num_players}-player game")
+        self.opponent = _resolve_opponent(args.get("opponent", "random"), opponent_kwargs) \
+            if self.num_players > 1 else None
+
+    def _detect_players(self) -> int:
+        errors: list[ValueError] = []
+        for n in (1, 2):  # textarena has no player-count API: the game's reset refuses a wrong count
+            try:
+                _prototype(self, n)
+                return n
+            except ValueError as exc:
+                errors.append(exc)
+        other = [e for e in errors if not isinstance(e, _PlayerCountError)]
+        if other:
+            raise other[0]
+        raise ValueError(f"textarena {self.env_id!r} plays with neither 1 nor 2 players ({errors[-1]}); "
+                         "set args.num_players")
+
+    def key(self, num_players: int) -> str:
+        return json.dumps([self.env_id, self.env_kwargs, num_players], sort_keys=True, default=str)
+
+
+class _PlayerCountError(ValueError):
+    pass
+
+
+def _create(spec: _Spec, num_players: int) -> Any:
+    import textarena as ta
+
+    env = ta.make(spec.env_id, **spec.env_kwargs)
+    env.reset(num_players=num_players, seed=0)
+    return env
+
+
+def _prototype(spec: _Spec, num_players: int | None = None) -> Any:
+    n = num_players or spec.num_players
+    key = spec.key(n)
+    if key not in _PROTOTYPES:
+        sink = io.StringIO()
+        try:
+            with PrivateGlobalRng(0).active(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                _PROTOTYPES[key] = _create(spec, n)
+        except AssertionError as exc:  # textarena checks the player count with asserts
+            raise _PlayerCountError(f"textarena {spec.env_id!r} with {n} players: {exc}") from exc
+        except LookupError as exc:
+            resource = re.search(r"Resource\s+(\S+)\s+not found", str(exc))
+            name = resource.group(1) if resource else "its nltk data"
+            raise ValueError(
+                f"textarena {spec.env_id!r} needs the nltk resource {name}, which is not installed here "
+                f"(textarena would try to download it): run `python -m nltk.downloader {name.strip(chr(39))}` "
+                "with network access, or point NLTK_DATA at a copy"
+            ) from exc
+        except SyntaxError as exc:
+            raise ValueError(f"textarena {spec.env_id!r} does not import on this Python (a bug in the installed "
+                             f"textarena): {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any failure of the package becomes one clear line
+            msg = " ".join(str(exc).split())[:300]
+            if "API key" in msg or "api_key" in msg:
+                msg += " (this game needs an external LLM service, which polyrl does not provide)"
+            raise ValueError(f"textarena {spec.env_id!r} cannot be created here: {type(exc).__name__}: {msg}") from exc
+    return _PROTOTYPES[key]
+
+
+# ------------------------------------------------------------------------------------------ episodes
+
+
+def _quiet() -> contextlib.AbstractContextManager:
+    """Some games print progress to stdout; keep it out of the training console."""
+    return contextlib.redirect_stdout(io.StringIO())
+
+
+class TextArenaEnv(Env):
+    """One game: the policy's seat against the opponents, on a private global-RNG stream."""
+
+    def __init__(self, spec: _Spec, seed: int, player: int):
+        self.spec, self.seed, self.player = spec, seed, player
+        self.rng = PrivateGlobalRng(seed)
+        self.env: Any = None
+        self.opponents: dict[int, Callable[[str], str]] = {}
+        self.histories: dict[int, list[Any]] = {}
+        self.opponent_moves = 0
+
+    @property
+    def inner(self) -> Any:
+        return _innermost(self.env)
+
+    def _roles(self) -> dict[int, str]:
+        return getattr(getattr(self.inner, "state", None), "role_mapping", None) or {}
+
+    def _text(self, observation: Any) -> str:
+        return _format(observation, self._roles(), skip_sender=self.player)
+
+    def _current(self) -> int:
+        return self.inner.state.current_player_id
+
+    def _done(self) -> bool:
+        return bool(getattr(self.inner.state, "done", False))
+
+    def _run_opponents(self) -> bool:
+        """Opponents move until it is the policy's turn; True when the game ended meanwhile."""
+        for _ in range(_MAX_OPPONENT_MOVES):
+            if self._done():
+                return True
+            pid = self._current()
+            if pid == self.player:
+                return False
+            if pid not in self.opponents:
+                self.opponents[pid] = self.spec.opponent(self.seed * 31 + pid)
+            _, observation = self.inner.get_observation()
+            self.histories.setdefault(pid, []).extend(observation or [])
+            action = self.opponents[pid](_format(self.histories[pid], self._roles()))
+            self.opponent_moves += 1
+            done, _ = self.env.step(str(action))
+            if done:
+                return True
+        raise RuntimeError(f"opponents made {_MAX_OPPONENT_MOVES} moves without the policy getting a turn")
+
+    async def reset(self) -> Observation:
+        with self.rng.active(), _quiet():
+            try:
+                self.env = copy.deepcopy(_prototype(self.spec))
+            except Exception:  # noqa: BLE001 - a game that cannot be copied is created afresh
+                self.env = _create(self.spec, self.spec.num_players)
+            self.env.reset(num_players=self.spec.num_players, seed=self.seed)
+            if self.spec.num_players > 1 and self._run_opponents():
+                raise RuntimeError("the game ended before the policy's first move")
+            pid, observation = self.inner.get_observation()
+        if pid != self.player:
+            raise RuntimeError(f"expected player {self.player} to move first, textarena says player {pid}")
+        messages: list[Message] = []
+        if self.spec.system_prompt:
+            messages.append({"role": "system", "content": self.spec.system_prompt})
+        messages.append({"role": "user", "content": self._text(observation)})
+        return Observation(messages)
+
+    async def step(self, action: Message) -> StepResult:
+        text = action.get("content") or ""
+        with self.rng.active(), _quiet():
+            done, _ = self.env.step(text if isinstance(text, str) else str(text))
+            if not done and self.spec.num_players > 1:
+                done = self._run_opponents()
+            if not done:
+                pid, observation = self.inner.get_observation()
+                if pid != self.player:
+                    raise RuntimeError(f"expected player {self.player}'s turn, textarena says player {pid}")
+                return StepResult([{"role": "user", "content": self._text(observation)}], 0.0, False,
+                                  {"success": 0.0})
+            pending = self.inner.state.observations.get(self.player, [])
+            closed = self.env.close()
+        rewards, game_info = closed if isinstance(closed, tuple) and len(closed) == 2 else (closed, {})
+        raw = (rewards or {}).get(self.player) if isinstance(rewards, dict) else None
+        reward = as_reward(raw)
+        info = (game_info or {}).get(self.player, {}) if isinstance(game_info, dict) else {}
+        metrics = {
+            "reward_invalid": float(reward is None),
+            "invalid_move": float(bool(info.get("invalid_move", False))) if isinstance(info, dict) else 0.0,
+            "opponent_moves": float(self.opponent_moves),
+        }
+        reward = 0.0 if reward is None else reward
+        metrics["success"] = float(reward >= float(self.spec.success_reward))
+        final = self._text(pending)
+        reason = info.get("reason") if isinstance(info, dict) else None
+        if reason and str(reason) not in final:
+            final = (final + "\n" if final else "") + f"[GAME] {reason}"
+        return StepResult([{"role": "user", "content": final}] if final else [], reward, True, metrics)
+
+
+@register_env("textarena:")
+class TextArenaBuilder(EnvBuilder):
+    """``textarena:<env_id>``: see the module docstring."""
+
+    def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
+        super().__init__(args, seed)
+        self.type_name = type_name or self.type_name
+        self.spec = _Spec(self.type_name, self.args)
+
+    @classmethod
+    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
+        _Spec(type_name, args)
+
+    def task_seed(self, split: str, index: int) -> int:
+        """Seed of task ``index``: even for train, odd for test (never shared)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown split {split!r}")
+        digest = hashlib.sha256(f"polyrl/textarena/{self.spec.env_id}/{self.seed}/{split}/{index}".encode()).digest()
+        return (int.from_bytes(digest[:4], "little") & 0x7FFFFFFE) | (split == "test")
+
+    def make(self, split: str, index: int) -> TextArenaEnv:
+        player = self.spec.player_id
+        if player == "alternate":
+            player = index % self.spec.num_players
+        return TextArenaEnv(self.spec, self.task_seed(split, index), player)

@@ -1,0 +1,153 @@
+"""textarena adapter (``textarena:<env_id>``) with the real textarena package, offline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import numpy as np
+import pytest
+
+from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.envs.base import make_env_builder
+from polyrl.envs.textarena_env import offered_moves
+
+
+def _rng_state():
+    return random.getstate(), np.random.get_state()[1].tobytes()
+
+
+async def _play(builder, split, index, moves):
+    env = builder.make(split, index)
+    obs = await env.reset()
+    results = []
+    for move in moves:
+        result = await env.step({"role": "assistant", "content": move})
+        results.append(result)
+        if result.done:
+            break
+    return obs, results
+
+
+def test_single_player_game_multi_turn_reward_from_close():
+    builder = make_env_builder("textarena:GuessTheNumber-v0", {}, seed=0)
+    assert builder.spec.num_players == 1 and builder.spec.opponent is None
+    random.seed(7)
+    before = _rng_state()
+    obs, results = asyncio.run(_play(builder, "train", 0, [f"[{n}]" for n in range(1, 21)]))
+    assert _rng_state() == before  # textarena re-seeds `random`, but only the episode's private copy
+    assert "Guess The Number" in obs.messages[0]["content"] and obs.messages[0]["role"] == "user"
+    *middle, last = results
+    assert all(not r.done and r.reward == 0.0 and r.messages[0]["role"] == "user" for r in middle)
+    assert "[GAME] The target number is" in middle[0].messages[0]["content"]
+    assert "[Player]" not in middle[0].messages[0]["content"]  # the policy's own move is not echoed back
+    assert last.done and 0.0 <= last.reward <= 1.0 and last.metrics["reward_invalid"] == 0.0
+    # same task, same game: deterministic; test tasks use other seeds
+    assert [r.messages for r in asyncio.run(_play(builder, "train", 0, [f"[{n}]" for n in range(1, 21)]))[1]] == \
+        [r.messages for r in results]
+    assert builder.task_seed("train", 0) % 2 == 0 and builder.task_seed("test", 0) % 2 == 1
+
+
+def test_two_player_game_against_scripted_opponents():
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "first", "player_id": "alternate"}, seed=0)
+    assert builder.spec.num_players == 2
+    # seat 0: the policy moves first; the opponent (always the first offered move) answers
+    obs, results = asyncio.run(_play(builder, "train", 0, ["[4]", "[8]", "[6]", "[2]", "[5]"]))
+    assert "Available Moves" in obs.messages[0]["content"]
+    assert "[Player 1] [0]" in results[0].messages[0]["content"]  # the opponent's reply is observed
+    assert results[-1].done and results[-1].reward in (-1.0, 0.0, 1.0)
+    assert results[-1].metrics["opponent_moves"] >= 1
+    # seat 1 (odd task index): the opponent has already moved when the policy first sees the board
+    obs1, _ = asyncio.run(_play(builder, "train", 1, []))
+    assert "[Player 0] [0]" in obs1.messages[0]["content"]
+    # a fixed sequence of actions as opponent, and a win for the policy
+    fixed = make_env_builder("textarena:TicTacToe-v0", {"opponent": {"actions": ["[0]", "[1]", "[3]"]}}, seed=0)
+    _, results = asyncio.run(_play(fixed, "train", 0, ["[4]", "[8]", "[2]", "[6]"]))
+    assert results[-1].done and results[-1].reward == 1.0 and results[-1].metrics["success"] == 1.0
+    # an invalid move loses (textarena ends two-player games on invalid moves after its allowance)
+    _, results = asyncio.run(_play(fixed, "train", 0, ["[4]", "[4]", "[4]", "[4]"]))
+    assert results[-1].done and results[-1].reward == -1.0 and results[-1].metrics["invalid_move"] == 1.0
+
+
+def test_callable_and_random_opponents():
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "tests.test_env_textarena:center_then_first"},
+                               seed=0)
+    _, results = asyncio.run(_play(builder, "train", 0, ["[0]"]))
+    assert "[Player 1] [4]" in results[0].messages[0]["content"]
+    rand = make_env_builder("textarena:TicTacToe-v0", {"opponent": "random"}, seed=0)
+    replies = set()
+    for i in range(8):
+        text = asyncio.run(_play(rand, "train", i, ["[4]"]))[1][0].messages[0]["content"]
+        replies |= {line for line in text.splitlines() if line.startswith("[Player 1]")}
+    assert len(replies) > 1  # the random opponent is seeded per task
+    assert offered_moves("Board\nAvailable Moves: '[6]', '[7]'") == ["[6]", "[7]"]
+    assert offered_moves("Your available actions are: '[check]', '[bet]'") == ["[check]", "[bet]"]
+
+
+def center_then_first(observation: str) -> str:
+    moves = offered_moves(observation)
+    return "[4]" if "[4]" in moves else moves[0]
+
+
+def test_string_rewards_are_not_numbers():
+    # textarena's Countdown-v0 passes its arguments in the wrong order on invalid moves: the reward is a string
+    builder = make_env_builder("textarena:Countdown-v0", {}, seed=0)
+    _, results = asyncio.run(_play(builder, "train", 0, ["nonsense", "nonsense"]))
+    assert results[-1].done and results[-1].reward == 0.0 and results[-1].metrics["reward_invalid"] == 1.0
+
+
+def _load(env: dict) -> TrainConfig:
+    return load_config(None, [], base={"model_name": "m", "environments": {"t": env}})
+
+
+def test_what_textarena_cannot_do_here_is_a_config_error():
+    cases = [
+        ({"type": "textarena:TicTacToe-v9"}, "did you mean TicTacToe-v0"),
+        ({"type": "textarena:Chess-v0"}, "does not import on this Python"),  # textarena 0.7.4's f-string bug
+        ({"type": "textarena:SecretMafia-v0"}, "set args.num_players"),
+        ({"type": "textarena:TicTacToe-v0", "args": {"opponent": "nobody"}}, "opponent must be"),
+        ({"type": "textarena:TicTacToe-v0", "args": {"opponent": "no_such_module:f"}}, "cannot be imported"),
+        ({"type": "textarena:TicTacToe-v0", "args": {"player_id": 2}}, "not a seat of a 2-player game"),
+        ({"type": "textarena:Debate-v0"}, "external LLM"),
+    ]
+    import nltk
+
+    try:
+        nltk.data.find("corpora/words")
+    except LookupError:
+        cases.append(({"type": "textarena:Wordle-v0"}, "needs the nltk resource 'words'"))
+    for env, message in cases:
+        with pytest.raises(ConfigError, match="environments.t.args") as err:
+            _load(env)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_textarena_trains_two_steps(tiny_model_dir, tmp_path):
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train
+
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
+                      log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"),
+                      environments={
+                          "auction": {"type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 3, "max_turns": 4,
+                                      "args": {"opponent": "random", "player_id": "alternate"}},
+                          "guess": {"type": "textarena:GuessTheNumber-v0", "num_rollouts": 3, "max_turns": 3},
+                      })
+    train(cfg, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["rollouts/failed"] == 0 and r["episodes/count"] == 6
+    traj = [json.loads(x) for step in (0, 1)
+            for x in (tmp_path / "run" / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    assert {t["env"] for t in traj} == {"auction", "guess"}
+    for t in traj:
+        assert t["error"] is None and t["num_turns"] >= 1
+        assert len(t["step_rewards"]) == t["num_turns"]
+        assert all(r == 0.0 for r in t["step_rewards"][:-1])  # textarena rewards only at close()
+        assert -1.0 <= t["reward"] <= 1.0
+        assert t["messages"][0]["role"] == "user"
+        if t["env"] == "auction":
+            assert t["done_by_env"] and t["metrics"]["opponent_moves"] >= 1
