@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	@$(PY) -m pip install -q -e ".[dev,serve]"
+	@$(PY) -m pip install -q -e ".[dev,serve,openreward,verifiers,reasoning_gym,textarena,gem]"
+	@$(PY) -m pip install -q --no-deps gem-llm
 	@touch $(STAMP)
 
 test: $(STAMP)

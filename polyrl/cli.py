@@ -62,6 +62,21 @@ def cmd_tiny_model(args) -> None:
     print(build_tiny_model(args.out_dir, args.size, args.seed))
 
 
+def cmd_report(args) -> None:
+    from polyrl.report import build_report
+
+    try:
+        print(build_report(args.log_path, force=args.force))
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def cmd_serve(args) -> None:
+    from polyrl.serve.main import run
+
+    run(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +99,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="unit", help="unit | small | quickstart | base")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
+
+    p = sub.add_parser("report", help="write LOG_PATH/report/index.html: curves, trajectory browser, config")
+    p.add_argument("log_path", help="a run's log_path (metrics.jsonl, trajectories/, checkpoints.jsonl)")
+    p.add_argument("--force", action="store_true", help="rewrite every file instead of only what changed")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("serve", help="serve the local engine over Tinker's HTTP protocol (for the tinker SDK)")
+    from polyrl.serve.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(fn=cmd_serve)
 
     args = parser.parse_args(argv)
     from polyrl.config import ConfigError

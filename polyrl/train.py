@@ -21,8 +21,9 @@ from tinker import types
 from polyrl import advantages as adv_lib
 from polyrl.backend import make_service_client
 from polyrl.config import EnvConfig, TrainConfig
-from polyrl.envs.base import EnvBuilder, get_env_builder
+from polyrl.envs.base import EnvBuilder, make_env_builder
 from polyrl.renderers import get_renderer, infer_renderer
+from polyrl.report import refresh_for_training
 from polyrl.rollouts import Episode, RolloutSettings, run_group, split_roles
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
@@ -46,7 +47,7 @@ class EnvRuntime:
 
     @classmethod
     def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int) -> "EnvRuntime":
-        builder = get_env_builder(cfg.type or name)(cfg.args, seed=seed)
+        builder = make_env_builder(cfg.type or name, cfg.args, seed=seed)
         settings = RolloutSettings(
             max_turns=cfg.max_turns,
             max_tokens=cfg.max_tokens or max_tokens,
@@ -258,6 +259,11 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         from polyrl.tracking.wandb_log import WandbLog
 
         wandb = WandbLog(config.wandb_project_name, config.wandb_run_name, config.dump(), str(files.root), wandb_id)
+    uploader = None
+    if config.openreward_run_name:
+        from polyrl.tracking.openreward_upload import OpenRewardUploader
+
+        uploader = OpenRewardUploader(config, runtimes, start_step)
 
     adam = types.AdamParams(learning_rate=config.learning_rate, beta1=config.adam_beta1, beta2=config.adam_beta2,
                             eps=config.adam_eps, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
@@ -303,14 +309,15 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         t2 = time.monotonic()
         done_steps = step + 1
         final = done_steps == config.max_steps
+        checkpoint_row = None
         if final or (config.save_every and done_steps % config.save_every == 0):
             name = "final" if final else f"{done_steps:06d}"
             state = await training.save_state(name)
             sampler_path = (await training.save_weights_for_sampler(name)).path
             sampler = await training.create_sampling_client(sampler_path)
-            files.log_checkpoint({"name": name, "batch": done_steps, "final": final, "state_path": state.path,
-                                  "sampler_path": sampler_path, "cursors": dict(cursors),
-                                  "wandb_run_id": wandb.run_id if wandb else None})
+            checkpoint_row = {"name": name, "batch": done_steps, "final": final, "state_path": state.path,
+                              "sampler_path": sampler_path, "cursors": dict(cursors),
+                              "wandb_run_id": wandb.run_id if wandb else None}
             console.info(f"checkpoint {name}: {state.path}")
         else:
             sampler = await training.save_weights_and_get_sampling_client()
@@ -327,13 +334,26 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         kept_ids = {id(ep) for g in kept for ep in g}
         files.log_trajectories(step, [episode_row(step, ep, tokenizer, dropped=id(ep) not in kept_ids)
                                       for group in groups for ep in group])
+        if uploader:
+            uploader.upload_step(step, [ep for group in groups for ep in group], row_metrics,
+                                 {id(ep) for group in groups for ep in group} - kept_ids)
         files.log_metrics(row_metrics)
+        if checkpoint_row is not None:  # last: a resume from this row must find the step fully logged
+            files.log_checkpoint(checkpoint_row)
         if wandb:
             wandb.log(row_metrics, step)
         console.step(row_metrics)
         last_row = row_metrics
+        if config.report and not final and config.save_every and done_steps % config.save_every == 0:
+            refresh_for_training(files.root, console)
+    if config.report:
+        refresh_for_training(files.root, console)
     if wandb:
         wandb.close()
+    if uploader:
+        uploader.close()
+    for rt in runtimes.values():
+        await rt.builder.aclose()
     return last_row
 
 
