@@ -31,6 +31,7 @@ from fractions import Fraction
 from typing import Any, Callable, Generator, TypeVar, Union
 
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.renderers.base import message_text
 
 __all__ = [
     "ExpressionError",
@@ -201,17 +202,6 @@ def _user(content: str) -> Message:
     return {"role": "user", "content": content}
 
 
-def _text(message: Message) -> str:
-    """A message's text: ``None`` as empty, OpenAI text parts joined."""
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = (p for p in content if isinstance(p, dict) and p.get("type", "text") == "text")
-    return "".join(p.get("text", "") for p in parts)
-
-
 class _SyncEnv(Env):
     """A synchronous core behind the async interface.
 
@@ -367,7 +357,7 @@ class ArithmeticEnv(_SyncEnv):
         return Observation([_user(f"What is {t.a} {t.op} {t.b}? Put the final answer in \\boxed{{}}.")])
 
     def _step(self, action: Message) -> StepResult:
-        value = answer_value(_text(action))
+        value = answer_value(message_text(action))
         success = float(_equals(value, self.task.answer))
         return StepResult([], success, True, {"success": success, "format_ok": float(value is not None)})
 
@@ -538,7 +528,7 @@ class CountdownEnv(_SyncEnv):
 
     def _step(self, action: Message) -> StepResult:
         try:
-            value, literals = evaluate_expression(countdown_expression(_text(action)))
+            value, literals = evaluate_expression(countdown_expression(message_text(action)))
         except ExpressionError:
             return StepResult([], 0.0, True, {"success": 0.0, "format_ok": 0.0})
         success = float(Counter(literals) == Counter(self.task.numbers) and value == self.task.target)
@@ -648,7 +638,7 @@ class GuessNumberEnv(_SyncEnv):
 
     def _step(self, action: Message) -> StepResult:
         self.guesses += 1
-        guess = answer_value(_text(action))
+        guess = answer_value(message_text(action))
         if _equals(guess, self.secret):
             return StepResult([], 1.0, True, {"success": 1.0, "num_guesses": float(self.guesses)})
         if self.guesses >= self.max_guesses:
@@ -781,7 +771,7 @@ class CalculatorEnv(_SyncEnv):
         calls = action.get("tool_calls") or []
         errors = action.get("tool_call_errors") or []
         if not calls and not errors:
-            success = float(_equals(answer_value(_text(action)), self.task.answer))
+            success = float(_equals(answer_value(message_text(action)), self.task.answer))
             return StepResult([], success, True, {"success": success, "tool_calls": float(self.tool_calls)})
         self.tool_calls += len(calls) + len(errors)
         if self.tool_calls > self.max_tool_calls:
