@@ -12,6 +12,7 @@ like with like.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import torch
 from tinker import types
 
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
+INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
 
 
 @dataclass
@@ -34,6 +36,52 @@ class SampleJob:
     stop_strings: tuple[str, ...] = ()
     max_tokens: int = 16
     prompt_only: bool = False  # compute_logprobs: prefill, no sampling
+
+
+@functools.cache
+def _buffer_layer_class():
+    """``_BufferLayer``, defined on first use so that importing polyrl does not import transformers."""
+    from transformers.cache_utils import DynamicLayer
+
+    class _BufferLayer(DynamicLayer):
+        """A ``DynamicLayer`` that appends into a preallocated buffer (grown by doubling) and returns
+        views of it, instead of concatenating the whole cache on every decode step."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            cap = max(self.capacity, key_states.shape[-2])
+            self._k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            self._v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self._k.shape[-2]:
+                cap = max(end, 2 * self._k.shape[-2])
+                grow = lambda b: torch.cat([b, b.new_empty((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))], dim=-2)  # noqa: E731
+                self._k, self._v = grow(self._k), grow(self._v)
+            self._k[..., self.length : end, :] = key_states
+            self._v[..., self.length : end, :] = value_states
+            self.length = end
+            self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self._k, self._v = self._k[indices], self._v[indices]
+                self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
+
+    return _BufferLayer
 
 
 @dataclass
@@ -83,14 +131,13 @@ def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Ten
     return x
 
 
-def _gumbel(shape: tuple[int, int], rows_gen: list[torch.Generator | None], device, default_gen) -> torch.Tensor:
-    """Gumbel noise; rows of seeded requests draw from their own generator (batch-independent)."""
+def _gumbel(shape: tuple[int, int], seeded: list[tuple[int, torch.Generator]], device, default_gen) -> torch.Tensor:
+    """Gumbel noise; the ``(row, generator)`` rows of seeded requests draw from their own generator
+    (batch-independent)."""
     u = torch.rand(shape, device=device, generator=default_gen)
-    for i, g in enumerate(rows_gen):
-        if g is not None:
-            u[i] = torch.rand(shape[1], device=device, generator=g)
-    exponential = -torch.log(u.clamp(min=1e-20))
-    return -torch.log(exponential.clamp(min=1e-20))
+    for i, g in seeded:
+        u[i] = torch.rand(shape[1], device=device, generator=g)
+    return u.clamp_(min=1e-20).log_().neg_().clamp_(min=1e-20).log_().neg_()
 
 
 @torch.inference_mode()
@@ -114,6 +161,11 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    # decode writes into preallocated per-layer buffers instead of concatenating every step
+    # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
+    capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
+    layer_class = _buffer_layer_class()
+    cache.layer_class_to_replicate = lambda: layer_class(capacity)
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -142,11 +194,17 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     for j, job in enumerate(jobs):
         if job.prompt_only:
             continue
-        gen = None
+        # A seeded request gives each of its samples its own generator (seeded from the request's
+        # seed), so a sample's draws never depend on when its siblings, or other requests, finish.
+        seeds: list[int | None] = [None] * job.num_samples
         if job.params.seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(int(job.params.seed))
-        for _ in range(job.num_samples):
+            parent = torch.Generator().manual_seed(int(job.params.seed))
+            seeds = torch.randint(0, 2**62, (job.num_samples,), generator=parent).tolist()
+        for seed in seeds:
+            gen = None
+            if seed is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(seed)
             rows.append(_Row(job=j))
             row_prompt.append(unique[tuple(job.prompt)])
             row_gen.append(gen)
@@ -187,13 +245,25 @@ def _decode(model, jobs, rows, row_prompt, row_gen, cache, prompt_mask, prompt_l
     # Row numbers in cache order. Finished rows stay in the cache (and are skipped) until enough
     # of them finish to make dropping them worth reshaping the cache.
     in_cache = list(range(len(rows)))
+    any_greedy = bool((temps <= 0).any())
+    plain = bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
+    # the attention mask of every step is a view of one buffer (no per-step concatenation)
+    mask_buf = torch.ones((len(rows), mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
+                          dtype=mask.dtype, device=device)
+    mask_buf[:, : mask.shape[1]] = mask
+    width = mask.shape[1]
+    seeded = [(pos, g) for pos, g in enumerate(row_gen) if g is not None]
+    sel = torch.arange(len(rows), device=device)
 
     while True:
-        sel = torch.tensor(in_cache, device=device)
-        gumbel = _gumbel(tuple(logits.shape), [row_gen[i] for i in in_cache], device, generator)
-        sampled = (_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]) + gumbel).argmax(-1)
-        tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled)
-        token_lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        gumbel = _gumbel(tuple(logits.shape), seeded, device, generator)
+        logp = torch.log_softmax(logits, dim=-1)
+        if plain:  # temperature 1, no top-k / top-p: nothing to filter (x / 1.0 == x exactly)
+            sampled = (logits + gumbel).argmax(-1)
+        else:
+            sampled = (_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]) + gumbel).argmax(-1)
+        tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
+        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         for row_i, tok, lp in zip(in_cache, tokens.tolist(), token_lp.tolist()):
             row = rows[row_i]
             if row.stop_reason is not None:
@@ -213,12 +283,15 @@ def _decode(model, jobs, rows, row_prompt, row_gen, cache, prompt_mask, prompt_l
         if len(in_cache) - len(alive) >= PRUNE_FRACTION * len(in_cache):
             keep = torch.tensor(alive, device=device)
             cache.batch_select_indices(keep)
-            mask, next_pos, tokens = mask[keep], next_pos[keep], tokens[keep]
+            mask_buf, next_pos, tokens, sel = mask_buf[keep], next_pos[keep], tokens[keep], sel[keep]
             in_cache = [in_cache[pos] for pos in alive]
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=1)
+            seeded = [(pos, row_gen[row_i]) for pos, row_i in enumerate(in_cache) if row_gen[row_i] is not None]
+        width += 1
+        if width > mask_buf.shape[1]:
+            mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
         out = model(
             input_ids=tokens.unsqueeze(1),
-            attention_mask=mask,
+            attention_mask=mask_buf[:, :width],
             position_ids=next_pos.unsqueeze(1),
             past_key_values=cache,
             use_cache=True,

@@ -19,7 +19,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurre
 
 from polyrl.local import losses
 from polyrl.local.engine import Engine, SamplerState, TrainerState
-from polyrl.local.model import LoraSpec
+from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.sampler import SampleJob, resolve_stops
 
 
@@ -48,6 +48,42 @@ def _chain(fut: Future, fn) -> Future:
 
     fut.add_done_callback(cb)
     return out
+
+
+def check_sample_options(topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                         prompt_alt_tokens_k: int = 0, target_prompt_logprobs: Any = None) -> None:
+    """Refuse the ``sample`` options the local engine does not implement."""
+    if topk_prompt_logprobs or topk_sample_logprobs or prompt_alt_tokens_k or target_prompt_logprobs is not None:
+        raise ValueError("top-k logprobs, target_prompt_logprobs and prompt_alt_tokens are not supported "
+                         "by the local engine")
+
+
+def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
+                    include_prompt_logprobs: bool = False, prompt_only: bool = False) -> SampleJob:
+    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``)."""
+    tokens = prompt.to_ints()
+    if not tokens:
+        raise ValueError("prompt is empty")
+    if min(tokens) < 0 or max(tokens) >= base.vocab_size:
+        raise ValueError(f"prompt token out of range for vocabulary size {base.vocab_size}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if params.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    context = base.max_context_length or 1 << 30
+    if len(tokens) >= context:
+        raise ValueError(f"prompt of {len(tokens)} tokens does not fit the model's context of {context}")
+    room = context - len(tokens)
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    max_tokens = min(params.max_tokens or room, room)
+    eos = base.hf_model.generation_config.eos_token_id if base.hf_model.generation_config else None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
+    return SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
+                     max_tokens, prompt_only)
 
 
 class ServiceClient:
@@ -274,38 +310,13 @@ class SamplingClient:
 
     def _job(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
              include_prompt_logprobs: bool = False, prompt_only: bool = False) -> SampleJob:
-        base = self._state.base
-        tokens = prompt.to_ints()
-        if not tokens:
-            raise ValueError("prompt is empty")
-        if min(tokens) < 0 or max(tokens) >= base.vocab_size:
-            raise ValueError(f"prompt token out of range for vocabulary size {base.vocab_size}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if params.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-        context = base.max_context_length or 1 << 30
-        if len(tokens) >= context:
-            raise ValueError(f"prompt of {len(tokens)} tokens does not fit the model's context of {context}")
-        room = context - len(tokens)
-        if params.max_tokens is not None and params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        max_tokens = min(params.max_tokens or room, room)
-        eos = base.hf_model.generation_config.eos_token_id if base.hf_model.generation_config else None
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
-        return SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
-                         max_tokens, prompt_only)
+        return make_sample_job(self._state.base, prompt, num_samples, params, include_prompt_logprobs, prompt_only)
 
     def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
                target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
                prompt_logprobs_last_n: int | None = None) -> APIFuture[types.SampleResponse]:
-        if topk_prompt_logprobs or topk_sample_logprobs or prompt_alt_tokens_k or target_prompt_logprobs is not None:
-            raise ValueError("top-k logprobs, target_prompt_logprobs and prompt_alt_tokens are not supported "
-                             "by the local engine")
+        check_sample_options(topk_prompt_logprobs, topk_sample_logprobs, prompt_alt_tokens_k, target_prompt_logprobs)
         job = self._job(prompt, num_samples, sampling_params, include_prompt_logprobs)
         return AwaitableConcurrentFuture(self._engine.submit_sample(self._state, job))
 

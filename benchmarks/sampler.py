@@ -1,0 +1,176 @@
+"""Sampling throughput: polyrl's ``SamplingClient.sample`` against Hugging Face ``model.generate``.
+
+The workload is an RL rollout batch: ``--prompts`` distinct prompts, a group of ``--group``
+samples each, ``--new-tokens`` new tokens per sample, on the ``base`` tiny model (~3.4M
+parameters, built in a temporary directory). Both sides generate exactly the same number of
+tokens: the model's end-of-sequence id is removed from its generation config (so polyrl, which
+always stops at EOS, runs every row to ``max_tokens``), and HF gets
+``min_new_tokens = max_new_tokens``. Sampling is plain temperature 1 on both sides (no top-k /
+top-p), so the per-token work is the same.
+
+polyrl is measured two ways, as an RL loop calls it:
+
+* ``polyrl n=1 x group``: prompts x group ``sample(num_samples=1)`` calls all submitted before
+  waiting on any (what ``asyncio.gather`` over a group's episodes does);
+* ``polyrl n=group``: one ``sample(num_samples=group)`` call per prompt.
+
+and on both the bare base model and a LoRA snapshot (``save_weights_and_get_sampling_client``);
+HF generate runs the same batch through the bare model and through a PEFT model with the same
+LoRA weights. The last line is the headline ratio, polyrl (n=1 x group, as an RL rollout issues
+requests) against HF generate on the same base model: ``sampler_vs_hf_generate: X.XXx``.
+
+All heavy torch work (building the model, loading the HF baselines, HF generate) runs on the
+engine's worker thread, where polyrl samples: with libgomp, once a second thread owns an OpenMP
+pool, both pools' workers stop spinning between parallel regions and a tiny-op workload like this
+one runs ~2x slower, whichever side is measured. Each case is timed ``--repeats`` times,
+interleaved with the others; the table shows the median and the best wall-clock run and the
+median CPU time (all threads). Ratios use the best run, the estimate least disturbed by other
+load; on a shared machine ``--threads 1`` gives the steadiest figures.
+
+Run: ``.venv/bin/python benchmarks/sampler.py [--repeats 5] [--threads 1] [--prompts 8 --group 8 --new-tokens 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+
+def build_model(root: Path) -> Path:
+    from polyrl.models.tiny import build_tiny_model
+
+    path = build_tiny_model(root / "base-model", "base", seed=0)
+    gen_config = path / "generation_config.json"
+    cfg = json.loads(gen_config.read_text()) if gen_config.exists() else {}
+    cfg["eos_token_id"] = None  # every row runs to max_tokens, on both sides
+    gen_config.write_text(json.dumps(cfg))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    from tinker import types
+
+    from polyrl.local import ServiceClient
+
+    root = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
+    service = ServiceClient(store_dir=root / "store")
+    engine = service.engine
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        engine.call(lambda: torch.set_num_threads(args.threads))
+    model_dir = str(engine.call(lambda: build_model(root)))
+    trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
+
+    def init_lora() -> None:  # nonzero LoRA B, so the LoRA path computes something real
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in trainer._state.params:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+    engine.call(init_lora)
+    ckpt = trainer.save_weights_for_sampler("bench").result().path
+    lora_sampler = service.create_sampling_client(model_path=ckpt).result()
+    base_sampler = service.create_sampling_client(base_model=model_dir).result()
+    run_id, kind, name = ckpt[len("tinker://"):].split("/")
+    adapter_dir = root / "store" / run_id / kind / name
+
+    def load_hf():
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        lora = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                         str(adapter_dir)).eval()
+        return plain, lora
+
+    hf, hf_lora = engine.call(load_hf)
+    n_params = sum(p.numel() for p in hf.parameters())
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, hf.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    rows = args.prompts * args.group
+    total_new = rows * args.new_tokens
+    params = types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0)
+
+    def polyrl_n1(sampler) -> int:
+        futs = [sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts for _ in range(args.group)]
+        return sum(len(s.tokens) for f in futs for s in f.result().sequences)
+
+    def polyrl_group(sampler) -> int:
+        futs = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p in prompts]
+        return sum(len(s.tokens) for f in futs for s in f.result().sequences)
+
+    ids = torch.tensor([p for p in prompts for _ in range(args.group)])
+    mask = torch.ones_like(ids)
+
+    def hf_generate(model) -> int:
+        def run() -> int:
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                     top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                     pad_token_id=0, eos_token_id=None)
+            return int((out.shape[1] - ids.shape[1]) * out.shape[0])
+
+        return engine.call(run)  # on the engine's thread, like polyrl's sampling (see the module docstring)
+
+    cases = {
+        "polyrl n=1 x group, base": lambda: polyrl_n1(base_sampler),
+        "polyrl n=group, base": lambda: polyrl_group(base_sampler),
+        "hf generate, base": lambda: hf_generate(hf),
+        "polyrl n=1 x group, LoRA": lambda: polyrl_n1(lora_sampler),
+        "polyrl n=group, LoRA": lambda: polyrl_group(lora_sampler),
+        "hf generate, LoRA (PEFT)": lambda: hf_generate(hf_lora),
+    }
+    for fn in cases.values():  # warm-up (and check that every side makes the same number of tokens)
+        n = fn()
+        assert n == total_new, f"expected {total_new} new tokens, got {n}"
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits every case alike
+        for key, fn in cases.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
+
+    print(f"model: tiny 'base' ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
+          f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
+    print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, prompt {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens each ({total_new} tokens), temperature 1, {args.repeats} interleaved runs")
+    print(f"{'case':<28} {'median s':>9} {'tokens/s':>9} {'best s':>8} {'tokens/s':>9} {'CPU s':>7}")
+    rate = {}
+    for key, ts in times.items():
+        t = statistics.median(ts)
+        rate[key] = total_new / min(ts)
+        print(f"{key:<28} {t:9.3f} {total_new / t:9.0f} {min(ts):8.3f} {rate[key]:9.0f} "
+              f"{statistics.median(cpu[key]):7.3f}")
+    for weights, hf_key in (("base", "hf generate, base"), ("LoRA", "hf generate, LoRA (PEFT)")):
+        print(f"{weights} weights: polyrl / hf generate = "
+              f"{rate[f'polyrl n=1 x group, {weights}'] / rate[hf_key]:.2f}x (n=1 x group), "
+              f"{rate[f'polyrl n=group, {weights}'] / rate[hf_key]:.2f}x (n=group)")
+    sys.stdout.flush()
+    print(f"sampler_vs_hf_generate: {rate['polyrl n=1 x group, base'] / rate['hf generate, base']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

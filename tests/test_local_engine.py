@@ -1,0 +1,760 @@
+"""The local engine (polyrl.local) against independent references.
+
+Loss values are recomputed here in plain torch from the learner logprobs the engine returns;
+gradients are recomputed through a *separate* Hugging Face + PEFT model loaded from the same
+adapter checkpoint (``PeftModel.from_pretrained``), using each loss's analytic derivative with
+respect to the token logprobs (``d loss / d lp_t``), so nothing here goes through
+``polyrl.local.losses``. Everything runs on the ``unit`` tiny model (~60k parameters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tinker import types
+
+from polyrl.local import ServiceClient
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+LOW, HIGH = 0.8, 1.2  # Tinker's default PPO / CISPO ratio bounds
+LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def f32(values) -> types.TensorData:
+    return types.TensorData.from_torch(torch.as_tensor(values, dtype=torch.float32).reshape(-1))
+
+
+def make_datum(inputs: list[int], targets: list[int], **floats) -> types.Datum:
+    loss_inputs: dict = {"target_tokens": types.TensorData.from_torch(torch.tensor(targets, dtype=torch.long))}
+    loss_inputs.update({k: f32(v) for k, v in floats.items()})
+    return types.Datum(model_input=types.ModelInput.from_ints(list(inputs)), loss_fn_inputs=loss_inputs)
+
+
+def with_inputs(d: types.Datum, **floats) -> types.Datum:
+    """``d`` with extra / replaced float loss inputs."""
+    inputs = dict(d.loss_fn_inputs)
+    inputs.update({k: f32(v) for k, v in floats.items()})
+    return types.Datum(model_input=d.model_input, loss_fn_inputs=inputs)
+
+
+def random_datum(gen: torch.Generator, length: int, vocab: int = 700) -> types.Datum:
+    ids = torch.randint(0, vocab, (length + 1,), generator=gen).tolist()
+    return make_datum(ids[:-1], ids[1:])
+
+
+def out_logprobs(out: types.ForwardBackwardOutput) -> list[torch.Tensor]:
+    return [o["logprobs"].to_torch().float() for o in out.loss_fn_outputs]
+
+
+def adapter_params(tc) -> dict[str, torch.nn.Parameter]:
+    """The training client's LoRA parameters by PEFT name (adapter name normalised to ``default``)."""
+    st = tc._state
+    marker = f".{st.adapter}."
+    named = {n.replace(marker, ".default."): p for n, p in st.base.peft_model.named_parameters() if marker in n}
+    assert {id(p) for p in named.values()} == {id(p) for p in st.params}
+    return named
+
+
+def weights(tc) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in adapter_params(tc).items()}
+
+
+def take_grads(tc) -> dict[str, torch.Tensor]:
+    """The accumulated gradients (zero where none), which are then cleared."""
+    out = {}
+    for n, p in adapter_params(tc).items():
+        out[n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        p.grad = None
+    return out
+
+
+def grad_norm(g: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((v.double() ** 2).sum()) for v in g.values()))
+
+
+def assert_grads_close(got: dict, want: dict, rtol: float = 1e-4) -> None:
+    assert got.keys() == want.keys()
+    scale = max(float(v.abs().max()) for v in want.values())
+    assert scale > 0, "reference gradient is zero: the check would be vacuous"
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=rtol * scale, msg=lambda m: f"{n}: {m}")
+
+
+def assert_weights_equal(a: dict, b: dict, atol: float = 1e-7) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=atol, msg=lambda m: f"{n}: {m}")
+
+
+def checkpoint_dir(store: Path, path: str) -> Path:
+    run_id, kind, name = path[len("tinker://") :].split("/")
+    return store / run_id / kind / name
+
+
+def adam(lr: float = 1e-2) -> types.AdamParams:
+    return types.AdamParams(learning_rate=lr)
+
+
+def load_reference(model_dir: str, adapter_dir: Path):
+    """A plain HF model + PEFT adapter loaded from disk: independent of polyrl's engine."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    model.eval()
+    return model
+
+
+def ref_token_logprobs(ref, d: types.Datum) -> torch.Tensor:
+    ids = torch.tensor([d.model_input.to_ints()])
+    targets = d.loss_fn_inputs["target_tokens"].to_torch().long().reshape(-1)
+    logits = ref(input_ids=ids).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+def ref_grads(ref, data: list[types.Datum], coefs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gradient of ``sum_t coef_t * lp_t`` (``coef_t`` = d loss / d lp_t, held constant)."""
+    ref.zero_grad(set_to_none=True)
+    total = sum((c.float() * ref_token_logprobs(ref, d)).sum() for d, c in zip(data, coefs))
+    total.backward()
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in ref.named_parameters() if p.requires_grad}
+
+
+def float_input(d: types.Datum, key: str) -> torch.Tensor | None:
+    td = d.loss_fn_inputs.get(key)
+    return None if td is None else td.to_torch().double().reshape(-1)
+
+
+def reference_loss(name: str, lps: list[torch.Tensor], data: list[types.Datum], config: dict) -> tuple[float, list[torch.Tensor]]:
+    """(loss value, per-datum d loss / d lp) for loss ``name``, from the formulas in Tinker's docs."""
+    low = config.get("clip_low_threshold", LOW)
+    high = config.get("clip_high_threshold", HIGH)
+    total, coefs = 0.0, []
+    for lp, d in zip(lps, data):
+        lp = lp.double()
+        if name == "cross_entropy":
+            w = float_input(d, "weights")
+            w = torch.ones_like(lp) if w is None else w
+            total += float(-(w * lp).sum())
+            coefs.append(-w)
+            continue
+        old, adv = float_input(d, "logprobs"), float_input(d, "advantages")
+        ratio = torch.exp(lp - old)
+        clipped_ratio = ratio.clamp(low, high)
+        if name == "importance_sampling":
+            total += float(-(ratio * adv).sum())
+            coefs.append(-ratio * adv)
+        elif name == "ppo":
+            total += float(-torch.minimum(ratio * adv, clipped_ratio * adv).sum())
+            # the clipped branch is the minimum (and flat) when A > 0, r > high or A < 0, r < low
+            flat = ((adv > 0) & (ratio > high)) | ((adv < 0) & (ratio < low))
+            coefs.append(torch.where(flat, torch.zeros_like(ratio), -ratio * adv))
+        elif name == "cispo":
+            total += float(-(clipped_ratio * lp * adv).sum())
+            coefs.append(-clipped_ratio * adv)
+        elif name == "dro":
+            beta = config.get("beta", 0.05)
+            total += float(-(lp * adv - 0.5 * beta * (lp - old) ** 2).sum())
+            coefs.append(-(adv - beta * (lp - old)))
+        elif name == "gspo":
+            mask = float_input(d, "sequence_ratio_mask")
+            mask = (mask != 0) if mask is not None else (adv != 0)
+            seq_ratio = math.exp(float((lp - old)[mask].mean()))
+            r = torch.full_like(lp, seq_ratio)
+            total += float(-torch.minimum(r * adv, r.clamp(low, high) * adv).sum())
+            flat = ((adv > 0) & (r > high)) | ((adv < 0) & (r < low))
+            coefs.append(torch.where(flat, torch.zeros_like(r), -r * adv))
+        else:
+            raise AssertionError(name)
+    return total, coefs
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def service(store) -> ServiceClient:
+    return ServiceClient(store_dir=store)
+
+
+@pytest.fixture(scope="module")
+def warm(service, store, tiny_model_dir):
+    """A saved training state whose LoRA A and B are both nonzero (so every gradient is), plus a
+    reference PEFT model loaded from the same checkpoint directory."""
+    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=1).result()
+    gen = torch.Generator().manual_seed(0)
+    data = [random_datum(gen, n) for n in (5, 9, 13)]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam(0.02))
+    path = tc.save_state("warm").result().path
+    directory = checkpoint_dir(store, path)
+    return {"path": path, "dir": directory, "ref": load_reference(tiny_model_dir, directory)}
+
+
+def from_state(service, path: str, optimizer: bool = True):
+    if optimizer:
+        return service.create_training_client_from_state_with_optimizer(path).result()
+    return service.create_training_client_from_state(path).result()
+
+
+@pytest.fixture(scope="module")
+def learned(service, tiny_model_dir):
+    """A LoRA trained with cross_entropy to answer one prompt with a fixed sequence."""
+    tc = service.create_lora_training_client(tiny_model_dir, rank=8, seed=0).result()
+    tok = tc.get_tokenizer()
+    prompt = tok.encode("Question: what is 12 + 30?")
+    target = tok.encode(" The answer is 42, final.")
+    full = prompt + target
+    d = make_datum(full[:-1], full[1:], weights=[0.0] * (len(prompt) - 1) + [1.0] * len(target))
+    losses = []
+    for _ in range(60):
+        fb = tc.forward_backward([d], "cross_entropy")
+        tc.optim_step(adam(0.005))
+        losses.append(fb.result().metrics["loss:sum"])
+    sampler = tc.save_weights_and_get_sampling_client("learned").result()
+    return {"tc": tc, "tok": tok, "prompt": prompt, "target": target, "losses": losses, "sampler": sampler}
+
+
+# ---- losses: values and gradients -------------------------------------------------------------
+def _loss_batch(tc, gen: torch.Generator) -> list[types.Datum]:
+    """Three datums of different lengths with old logprobs off by a random amount (ratios spread
+    over ~[0.5, 2], so PPO's clipping is active on some tokens) and some zero advantages."""
+    base = [random_datum(gen, n) for n in (4, 11, 17)]
+    lps = out_logprobs(tc.forward(base, "cross_entropy").result())
+    data = []
+    for d, lp in zip(base, lps):
+        old = lp + 0.4 * torch.randn(len(lp), generator=gen)
+        adv = torch.randn(len(lp), generator=gen)
+        adv[: len(lp) // 4] = 0.0  # "prompt" tokens
+        weights = torch.rand(len(lp), generator=gen)
+        data.append(with_inputs(d, logprobs=old, advantages=adv, weights=weights))
+    return data
+
+
+@pytest.mark.parametrize("loss_fn", LOSS_NAMES)
+def test_loss_value_and_gradient_match_reference(service, warm, loss_fn):
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(100 + LOSS_NAMES.index(loss_fn))
+    data = _loss_batch(tc, gen)
+    keys = {"cross_entropy": ("target_tokens", "weights")}.get(loss_fn, ("target_tokens", "logprobs", "advantages"))
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys}) for d in data]
+
+    out = tc.forward_backward(data, loss_fn).result()
+    got = take_grads(tc)
+    lps = out_logprobs(out)
+    assert [len(x) for x in lps] == [d.model_input.length for d in data]
+    for d, lp in zip(data, lps):  # the learner's logprobs are the reference model's
+        torch.testing.assert_close(lp, ref_token_logprobs(warm["ref"], d).detach(), rtol=0, atol=2e-5)
+
+    value, coefs = reference_loss(loss_fn, lps, data, {})
+    assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-5, abs=1e-5)
+    assert_grads_close(got, ref_grads(warm["ref"], data, coefs))
+
+
+def test_loss_config_changes_value_and_gradient(service, warm):
+    """dro's beta, ppo's thresholds and gspo's sequence_ratio_mask all reach the loss."""
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(7)
+    data = [types.Datum(model_input=d.model_input,
+                        loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "logprobs", "advantages")})
+            for d in _loss_batch(tc, gen)]
+    cases = [("dro", {"beta": 0.7}, data),
+             ("ppo", {"clip_low_threshold": 0.6, "clip_high_threshold": 1.05}, data),
+             ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, data),
+             ("gspo", {}, [with_inputs(d, sequence_ratio_mask=(torch.arange(d.model_input.length) % 2 == 0).float())
+                           for d in data])]
+    for loss_fn, config, batch in cases:
+        out = tc.forward_backward(batch, loss_fn, config).result()
+        got = take_grads(tc)
+        value, coefs = reference_loss(loss_fn, out_logprobs(out), batch, config)
+        default_value, _ = reference_loss(loss_fn, out_logprobs(out), [types.Datum(
+            model_input=d.model_input, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"})
+            for d in batch], {})
+        assert abs(value - default_value) > 1e-3, f"{loss_fn}: the config case must differ from the default"
+        assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-5, abs=1e-5), loss_fn
+        assert_grads_close(got, ref_grads(warm["ref"], batch, coefs))
+
+
+# ---- PPO / CISPO clipping ---------------------------------------------------------------------
+CLIP_CASES = [  # (ratio, where it sits relative to [0.8, 1.2])
+    (0.5, "below"), (LOW, "at_low"), (1.0, "inside"), (HIGH, "at_high"), (1.7, "above"),
+]
+
+
+def _single_token_datum(d: types.Datum, lp: torch.Tensor, t: int, ratio: float, adv: float) -> types.Datum:
+    """Only token ``t`` is active (nonzero advantage); its old logprob makes exp(lp - old) = ratio."""
+    old = lp.clone().double()
+    old[t] = lp[t].double() - math.log(ratio)
+    a = torch.zeros(len(lp))
+    a[t] = adv
+    return with_inputs(d, logprobs=old.float(), advantages=a)
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo"])
+def test_clipping_at_and_beyond_thresholds(service, warm, loss_fn):
+    tc = from_state(service, warm["path"])
+    d = random_datum(torch.Generator().manual_seed(3), 10)
+    lp = out_logprobs(tc.forward([d], "cross_entropy").result())[0]
+    t = 6
+    token_grad = ref_grads(warm["ref"], [d], [torch.eye(len(lp))[t]])  # gradient of lp_t alone
+
+    def run(ratio, adv, config=None):
+        dd = _single_token_datum(d, lp, t, ratio, adv)
+        out = tc.forward_backward([dd], loss_fn, config).result()
+        return out.metrics, take_grads(tc)
+
+    for config, low, high, cases in [
+        (None, LOW, HIGH, CLIP_CASES),
+        # custom thresholds: 0.6 and 1.4 are inside [0.5, 1.5], 0.4 and 1.7 beyond
+        ({"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 0.5, 1.5,
+         [(0.4, "below"), (0.5, "at_low"), (0.6, "inside"), (1.4, "inside"), (1.5, "at_high"), (1.7, "above")]),
+    ]:
+        for ratio, where in cases:
+            for adv in (1.5, -1.5):
+                metrics, grads = run(ratio, adv, config)
+                clipped = min(max(ratio, low), high)
+                if loss_fn == "ppo":
+                    want_value = -min(ratio * adv, clipped * adv)
+                    # the gradient vanishes where the flat, clipped branch is the minimum
+                    flat = (adv > 0 and where == "above") or (adv < 0 and where == "below")
+                    coef = 0.0 if flat else -ratio * adv
+                else:  # cispo: clipped weight, gradient everywhere
+                    want_value = -clipped * float(lp[t]) * adv
+                    coef = -clipped * adv
+                label = f"{loss_fn} ratio={ratio} ({where}) adv={adv} config={config}"
+                assert metrics["loss:sum"] == pytest.approx(want_value, rel=1e-4, abs=1e-6), label
+                want_clipped = 1.0 if where in ("below", "above") else 0.0
+                if where not in ("at_low", "at_high"):
+                    assert metrics["clipped_tokens:sum"] == want_clipped, label
+                if where in ("at_low", "at_high"):
+                    continue  # the boundary itself: the value is continuous, the gradient a convention
+                if coef == 0.0:
+                    assert grad_norm(grads) == 0.0, f"{label}: a clipped token must not contribute gradient"
+                else:
+                    assert grad_norm(grads) > 0, label
+                    assert_grads_close(grads, {n: coef * g for n, g in token_grad.items()})
+
+
+def test_per_token_clip_thresholds_override_config(service, warm):
+    tc = from_state(service, warm["path"])
+    d = random_datum(torch.Generator().manual_seed(4), 6)
+    lp = out_logprobs(tc.forward([d], "cross_entropy").result())[0]
+    dd = _single_token_datum(d, lp, 3, 1.4, 1.0)
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}  # 1.4 inside: unclipped
+    assert tc.forward([dd], "ppo", config).result().metrics["loss:sum"] == pytest.approx(-1.4, rel=1e-4)
+    per_token = with_inputs(dd, clip_low_threshold=[0.9] * len(lp), clip_high_threshold=[1.1] * len(lp))
+    assert tc.forward([per_token], "ppo", config).result().metrics["loss:sum"] == pytest.approx(-1.1, rel=1e-4)
+
+
+# ---- gradient accumulation --------------------------------------------------------------------
+def test_gradient_accumulation_halves_equal_union(service, warm):
+    a = from_state(service, warm["path"])
+    b = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(11)
+    base = [random_datum(gen, n) for n in (3, 20, 7, 12, 5, 16)]
+    lps = out_logprobs(a.forward(base, "cross_entropy").result())
+    data = [with_inputs(d, logprobs=lp + 0.3 * torch.randn(len(lp), generator=gen),
+                        advantages=torch.randn(len(lp), generator=gen)) for d, lp in zip(base, lps)]
+
+    m1 = a.forward_backward(data[:3], "importance_sampling")
+    m2 = a.forward_backward(data[3:], "importance_sampling")
+    engine = service.engine
+    saved_budget = engine.micro_batch_tokens
+    engine.micro_batch_tokens = 40  # also split the union into several micro-batches
+    try:
+        mu = b.forward_backward(data, "importance_sampling").result()
+    finally:
+        engine.micro_batch_tokens = saved_budget
+    assert m1.result().metrics["loss:sum"] + m2.result().metrics["loss:sum"] == pytest.approx(
+        mu.metrics["loss:sum"], rel=1e-5)
+    grads_a = {n: p.grad.clone() for n, p in adapter_params(a).items()}
+    grads_b = {n: p.grad.clone() for n, p in adapter_params(b).items()}
+    assert grad_norm(grads_b) > 0
+    assert_grads_close(grads_a, grads_b, rtol=1e-5)
+
+    a.optim_step(adam(1e-3)).result()
+    b.optim_step(adam(1e-3)).result()
+    wa, wb = weights(a), weights(b)
+    assert_weights_equal(wa, wb, atol=1e-6)
+    assert any(not torch.equal(wa[n], w) for n, w in from_weights(service, warm["path"]).items())
+
+
+def from_weights(service, path):
+    return weights(from_state(service, path, optimizer=False))
+
+
+# ---- sampler ----------------------------------------------------------------------------------
+def _forward_logprobs_of(tc, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    full = prompt + tokens
+    lp = out_logprobs(tc.forward([make_datum(full[:-1], full[1:])], "cross_entropy").result())[0]
+    return lp[len(prompt) - 1 :]
+
+
+def test_sampler_logprobs_match_forward(service, warm):
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("sampling_lp").result()
+    gen = torch.Generator().manual_seed(5)
+    requests = [  # (prompt length, num_samples, params)
+        (3, 1, types.SamplingParams(max_tokens=5)),
+        (7, 3, types.SamplingParams(max_tokens=17)),
+        (12, 2, types.SamplingParams(max_tokens=30, temperature=0.7)),
+        (1, 1, types.SamplingParams(max_tokens=9, top_p=0.9, top_k=50)),
+        (20, 1, types.SamplingParams(max_tokens=2)),
+    ]
+    prompts = [torch.randint(0, 700, (n,), generator=gen).tolist() for n, _, _ in requests]
+    # all submitted before waiting, so the engine batches them into one decode loop
+    futures = [sampler.sample(types.ModelInput.from_ints(p), n, params) for p, (_, n, params) in zip(prompts, requests)]
+    lengths = set()
+    for prompt, (_, n, params), fut in zip(prompts, requests, futures):
+        res = fut.result()
+        assert len(res.sequences) == n
+        for seq in res.sequences:
+            assert 1 <= len(seq.tokens) <= params.max_tokens
+            assert len(seq.logprobs) == len(seq.tokens)
+            lengths.add(len(seq.tokens))
+            # sampler logprobs are the model's own (temperature 1) logprobs, as forward computes them
+            want = _forward_logprobs_of(tc, prompt, list(seq.tokens))
+            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want, rtol=0, atol=1e-4)
+    assert len(lengths) >= 3
+
+
+def test_sampler_cache_growth_and_pruning_keep_logprobs_exact(service, warm, monkeypatch):
+    """Rows finishing at different steps (dropped from the KV cache) and a cache that has to grow
+    past its initial size still give the forward pass's logprobs."""
+    import polyrl.local.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "INITIAL_DECODE_CAPACITY", 3)
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("growth").result()
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 700, (n,), generator=gen).tolist() for n in (2, 9, 5)]
+    stops = list(range(0, 768, 13))
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 3, types.SamplingParams(max_tokens=40, stop=stops, seed=i))
+               for i, p in enumerate(prompts)]
+    lengths = []
+    for prompt, fut in zip(prompts, futures):
+        for seq in fut.result().sequences:
+            lengths.append(len(seq.tokens))
+            want = _forward_logprobs_of(tc, prompt, list(seq.tokens))
+            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want, rtol=0, atol=1e-4)
+    assert len(set(lengths)) > 2 and max(lengths) > 6, lengths
+
+
+def test_seeded_sampling_is_reproducible(service, warm):
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("seeded").result()
+    prompt = types.ModelInput.from_ints([5, 17, 200, 33])
+    params = lambda seed: types.SamplingParams(max_tokens=24, seed=seed)  # noqa: E731
+
+    first = sampler.sample(prompt, 1, params(123)).result().sequences[0].tokens
+    # the same seed, this time batched with other requests
+    others = [sampler.sample(types.ModelInput.from_ints([9, 10 + i]), 2, types.SamplingParams(max_tokens=30))
+              for i in range(3)]
+    again = sampler.sample(prompt, 1, params(123))
+    [o.result() for o in others]
+    assert list(again.result().sequences[0].tokens) == list(first)
+    assert list(sampler.sample(prompt, 1, params(124)).result().sequences[0].tokens) != list(first)
+
+    multi = sampler.sample(prompt, 4, params(99)).result()
+    seqs = {tuple(s.tokens) for s in multi.sequences}
+    assert len(seqs) == 4, "num_samples > 1 must give distinct samples"
+    multi_again = sampler.sample(prompt, 4, params(99)).result()
+    assert [list(s.tokens) for s in multi_again.sequences] == [list(s.tokens) for s in multi.sequences]
+    unseeded = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=24)).result()
+    assert len({tuple(s.tokens) for s in unseeded.sequences}) == 4
+
+
+def test_seeded_multi_sample_does_not_depend_on_batch(service, warm):
+    """Rows of a seeded request that stop early must not shift the other rows' random draws,
+    whatever else is in the batch."""
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("seeded_batch").result()
+    prompt = types.ModelInput.from_ints([5, 17, 200, 33])
+    stops = list(range(0, 768, 9))  # ~11% of the vocabulary stops: rows finish at different steps
+    params = types.SamplingParams(max_tokens=30, seed=2024, stop=stops)
+    alone = sampler.sample(prompt, 6, params).result()
+    lengths = {len(s.tokens) for s in alone.sequences}
+    assert len(lengths) > 1, "the check needs rows that finish at different steps"
+    crowd = [sampler.sample(types.ModelInput.from_ints([9, 10 + i]), 4, types.SamplingParams(max_tokens=30))
+             for i in range(6)]
+    batched = sampler.sample(prompt, 6, params)
+    [c.result() for c in crowd]
+    assert [list(s.tokens) for s in batched.result().sequences] == [list(s.tokens) for s in alone.sequences]
+
+
+def test_cross_entropy_learns_a_fixed_sequence(learned):
+    losses = learned["losses"]
+    assert losses[-1] < losses[0] / 20, losses
+    res = learned["sampler"].sample(types.ModelInput.from_ints(learned["prompt"]), 1,
+                                    types.SamplingParams(max_tokens=len(learned["target"]), temperature=0.0)).result()
+    seq = res.sequences[0]
+    assert list(seq.tokens) == learned["target"]
+    assert seq.stop_reason == "length"
+
+
+def test_stop_strings_and_stop_ids(learned):
+    sampler, tok, target = learned["sampler"], learned["tok"], learned["target"]
+    prompt = types.ModelInput.from_ints(learned["prompt"])
+    pieces = [tok.decode([t]) for t in target]
+    assert pieces[:6] == [" The", " answer", " is", " ", "4", "2"], pieces  # the stops below rely on these
+
+    def greedy(stop, max_tokens=20):
+        return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop))
+
+    cases = [  # (stop, expected token count): the sequence ends at the token completing the stop
+        ("42", 6),  # spans two tokens, completed by "2"
+        ("swer", 2),  # inside one token
+        ("is 4", 5),  # spans three tokens
+        (["final", "answer"], 2),  # the earliest of several
+        ([target[6]], 7),  # a token id
+        ([target[6], target[2]], 3),
+    ]
+    futures = [greedy(stop) for stop, _ in cases]  # batched together
+    for (stop, n), fut in zip(cases, futures):
+        seq = fut.result().sequences[0]
+        assert list(seq.tokens) == target[:n], (stop, seq.tokens)
+        assert seq.stop_reason == "stop", stop
+        assert len(seq.logprobs) == n
+
+    for max_tokens in (1, 4):
+        seq = greedy(None, max_tokens).result().sequences[0]
+        assert list(seq.tokens) == target[:max_tokens] and seq.stop_reason == "length"
+    seq = greedy("42", 5).result().sequences[0]  # the length limit comes first
+    assert len(seq.tokens) == 5 and seq.stop_reason == "length"
+    seq = greedy("never appears", 12).result().sequences[0]
+    assert len(seq.tokens) == 12 and seq.stop_reason == "length"
+
+
+def test_prompt_logprobs_match_forward(service, warm):
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("prompt_lp").result()
+    prompt = [11, 250, 3, 99, 400, 7, 64, 128, 5]
+    want = out_logprobs(tc.forward([make_datum(prompt[:-1], prompt[1:])], "cross_entropy").result())[0]
+
+    # batched with a longer prompt, so this one is left-padded in the prefill
+    other = sampler.sample(types.ModelInput.from_ints(list(range(30, 60))), 2, types.SamplingParams(max_tokens=4))
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=3),
+                         include_prompt_logprobs=True).result()
+    computed = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert other.result().prompt_logprobs is None
+    for got in (res.prompt_logprobs, computed):
+        assert len(got) == len(prompt)
+        assert got[0] is None or math.isnan(got[0])
+        torch.testing.assert_close(torch.tensor(got[1:], dtype=torch.float32), want, rtol=0, atol=1e-4)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+def test_save_state_round_trip_gives_identical_next_step(service, store, tiny_model_dir):
+    gen = torch.Generator().manual_seed(21)
+    batches = [[random_datum(gen, n) for n in (6, 10)] for _ in range(3)]
+    a = service.create_lora_training_client(tiny_model_dir, rank=4, seed=5).result()
+    for batch in batches[:2]:
+        a.forward_backward(batch, "cross_entropy")
+        a.optim_step(adam(0.01))
+    path = a.save_state("two_steps").result().path
+    after_two = weights(a)
+    a.forward_backward(batches[2], "cross_entropy")
+    a.optim_step(adam(0.01)).result()
+    after_three = weights(a)
+
+    b = service.create_training_client_from_state_with_optimizer(path).result()
+    assert_weights_equal(weights(b), after_two, atol=0)
+    assert b._state.steps == 2
+    b.forward_backward(batches[2], "cross_entropy")
+    b.optim_step(adam(0.01)).result()
+    assert_weights_equal(weights(b), after_three, atol=1e-7)
+
+    # without the optimizer: same weights, fresh AdamW state (the first step is lr * g / (|g| + eps))
+    c = service.create_training_client_from_state(path).result()
+    assert_weights_equal(weights(c), after_two, atol=0)
+    assert len(c._state.optimizer.state) == 0
+    c.forward_backward(batches[2], "cross_entropy").result()
+    grads = {n: p.grad.clone() for n, p in adapter_params(c).items()}
+    c.optim_step(adam(0.01)).result()
+    after_c = weights(c)
+    for n, g in grads.items():
+        torch.testing.assert_close(after_c[n] - after_two[n], -0.01 * g / (g.abs() + 1e-12), rtol=1e-4, atol=1e-8)
+    assert max(float((after_c[n] - after_three[n]).abs().max()) for n in after_c) > 1e-4
+
+
+def test_checkpoint_paths_live_in_the_store(service, store, warm):
+    tc = from_state(service, warm["path"])
+    state_path = tc.save_state("ckpt-a").result().path
+    sampler_path = tc.save_weights_for_sampler("ckpt-b").result().path
+    assert re.fullmatch(r"tinker://[^/]+/weights/ckpt-a", state_path), state_path
+    assert re.fullmatch(r"tinker://[^/]+/sampler_weights/ckpt-b", sampler_path), sampler_path
+    assert state_path.split("/")[2] == sampler_path.split("/")[2]  # one run id
+    state_dir, sampler_dir = checkpoint_dir(store, state_path), checkpoint_dir(store, sampler_path)
+    assert state_dir.is_relative_to(store) and sampler_dir.is_relative_to(store)
+    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= {p.name for p in state_dir.iterdir()}
+    assert (sampler_dir / "adapter_model.safetensors").is_file() and not (sampler_dir / "optimizer.pt").exists()
+    with pytest.raises(ValueError, match="already exists"):
+        tc.save_state("ckpt-a").result()
+
+
+def test_sampler_weights_round_trip(service, warm):
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(8)
+    tc.forward_backward([random_datum(gen, 9)], "cross_entropy")
+    tc.optim_step(adam(0.05)).result()
+    path = tc.save_weights_for_sampler("for_sampling").result().path
+
+    sampler = service.create_sampling_client(model_path=path).result()
+    assert sampler.model_path == path
+    base_sampler = service.create_sampling_client(base_model=tc._state.base.name).result()
+    prompt = [40, 41, 42, 43, 44]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=10)).result()
+    for seq in res.sequences:
+        want = _forward_logprobs_of(tc, prompt, list(seq.tokens))
+        torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want, rtol=0, atol=1e-4)
+    # the saved weights, not the base model's
+    base_lp = torch.tensor(base_sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    lora_lp = torch.tensor(sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()[1:])
+    assert float((base_lp - lora_lp).abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="no optimizer state"):
+        service.create_training_client_from_state_with_optimizer(path).result()
+
+
+def test_training_clients_on_one_base_are_independent(service, tiny_model_dir):
+    a = service.create_lora_training_client(tiny_model_dir, rank=4, seed=9).result()
+    b = service.create_lora_training_client(tiny_model_dir, rank=4, seed=9).result()
+    assert a._state.base is b._state.base and a.model_id != b.model_id
+    gen = torch.Generator().manual_seed(2)
+    data = [random_datum(gen, 8), random_datum(gen, 5)]
+    probe = [random_datum(gen, 12)]
+    b_weights = weights(b)
+    assert_weights_equal(weights(a), b_weights, atol=0)  # same seed, same start
+    b_lp = out_logprobs(b.forward(probe, "cross_entropy").result())[0]
+    b_sampler = b.save_weights_and_get_sampling_client("b0").result()
+    b_sample_lp = b_sampler.compute_logprobs(probe[0].model_input).result()
+
+    for _ in range(3):
+        a.forward_backward(data, "cross_entropy")
+        a.optim_step(adam(0.05))
+    a_lp = out_logprobs(a.forward(probe, "cross_entropy").result())[0]
+    assert float((a_lp - b_lp).abs().max()) > 1e-3  # a moved
+    assert_weights_equal(weights(b), b_weights, atol=0)
+    assert all(p.grad is None for p in b._state.params)
+    assert torch.equal(out_logprobs(b.forward(probe, "cross_entropy").result())[0], b_lp)
+    assert len(b._state.optimizer.state) == 0 and len(a._state.optimizer.state) > 0
+    # b's sampler snapshot still samples with b's weights
+    assert b_sampler.compute_logprobs(probe[0].model_input).result()[1:] == b_sample_lp[1:]
+
+    a_state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in a._state.optimizer.state.items()}
+    b.forward_backward(data, "cross_entropy")
+    b.optim_step(adam(0.05)).result()
+    for p, s in a._state.optimizer.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, a_state[id(p)][k])
+    assert any(not torch.equal(weights(b)[n], w) for n, w in b_weights.items())
+
+
+def test_sampling_client_is_a_frozen_snapshot(service, warm):
+    tc = from_state(service, warm["path"])
+    probe = random_datum(torch.Generator().manual_seed(6), 10)
+    old = tc.save_weights_and_get_sampling_client().result()
+    old_lp = old.compute_logprobs(probe.model_input).result()
+    for _ in range(2):
+        tc.forward_backward([probe], "cross_entropy")
+        tc.optim_step(adam(0.05))
+    new = tc.save_weights_and_get_sampling_client().result()
+    new_lp = new.compute_logprobs(probe.model_input).result()  # the new weights now sit in the sampling slot
+    trainer_lp = out_logprobs(tc.forward([make_datum(probe.model_input.to_ints()[:-1], probe.model_input.to_ints()[1:])],
+                                         "cross_entropy").result())[0]
+    torch.testing.assert_close(torch.tensor(new_lp[1:]), trainer_lp, rtol=0, atol=1e-4)
+    assert max(abs(a - b) for a, b in zip(new_lp[1:], old_lp[1:])) > 1e-3
+    assert old.compute_logprobs(probe.model_input).result()[1:] == old_lp[1:]
+
+
+# ---- futures, pipelining, asyncio -------------------------------------------------------------
+def test_pipelined_submission_keeps_order(service, warm):
+    gen = torch.Generator().manual_seed(13)
+    batches = [[random_datum(gen, n) for n in (5, 9)] for _ in range(3)]
+    seq = from_state(service, warm["path"])
+    want_losses = []
+    for batch in batches:
+        want_losses.append(seq.forward_backward(batch, "cross_entropy").result().metrics["loss:sum"])
+        seq.optim_step(adam(0.01)).result()
+
+    pipe = from_state(service, warm["path"])
+    futures = []
+    for batch in batches:  # nothing waited on until everything is queued
+        futures.append(pipe.forward_backward(batch, "cross_entropy"))
+        futures.append(pipe.optim_step(adam(0.01)))
+    results = [f.result() for f in futures]
+    assert [r.metrics["loss:sum"] for r in results[0::2]] == pytest.approx(want_losses, rel=1e-6)
+    assert all(isinstance(r, types.OptimStepResponse) for r in results[1::2])
+    assert len(set(want_losses)) == 3
+    assert_weights_equal(weights(pipe), weights(seq), atol=1e-7)
+
+
+def test_futures_work_under_asyncio(service, warm):
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client("async").result()
+    data = [random_datum(torch.Generator().manual_seed(17), 7)]
+
+    async def main():
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(adam(0.01))
+        fb_out = await fb
+        opt_out = await opt.result_async()
+        fb2 = await (await tc.forward_backward_async(data, "cross_entropy"))
+        await (await tc.optim_step_async(adam(0.01)))
+        samples = await asyncio.gather(*[sampler.sample_async(data[0].model_input, 1, types.SamplingParams(max_tokens=4))
+                                         for _ in range(3)])
+        sampled = await sampler.sample(data[0].model_input, 2, types.SamplingParams(max_tokens=3)).result_async()
+        return fb_out, opt_out, fb2, samples, sampled
+
+    fb_out, opt_out, fb2, samples, sampled = asyncio.run(main())
+    assert isinstance(fb_out, types.ForwardBackwardOutput) and isinstance(opt_out, types.OptimStepResponse)
+    assert fb2.metrics["loss:sum"] < fb_out.metrics["loss:sum"]  # the step in between was applied
+    assert all(len(s.sequences[0].tokens) == 4 for s in samples)
+    assert len(sampled.sequences) == 2
+
+
+# ---- errors -----------------------------------------------------------------------------------
+def test_bad_input_raises_clear_errors(service, warm, tiny_model_dir):
+    tc = from_state(service, warm["path"])
+    good = make_datum([1, 2, 3], [2, 3, 4], logprobs=[-1.0] * 3, advantages=[1.0] * 3)
+
+    no_adv = types.Datum(model_input=good.model_input,
+                         loss_fn_inputs={k: v for k, v in good.loss_fn_inputs.items() if k != "advantages"})
+    with pytest.raises(ValueError, match="advantages"):
+        tc.forward_backward([no_adv], "importance_sampling").result()
+    with pytest.raises(ValueError, match="stable_reinforce"):
+        tc.forward_backward([good], "stable_reinforce").result()
+    with pytest.raises(ValueError, match="target_tokens has 2 entries but model_input has 3"):
+        tc.forward_backward([make_datum([1, 2, 3], [2, 3])], "cross_entropy").result()
+    with pytest.raises(ValueError, match=r"'advantages'.*2 entries"):
+        tc.forward_backward([with_inputs(good, advantages=[1.0, 1.0])], "ppo").result()
+    with pytest.raises(ValueError, match="clip_ratio"):
+        tc.forward_backward([good], "ppo", {"clip_ratio": 0.2}).result()
+    with pytest.raises(ValueError, match="out of range"):
+        tc.forward_backward([make_datum([1, 2, 10_000], [2, 3, 4])], "cross_entropy").result()
+    with pytest.raises(ValueError, match="/nonexistent/model"):
+        service.create_lora_training_client("/nonexistent/model").result()
+    with pytest.raises(ValueError, match="not found"):
+        service.create_training_client_from_state("tinker://no-such-run/weights/nothing").result()
+    with pytest.raises(ValueError, match="tinker://"):
+        service.create_training_client_from_state("/tmp/not-a-checkpoint").result()
+    with pytest.raises(ValueError, match="not found"):
+        service.create_sampling_client(model_path="tinker://no-such-run/sampler_weights/x").result()
+    # nothing was applied and the client still works
+    out = tc.forward_backward([good], "importance_sampling").result()
+    assert math.isfinite(out.metrics["loss:sum"])
