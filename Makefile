@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	@$(PY) -m pip install -q -e ".[dev,serve,openreward,verifiers,reasoning_gym,textarena,gem]"
 	@$(PY) -m pip install -q --no-deps gem-llm
+	@# tinker-cookbook for the serve tests: its tml-renderers requirement is not on the registry, so
+	@# install it without deps plus the rest of what it declares.
+	@$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1
+	@$(PY) -m pip install -q "aiohttp>=3.9.0" "anyio>=4.0.0" "blobfile>=3.0.0" "chz>=0.4.0" "cloudpickle>=3.0.0" \
+		"datasets>=2.14.0" "huggingface-hub>=0.20.0" "pillow>=10.0.0" "pyrage>=1.4.0" "termcolor>=2.0.0" \
+		"tiktoken>=0.12.0" "tqdm>=4.60.0" "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0"
 	@touch $(STAMP)
 
 test: $(STAMP)
@@ -31,6 +37,8 @@ quickstart: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/sampler.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/serve_overhead.py
+	$(PY) benchmarks/report_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

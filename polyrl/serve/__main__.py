@@ -1,0 +1,3 @@
+from polyrl.serve.main import main
+
+main()

@@ -1,0 +1,265 @@
+"""HTTP routes: Tinker's ``/api/v1`` endpoints over :class:`~polyrl.serve.server.Server`.
+
+Every route needs a valid ``X-API-Key``; bodies are capped at ``max_body_bytes`` (413); refused
+requests get a 4xx with ``{"error": ..., "category": "user"}`` and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import io
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from polyrl.serve import protocol as P
+from polyrl.serve.protocol import RequestError
+from polyrl.serve.server import Server
+
+log = logging.getLogger("polyrl.serve")
+PROTOBUF = "application/x-protobuf"
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "parallel_fwdbwd_chunks": True,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+
+
+class ApiKeyMiddleware:
+    """Answers 401 to any request without one of ``keys`` in its ``X-API-Key`` header."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
+            if not any(hmac.compare_digest(given, k) for k in self.keys):
+                msg = "missing or invalid X-API-Key" if given else "this server needs an X-API-Key header"
+                await JSONResponse({"error": msg, "category": "user"}, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(server: Server) -> FastAPI:
+    cfg = server.config
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if cfg.preload:
+            await asyncio.to_thread(server.preload)
+
+        async def housekeeping() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                try:
+                    server.tick()
+                except Exception:  # noqa: BLE001 - housekeeping must keep running
+                    log.exception("housekeeping failed")
+
+        task = asyncio.create_task(housekeeping())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="polyrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, e: RequestError):
+        return JSONResponse({"error": e.message, "category": e.category}, e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        msg = f"{request.method} {request.url.path} is not an endpoint of polyrl serve" if e.status_code in (404, 405) \
+            else str(e.detail)
+        return JSONResponse({"error": msg, "category": "user"}, e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_params(request: Request, e: RequestValidationError):
+        msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:3])
+        return JSONResponse({"error": f"invalid request: {msg}", "category": "user"}, 400)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": f"{type(e).__name__}: {e}", "category": "server"}, 500)
+
+    async def body(request: Request) -> bytes:
+        limit = cfg.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, f"request body of {int(declared)} bytes exceeds the server's limit of {limit} bytes")
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"request body exceeds the server's limit of {limit} bytes")
+            parts.append(chunk)
+        data = b"".join(parts)
+        if request.headers.get("content-encoding", "").lower() == "zstd":
+            import zstandard
+
+            out = bytearray()
+            try:
+                reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))
+                while chunk := reader.read(1 << 20):
+                    out += chunk
+                    if len(out) > limit:
+                        raise RequestError(413, f"decompressed body exceeds the server's limit of {limit} bytes")
+            except zstandard.ZstdError as e:
+                raise RequestError(400, f"bad zstd body: {e}") from None
+            data = bytes(out)
+        return data
+
+    async def parse(request: Request, model: type[P.R]) -> P.R:
+        return P.parse_json(model, await body(request))
+
+    def ok(payload: Any, status: int = 200) -> Response:
+        if isinstance(payload, bytes):
+            return Response(payload, status, media_type=PROTOBUF)
+        return JSONResponse(payload, status)
+
+    api = "/api/v1"
+
+    # ---- client set-up, sessions, telemetry -------------------------------------------------------
+    @app.post(f"{api}/client/config")
+    async def client_config(request: Request):
+        return ok(CLIENT_CONFIG)
+
+    @app.post(f"{api}/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        return ok({"refresh_interval_sec": 300, "sample_cancel_enabled": False})
+
+    @app.get(f"{api}/healthz")
+    async def healthz():
+        return ok({"status": "ok"})
+
+    @app.get(f"{api}/get_server_capabilities")
+    async def capabilities():
+        return ok(server.capabilities())
+
+    @app.post(f"{api}/create_session")
+    async def create_session(request: Request):
+        return ok(server.create_session(await parse(request, P.CreateSessionReq)))
+
+    @app.post(f"{api}/session_heartbeat")
+    async def heartbeat(request: Request):
+        return ok(server.heartbeat(await parse(request, P.SessionReq)))
+
+    @app.post(api + "/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request):
+        await body(request)
+        return ok(server.finish_session(session_id))
+
+    @app.post(f"{api}/telemetry")
+    async def telemetry(request: Request):
+        await body(request)
+        return ok({"status": "accepted"})
+
+    # ---- training ----------------------------------------------------------------------------------
+    @app.post(f"{api}/create_model")
+    async def create_model(request: Request):
+        return ok(server.create_model(await parse(request, P.CreateModelReq)))
+
+    @app.post(f"{api}/get_info")
+    async def get_info(request: Request):
+        return ok(await server.get_info(await parse(request, P.ModelReq)))
+
+    @app.post(f"{api}/load_weights")
+    async def load_weights(request: Request):
+        return ok(server.load_weights(await parse(request, P.LoadWeightsReq)))
+
+    @app.post(f"{api}/forward_backward")
+    async def forward_backward(request: Request):
+        data = await body(request)
+        try:
+            fb = P.decode_forward_backward(data) if len(data) < (1 << 20) else \
+                await asyncio.to_thread(P.decode_forward_backward, data)
+        except RequestError as e:
+            ids = P.peek_forward_backward_ids(data)
+            if ids is not None and ids[1] >= 1:
+                server.refuse_op(ids[0], ids[1], e)
+            raise
+        return ok(server.forward_backward(fb))
+
+    @app.post(f"{api}/optim_step")
+    async def optim_step(request: Request):
+        return ok(server.optim_step(await parse_op(request, P.OptimStepReq)))
+
+    @app.post(f"{api}/save_weights")
+    async def save_weights(request: Request):
+        return ok(server.save_weights(await parse_op(request, P.SaveWeightsReq)))
+
+    @app.post(f"{api}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        return ok(server.save_for_sampler(await parse_op(request, P.SaveForSamplerReq)))
+
+    async def parse_op(request: Request, model: type[P.R]) -> P.R:
+        """Like ``parse``, but a malformed body that names its model and seq_id still uses up that seq_id."""
+        data = await body(request)
+        try:
+            return P.parse_json(model, data)
+        except RequestError as e:
+            ids = P.peek_json_ids(data)
+            if ids is not None:
+                server.refuse_op(ids[0], ids[1], e)
+            raise
+
+    # ---- sampling ----------------------------------------------------------------------------------
+    @app.post(f"{api}/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        return ok(server.create_sampling_session(await parse(request, P.CreateSamplingSessionReq)))
+
+    @app.get(api + "/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str):
+        return ok(server.get_sampler(sampler_id))
+
+    @app.post(f"{api}/asample")
+    async def asample(request: Request):
+        return ok(server.sample(await parse(request, P.SampleReq)))
+
+    @app.post(f"{api}/retrieve_future")
+    async def retrieve_future(request: Request):
+        req = await parse(request, P.RetrieveFutureReq)
+        status, payload = await server.retrieve(req, PROTOBUF in request.headers.get("accept", ""))
+        return ok(payload, status)
+
+    # ---- training runs and checkpoints (REST) --------------------------------------------------------
+    @app.get(f"{api}/training_runs")
+    async def training_runs(limit: int = 20, offset: int = 0):
+        return ok(server.training_runs(limit, offset))
+
+    @app.get(api + "/training_runs/{run_id}")
+    async def training_run(run_id: str):
+        return ok(server.training_run(run_id))
+
+    @app.get(api + "/training_runs/{run_id}/checkpoints")
+    async def checkpoints(run_id: str):
+        return ok(server.checkpoints(run_id))
+
+    @app.delete(api + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(run_id: str, checkpoint_id: str):
+        server.runs.delete_checkpoint(run_id, checkpoint_id)
+        return ok({})
+
+    @app.get(f"{api}/checkpoints")
+    async def user_checkpoints(limit: int = 100, offset: int = 0):
+        return ok(server.user_checkpoints(limit, offset))
+
+    @app.post(f"{api}/weights_info")
+    async def weights_info(request: Request):
+        return ok(server.weights_info(await parse(request, P.WeightsInfoReq)))
+
+    return app

@@ -1,0 +1,121 @@
+"""``polyrl serve``: command-line options, API keys, and the uvicorn server."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyrl.serve.server import ServeConfig
+
+KEYS_ENV = "POLYRL_SERVE_API_KEYS"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--models", nargs="*", default=[], metavar="DIR_OR_ID",
+                   help="base models to serve (model directories or hub ids); none: any the engine can load")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"accepted X-API-Key (repeatable; also --api-key-file and ${KEYS_ENV}). "
+                        "The tinker SDK only sends keys starting with 'tml-'. None given: one is generated and printed")
+    p.add_argument("--api-key-file", metavar="PATH", help="file of accepted keys, one per line ('#' comments)")
+    p.add_argument("--store-dir", help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body (413 above)")
+    p.add_argument("--long-poll", type=float, default=30.0, help="seconds retrieve_future waits before a 408")
+    p.add_argument("--seq-gap-timeout", type=float, default=120.0,
+                   help="seconds a training operation waits for a missing earlier seq_id before it is failed")
+    p.add_argument("--sample-gather-ms", type=float, default=10.0,
+                   help="while the engine is idle, hold sampling requests until none arrived for this long "
+                        "(3x once several wait, at most 100x in all) so a rollout's requests decode in one batch; 0: off")
+    p.add_argument("--no-preload", action="store_true", help="load models on first use, not at start-up")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
+    """Accepted keys from the options, the key file and the environment; (keys, generated)."""
+    keys = list(args.api_key)
+    if args.api_key_file:
+        for line in Path(args.api_key_file).expanduser().read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                keys.append(line)
+    keys += os.environ.get(KEYS_ENV, "").replace(",", " ").split()
+    if keys:
+        return list(dict.fromkeys(keys)), False
+    return [f"tml-local-{secrets.token_urlsafe(18)}"], True
+
+
+def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
+    from polyrl.serve.server import ServeConfig
+
+    return ServeConfig(models=list(args.models), api_keys=keys, store_dir=args.store_dir, device=args.device,
+                       dtype=args.dtype, max_body_bytes=int(args.max_body_mb * (1 << 20)), long_poll_s=args.long_poll,
+                       gap_timeout_s=args.seq_gap_timeout,                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from polyrl.serve.app import create_app
+    from polyrl.serve.server import Server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 0 < args.long_poll < 45:
+        print("error: --long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a poll at 45)",
+              file=sys.stderr)
+        sys.exit(2)
+    keys, generated = api_keys(args)
+    for k in keys:
+        if not k.startswith("tml-"):
+            print(f"warning: key {k[:6]}... does not start with 'tml-'; the tinker SDK refuses to send such keys",
+                  file=sys.stderr)
+    server = Server(config_from_args(args, keys))
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
+    if not _is_loopback(host):
+        print(f"warning: listening on {host}, reachable from other machines; anyone with a key can train, "
+              "sample and read checkpoints", file=sys.stderr)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                if generated:
+                    print(f"API key: {keys[0]}  (pass api_key=... or set TINKER_API_KEY)", flush=True)
+                print(f"polyrl serve listening on {url}", flush=True)
+
+    config = uvicorn.Config(create_app(server), log_level=args.log_level, access_log=args.access_log,
+                            timeout_graceful_shutdown=3, timeout_keep_alive=75)
+    _Server(config).run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="polyrl serve", description="Serve polyrl's local engine over Tinker's HTTP protocol.")
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Tinker's wire formats: JSON request bodies in, protobuf and JSON results out.
+
+Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the encodings mirror the
+SDK's ``request_conv`` (what it sends) and ``response_conv`` (what it decodes). JSON bodies are
+validated with small models that ignore unknown keys (a newer SDK may send more) and reuse the
+SDK's own types for the nested parts (``ModelInput``, ``SamplingParams``, ``AdamParams``, ``LoraConfig``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+from google.protobuf.message import DecodeError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP ``status`` with ``{"error": message, "category": ...}``."""
+
+    def __init__(self, status: int, message: str, category: str = "user"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.category = category
+
+
+# ---- JSON requests ---------------------------------------------------------------------------------
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CreateSessionReq(_Req):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionReq(_Req):
+    session_id: str
+
+
+class CreateModelReq(_Req):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: types.LoraConfig | None = None
+    optimizer_config: dict[str, Any] | None = None
+
+
+class ModelReq(_Req):
+    model_id: str
+
+
+class LoadWeightsReq(_Req):
+    path: str
+    optimizer: bool = False
+    # create a training client from a checkpoint ...
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    # ... or load into an existing one (legacy load_state)
+    model_id: str | None = None
+    seq_id: int | None = None
+
+
+class OptimStepReq(_Req):
+    model_id: str
+    seq_id: int
+    adam_params: types.AdamParams | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsReq(_Req):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveForSamplerReq(_Req):
+    model_id: str
+    seq_id: int
+    path: str | None = None
+    sampling_session_seq_id: int | None = Field(None, ge=0)
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class CreateSamplingSessionReq(_Req):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SampleReq(_Req):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    num_samples: int = Field(1, ge=1, le=4096)
+    prompt: types.ModelInput
+    sampling_params: types.SamplingParams
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+
+class RetrieveFutureReq(_Req):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class WeightsInfoReq(_Req):
+    tinker_path: str
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def parse_json(model: type[R], body: bytes) -> R:
+    """Validate a JSON body; any problem is a 400 naming the offending fields."""
+    try:
+        data = json.loads(body or b"null")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestError(400, f"invalid request body: {_summarize(e)}") from None
+
+
+def peek_json_ids(body: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON body that failed validation, when both are readable."""
+    try:
+        data = json.loads(body)
+        model_id, seq_id = data["model_id"], data["seq_id"]
+    except Exception:  # noqa: BLE001
+        return None
+    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+    return (model_id, seq_id) if ok else None
+
+
+def _summarize(e: ValidationError, limit: int = 3) -> str:
+    errors = e.errors()
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in errors[:limit]]
+    if len(errors) > limit:
+        parts.append(f"... {len(errors) - limit} more")
+    return "; ".join(parts)
+
+
+# ---- forward_backward requests (protobuf) ---------------------------------------------------------
+_NP_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+_TENSOR_DTYPES = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64", pb.DTYPE_INT32: "int64"}
+
+
+@dataclass
+class ForwardBackwardReq:
+    model_id: str
+    seq_id: int
+    data: list[types.Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, Any]
+    forward_only: bool
+
+
+def peek_forward_backward_ids(body: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a ``ForwardBackwardRequest`` whose data cannot be decoded, if readable."""
+    try:
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(body)
+        return (msg.model_id, msg.seq_id) if msg.model_id else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def decode_forward_backward(body: bytes) -> ForwardBackwardReq:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise RequestError(400, f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf: {e}") from None
+    if not msg.model_id:
+        raise RequestError(400, "forward_backward request has no model_id")
+    if msg.seq_id < 1:
+        raise RequestError(400, f"forward_backward request needs a seq_id >= 1, got {msg.seq_id}")
+    if msg.loss_fn_config_v2:
+        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+    else:
+        config = dict(msg.loss_fn_config)
+    data = []
+    for i, d in enumerate(msg.data):
+        try:
+            data.append(_decode_datum(d))
+        except (ValueError, TypeError) as e:
+            raise RequestError(400, f"data[{i}]: {e}") from None
+    return ForwardBackwardReq(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only)
+
+
+def _decode_datum(d: pb.Datum) -> types.Datum:
+    chunks = []
+    for c in d.model_input:
+        kind = c.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text tokens only")
+        chunks.append(types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist()))
+    inputs = {name: _decode_tensor(name, t) for name, t in d.loss_fn_inputs.items()}
+    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+
+
+def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
+    if t.dtype not in _NP_DTYPES:
+        raise ValueError(f"loss_fn_inputs[{name!r}] has unsupported dtype {pb.DType.Name(t.dtype)}")
+    np_dtype, dtype = _NP_DTYPES[t.dtype], _TENSOR_DTYPES[t.dtype]
+    shape = list(t.shape) or None
+    if t.HasField("sparse_csr"):
+        csr = t.sparse_csr
+        return types.TensorData(
+            data=np.frombuffer(csr.values, dtype=np_dtype), dtype=dtype, shape=shape,
+            sparse_crow_indices=np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
+            sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
+        )
+    arr = np.frombuffer(t.dense, dtype=np_dtype)
+    if shape is not None and math.prod(shape) != arr.size:
+        raise ValueError(f"loss_fn_inputs[{name!r}] has {arr.size} values but shape {shape}")
+    return types.TensorData(data=arr, dtype=dtype, shape=shape)
+
+
+# ---- results ----------------------------------------------------------------------------------------
+_OUT_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
+
+
+def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
+    """``ForwardBackwardOutput`` as one ``ArrayRecord`` of per-datum arrays (what the SDK decodes)."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
+    for k, v in out.metrics.items():
+        msg.metrics[k] = float(v)
+    record = msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord",
+                                     num_datums=len(out.loss_fn_outputs))
+    names = list(out.loss_fn_outputs[0]) if out.loss_fn_outputs else []
+    for name in names:
+        arrays = [np.ascontiguousarray(o[name].to_numpy()) for o in out.loss_fn_outputs]
+        dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
+        arrays = [a.astype(dtype, copy=False) for a in arrays]
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([a.nbytes for a in arrays])
+        bt = record.fields[name]
+        bt.data = b"".join(a.tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = _OUT_DTYPES[dtype]
+        bt.trailing_shape.extend(arrays[0].shape[1:])
+    return msg.SerializeToString()
+
+
+def forward_backward_output_json(out: types.ForwardBackwardOutput) -> dict:
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "loss_fn_outputs": [{k: {"data": td.to_numpy().reshape(-1).tolist(), "dtype": td.dtype,
+                                 "shape": list(td.to_numpy().shape)} for k, td in o.items()}
+                            for o in out.loss_fn_outputs],
+        "metrics": dict(out.metrics),
+    }
+
+
+def _prompt_logprobs(resp: types.SampleResponse, last_n: int | None) -> np.ndarray | None:
+    plp = resp.prompt_logprobs_np
+    if plp is None:
+        return None
+    plp = np.asarray(plp, dtype=np.float32).copy()
+    if last_n is not None:
+        plp[: max(0, len(plp) - last_n)] = np.nan
+    return plp
+
+
+def encode_sample_response(resp: types.SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
+    msg = pb.SampleResponse()
+    for seq in resp.sequences:
+        s = msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH)
+        s.tokens = np.asarray(seq.tokens_np, dtype=np.int32).tobytes()
+        if seq.logprobs_np is not None:
+            s.logprobs = np.asarray(seq.logprobs_np, dtype=np.float32).tobytes()
+    plp = _prompt_logprobs(resp, prompt_logprobs_last_n)
+    if plp is not None:
+        msg.prompt_logprobs = plp.tobytes()
+    return msg.SerializeToString()
+
+
+def sample_response_json(resp: types.SampleResponse, sequence_ids: list[str],
+                         prompt_logprobs_last_n: int | None = None) -> dict:
+    plp = _prompt_logprobs(resp, prompt_logprobs_last_n)
+    return {
+        "type": "sample",
+        "sequences": [{"stop_reason": s.stop_reason, "sequence_id": sid, "tokens": np.asarray(s.tokens_np).tolist(),
+                       "logprobs": None if s.logprobs_np is None else np.asarray(s.logprobs_np).tolist()}
+                      for s, sid in zip(resp.sequences, sequence_ids)],
+        "prompt_logprobs": None if plp is None else [None if math.isnan(x) else float(x) for x in plp],
+    }

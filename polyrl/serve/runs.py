@@ -1,0 +1,134 @@
+"""Training runs and their checkpoints, as Tinker's REST routes describe them.
+
+A run is a model id (``{session_id}:train:{n}``); its checkpoints live in the engine's store under
+that id, so they outlive the server. ``run.json`` beside them records what the checkpoints do
+not: the run's base model, LoRA settings and ``user_metadata`` (the cookbook reads
+``renderer_name`` from it when resuming), written when the run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from datetime import datetime, timezone
+
+from polyrl.local.checkpoints import KINDS, Store
+from polyrl.serve.protocol import RequestError
+
+_ID = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:\-]*$")
+RUN_FILE = "run.json"
+
+
+def check_id(value: str, what: str) -> str:
+    """Run ids and checkpoint names become directory names: refuse anything path-like."""
+    if not isinstance(value, str) or not _ID.match(value) or len(value) > 200:
+        raise RequestError(400, f"invalid {what} {value!r}")
+    return value
+
+
+def check_tinker_path(path: str) -> str:
+    """A ``tinker://<run>/<weights|sampler_weights>/<name>`` path with safe components."""
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise RequestError(400, f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in KINDS:
+        raise RequestError(400, f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
+                                "or tinker://<run_id>/sampler_weights/<name>")
+    check_id(parts[0], "run id")
+    check_id(parts[2], "checkpoint name")
+    return path
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat()
+
+
+class Runs:
+    def __init__(self, store: Store):
+        self.store = store
+
+    # ---- run.json ---------------------------------------------------------------------------------
+    def record(self, run_id: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
+        d = self.store.root / run_id
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps({"training_run_id": run_id, "base_model": base_model, "lora": lora,
+                                   "user_metadata": _str_dict(user_metadata), "created": _iso(time.time())}, indent=2))
+        os.replace(tmp, d / RUN_FILE)
+
+    def info(self, run_id: str) -> dict | None:
+        f = self.store.root / run_id / RUN_FILE
+        try:
+            return json.loads(f.read_text())
+        except (OSError, ValueError):
+            return None
+
+    # ---- REST views ---------------------------------------------------------------------------------
+    def checkpoints(self, run_id: str) -> list[dict]:
+        check_id(run_id, "training run id")
+        return self.store.list(run_id)
+
+    def training_run(self, run_id: str, live: dict | None = None) -> dict:
+        """Tinker's ``TrainingRun``; ``live`` holds what the server knows of a run it is serving."""
+        check_id(run_id, "training run id")
+        info = self.info(run_id) or {}
+        cps = self.store.list(run_id) if (self.store.root / run_id).is_dir() else []
+        if not (live or info or cps):
+            raise RequestError(404, f"training run {run_id!r} not found")
+        latest_meta = self._meta(cps[-1]["tinker_path"]) if cps else {}
+        live = live or {}
+        lora = live.get("lora") or info.get("lora") or latest_meta.get("lora") or {}
+        times = [c["time"] for c in cps if c.get("time")]
+        if live.get("last_request"):
+            times.append(_iso(live["last_request"]))
+        elif info.get("created"):
+            times.append(info["created"])
+        training = [c for c in cps if c["checkpoint_type"] == "training"]
+        sampler = [c for c in cps if c["checkpoint_type"] == "sampler"]
+        return {
+            "training_run_id": run_id,
+            "base_model": live.get("base_model") or info.get("base_model") or latest_meta.get("base_model", "unknown"),
+            "model_owner": "local",
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": lora.get("rank"),
+            "last_request_time": max(times) if times else _iso(time.time()),
+            "last_checkpoint": training[-1] if training else None,
+            "last_sampler_checkpoint": sampler[-1] if sampler else None,
+            "user_metadata": _str_dict(live.get("user_metadata") if "user_metadata" in live else info.get("user_metadata")),
+        }
+
+    def _meta(self, tinker_path: str) -> dict:
+        try:
+            _, d = self.store.resolve(tinker_path)
+            return self.store.meta(d)
+        except (ValueError, OSError):
+            return {}
+
+    def run_ids(self, live: list[str]) -> list[str]:
+        on_disk = [r for r in self.store.runs() if _ID.match(r)]
+        return list(dict.fromkeys([*live, *on_disk]))
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        check_id(run_id, "training run id")
+        kind, _, name = checkpoint_id.partition("/")
+        if kind not in KINDS or not name:
+            raise RequestError(400, f"checkpoint id {checkpoint_id!r} must look like weights/<name> or "
+                                    "sampler_weights/<name>")
+        check_id(name, "checkpoint name")
+        try:
+            self.store.delete(f"tinker://{run_id}/{kind}/{name}")
+        except ValueError as e:
+            raise RequestError(404, str(e)) from None
+
+
+def _str_dict(d: dict | None) -> dict[str, str] | None:
+    return None if d is None else {str(k): str(v) for k, v in d.items()}
+
+
+def paginate(items: list, limit: int, offset: int) -> tuple[list, dict]:
+    limit = max(0, min(int(limit), 1000))
+    offset = max(0, int(offset))
+    return items[offset: offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}

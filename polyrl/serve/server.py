@@ -1,0 +1,502 @@
+"""The Tinker protocol's operations, mapped onto polyrl's local engine.
+
+Every method runs on the server's event loop and returns what the route sends back: a future
+(``{"request_id", ...}``) whose result ``retrieve_future`` fetches later, or a direct answer.
+Training operations are closures the engine's worker thread runs in each model's ``seq_id``
+order (:class:`~polyrl.serve.state.OrderedOps`); sampling bypasses that order and is gathered
+into the engine's sampling batches (:class:`~polyrl.serve.state.SampleGate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinker import types
+
+from polyrl.local import losses
+from polyrl.local.engine import Engine, SamplerState, TrainerState
+from polyrl.local.model import LoraSpec, resolve_model_path
+from polyrl.local.service import check_sample_options, make_sample_job
+from polyrl.serve import protocol as P
+from polyrl.serve.protocol import RequestError
+from polyrl.serve.runs import Runs, check_tinker_path, paginate
+from polyrl.serve.state import (
+    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, error_body, wait_done,
+)
+
+log = logging.getLogger("polyrl.serve")
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
+
+
+@dataclass
+class ServeConfig:
+    models: list[str] = field(default_factory=list)  # served base models; empty: any the engine can load
+    api_keys: list[str] = field(default_factory=list)
+    store_dir: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_body_bytes: int = 64 << 20
+    long_poll_s: float = 30.0  # retrieve_future waits this long before answering 408 (SDK timeout: 45 s)
+    gap_timeout_s: float = 120.0
+    sample_quiet_ms: float = 10.0  # see SampleGate; 0 sends every sampling request to the engine at once
+    result_ttl_s: float = 900.0
+    session_timeout_s: float = 1800.0
+    max_samplers_per_session: int = 64
+    preload: bool = True
+
+
+def _json(model: Any) -> dict:
+    return model.model_dump(mode="json", exclude_none=True)
+
+
+class Server:
+    def __init__(self, config: ServeConfig, engine: Engine | None = None):
+        self.config = config
+        self.engine = engine or Engine(config.store_dir, config.device, config.dtype)
+        self.runs = Runs(self.engine.store)
+        self.futures = Futures()
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.samplers: dict[str, SamplerRecord] = {}
+        self.outstanding = Outstanding()
+        quiet = config.sample_quiet_ms / 1000
+        self.gate = SampleGate(self._submit_sample, self.outstanding.__bool__, quiet, 3 * quiet, 100 * quiet)
+        self.served: dict[str, str] = {}  # any spelling of a served model -> its canonical name
+        for name in config.models:
+            canonical = os.path.realpath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
+            self.served[name] = self.served[canonical] = canonical
+
+    def _submit(self, fn) -> Future:
+        return self.outstanding.track(self.engine.submit(fn))
+
+    def _submit_sample(self, state: SamplerState, job) -> Future:
+        return self.outstanding.track(self.engine.submit_sample(state, job))
+
+    # ---- models --------------------------------------------------------------------------------
+    def preload(self) -> None:
+        for name in dict.fromkeys(self.served.values()):
+            self.engine.call(lambda n=name: self.engine.base(n).tokenizer)
+            log.info("loaded %s", name)
+
+    def base_model_name(self, name: str) -> str:
+        """The canonical name of a served base model, or a 400 listing the served ones."""
+        if not isinstance(name, str) or not name:
+            raise RequestError(400, "base_model is required")
+        if not self.served:
+            try:
+                resolve_model_path(name)
+            except ValueError as e:
+                raise RequestError(400, str(e)) from None
+            return name
+        expanded = os.path.expanduser(name)
+        canonical = self.served.get(name) or (self.served.get(os.path.realpath(expanded)) if os.path.isdir(expanded) else None)
+        if canonical is None:
+            raise RequestError(400, f"base model {name!r} is not served here; served: {sorted(set(self.served.values()))}")
+        return canonical
+
+    def capabilities(self) -> dict:
+        loaded = {m.name: m for m in self.engine.loaded_models()}
+        names = list(dict.fromkeys([*self.served.values(), *loaded]))
+        return {
+            "supported_models": [
+                {"model_name": n, "max_context_length": loaded[n].max_context_length if n in loaded else None,
+                 "trainable": True, "sampleable": True}
+                for n in names
+            ],
+            "supported_loss_fns": sorted(losses.LOSSES),
+        }
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def create_session(self, req: P.CreateSessionReq) -> dict:
+        sid = f"sess-{uuid.uuid4().hex[:12]}"
+        self.sessions[sid] = Session(sid, req.tags, req.user_metadata)
+        return {"session_id": sid, "type": "create_session"}
+
+    def _session(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise RequestError(404, f"unknown session_id {session_id!r} (sessions do not survive a server restart)")
+        if s.finished:
+            raise RequestError(410, f"session {session_id} has finished")
+        s.last_seen = time.monotonic()
+        return s
+
+    def heartbeat(self, req: P.SessionReq) -> dict:
+        s = self.sessions.get(req.session_id)
+        if s is None or s.finished:
+            raise RequestError(410, f"session {req.session_id!r} is not active")
+        s.last_seen = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, session_id: str, reason: str = "finished") -> dict:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise RequestError(404, f"unknown session_id {session_id!r}")
+        if not s.finished:
+            s.finished = True
+            for mid in s.models:
+                if mid in self.models:
+                    self._release_model(self.models.pop(mid), f"model {mid} was released: its session {reason}")
+            for sid in s.samplers:
+                self.samplers.pop(sid, None)
+        return {}
+
+    def _release_model(self, rec: ModelRecord, reason: str) -> None:
+        rec.ops.close(reason)
+
+        def free() -> None:
+            if rec.ready.done() and rec.ready.exception() is None:
+                st: TrainerState = rec.ready.result()
+                st.base.delete_adapter(st.adapter)
+
+        self.engine.submit(free)
+
+    # ---- training clients ----------------------------------------------------------------------
+    def _new_model(self, session: Session, model_seq_id: int, base_model: str, lora: dict,
+                   user_metadata: dict | None, ready: Future) -> str:
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        rid = self.futures.add(ready, lambda st: {"model_id": st.model_id, "type": "create_model"})
+        rec = ModelRecord(model_id, session.session_id, base_model, lora, user_metadata, ready,
+                          OrderedOps(self._submit, self.futures), rid)
+        self.models[model_id] = rec
+        session.models.append(model_id)
+
+        def started(f: Future) -> None:
+            if f.exception() is None:
+                st: TrainerState = f.result()
+                self.runs.record(model_id, st.base.name, st.spec.to_dict(), user_metadata)
+
+        ready.add_done_callback(started)
+        return rid
+
+    def create_model(self, req: P.CreateModelReq) -> dict:
+        session = self._session(req.session_id)
+        model_id = f"{session.session_id}:train:{req.model_seq_id}"
+        if model_id in self.models:  # a retried POST
+            return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
+        opt_type = (req.optimizer_config or {}).get("type", "adamw")
+        if opt_type != "adamw":
+            raise RequestError(400, f"optimizer {opt_type!r} is not supported; this server trains with AdamW")
+        base = self.base_model_name(req.base_model)
+        lc = req.lora_config or types.LoraConfig(rank=32)
+        if lc.rank < 1:
+            raise RequestError(400, f"lora rank must be >= 1, got {lc.rank}")
+        if not (lc.train_mlp or lc.train_attn or lc.train_unembed):
+            raise RequestError(400, "at least one of train_mlp, train_attn, train_unembed must be true")
+        spec = LoraSpec(lc.rank, lc.train_mlp, lc.train_attn, lc.train_unembed, lc.seed)
+        ready = self._submit(lambda: self.engine.create_trainer(model_id, base, spec))
+        rid = self._new_model(session, req.model_seq_id, base, spec.to_dict(), req.user_metadata, ready)
+        return {"request_id": rid, "model_id": model_id}
+
+    def _model(self, model_id: str) -> ModelRecord:
+        rec = self.models.get(model_id)
+        if rec is None:
+            raise RequestError(404, f"unknown model_id {model_id!r} (models do not survive a server restart; "
+                                    "load a checkpoint instead)")
+        rec.last_request = time.time()
+        return rec
+
+    async def get_info(self, req: P.ModelReq) -> dict:
+        rec = self._model(req.model_id)
+        if not await wait_done(rec.ready, self.config.long_poll_s):
+            raise RequestError(503, f"model {req.model_id} is still being created", "server")
+        if rec.ready.exception() is not None:
+            raise RequestError(404, f"model {req.model_id} could not be created: {rec.ready.exception()}")
+        st: TrainerState = rec.ready.result()
+        return {
+            "type": "get_info",
+            "model_id": rec.model_id,
+            "model_data": {"arch": st.base.arch, "model_name": st.base.name, "tokenizer_id": st.base.path},
+            "is_lora": True,
+            "lora_rank": st.spec.rank,
+            "model_name": st.base.name,
+            "optimizer_config": {"type": "adamw"},
+        }
+
+    def _checkpoint_meta(self, path: str) -> dict:
+        check_tinker_path(path)
+        try:
+            _, directory = self.engine.store.resolve(path)
+            return self.engine.store.meta(directory)
+        except ValueError as e:
+            raise RequestError(404, str(e)) from None
+
+    def load_weights(self, req: P.LoadWeightsReq) -> dict:
+        meta = self._checkpoint_meta(req.path)
+        self.base_model_name(meta["base_model"])
+        path = req.path
+        if req.model_id is not None:  # load_state into an existing training client
+            rec = self._model(req.model_id)
+            if req.seq_id is None:
+                raise RequestError(400, "load_weights into a model needs its seq_id")
+
+            def load() -> dict:
+                old: TrainerState = rec.ready.result()
+                new = self.engine.load_trainer(rec.model_id, path, req.optimizer)
+                old.base.delete_adapter(old.adapter)
+                done: Future = Future()
+                done.set_result(new)
+                rec.ready = done
+                return {"path": path, "model_id": rec.model_id, "type": "load_weights"}
+
+            return {"request_id": rec.ops.submit(req.seq_id, load, dict), "model_id": rec.model_id}
+        if req.session_id is None or req.model_seq_id is None:
+            raise RequestError(400, "load_weights needs either model_id and seq_id, or session_id and model_seq_id")
+        session = self._session(req.session_id)
+        model_id = f"{session.session_id}:train:{req.model_seq_id}"
+        if model_id in self.models:
+            return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
+        source_run = path[len("tinker://"):].split("/")[0]
+        user_metadata = req.user_metadata if req.user_metadata is not None else (self.runs.info(source_run) or {}).get("user_metadata")
+        ready = self._submit(lambda: self.engine.load_trainer(model_id, path, req.optimizer))
+        rid = self._new_model(session, req.model_seq_id, meta["base_model"], meta["lora"], user_metadata, ready)
+        self.futures.get(rid).to_json = lambda st: {"path": path, "model_id": st.model_id, "type": "load_weights"}
+        return {"request_id": rid, "model_id": model_id}
+
+    def forward_backward(self, fb: P.ForwardBackwardReq) -> dict:
+        rec = self._model(fb.model_id)
+        loss_fn, config, data, backward = fb.loss_fn, dict(fb.loss_fn_config), fb.data, not fb.forward_only
+
+        def run() -> types.ForwardBackwardOutput:
+            if loss_fn not in losses.LOSSES:
+                known = "is one of Tinker's losses but is not implemented by" if loss_fn in TINKER_LOSSES else "is not a loss of"
+                raise RequestError(400, f"loss_fn {loss_fn!r} {known} polyrl serve; supported: "
+                                        f"{', '.join(sorted(losses.LOSSES))}")
+            if not data:
+                raise ValueError("forward_backward got no data")
+            return self.engine.forward_backward(rec.ready.result(), data, loss_fn, config, backward)
+
+        rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
+        return {"request_id": rid, "model_id": rec.model_id}
+
+    def refuse_op(self, model_id: str, seq_id: int, error: RequestError) -> None:
+        """A malformed operation still uses up its seq_id, so the model's later operations need not wait."""
+        rec = self.models.get(model_id)
+        if rec is not None:
+            rec.ops.refuse(seq_id, error)
+
+    def optim_step(self, req: P.OptimStepReq) -> dict:
+        rec = self._model(req.model_id)
+        params = req.adam_params
+        if params is None:
+            kind = (req.optimizer_params or {}).get("type", "none given")
+            error = RequestError(400, f"optimizer params of type {kind!r} are not supported; pass tinker.types.AdamParams")
+            rec.ops.refuse(req.seq_id, error)
+            raise error
+
+        def run() -> types.OptimStepResponse:
+            return self.engine.optim_step(rec.ready.result(), params)
+
+        return {"request_id": rec.ops.submit(req.seq_id, run, _json), "model_id": rec.model_id}
+
+    def save_weights(self, req: P.SaveWeightsReq) -> dict:
+        rec = self._model(req.model_id)
+        name = req.path or f"ckpt-{int(time.time() * 1000)}"
+
+        def run() -> dict:
+            path = self.engine.save_state(rec.ready.result(), name, req.overwrite, req.user_metadata)
+            return {"path": path, "type": "save_weights"}
+
+        return {"request_id": rec.ops.submit(req.seq_id, run, dict), "model_id": rec.model_id}
+
+    def save_for_sampler(self, req: P.SaveForSamplerReq) -> dict:
+        rec = self._model(req.model_id)
+        if req.path is not None:
+            name = req.path
+
+            def run() -> dict:
+                path = self.engine.save_for_sampler(rec.ready.result(), name, req.user_metadata)
+                return {"path": path, "type": "save_weights_for_sampler"}
+
+            return {"request_id": rec.ops.submit(req.seq_id, run, dict), "model_id": rec.model_id}
+        if req.sampling_session_seq_id is None:
+            raise RequestError(400, "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+        if req.seq_id in rec.ops.seen:
+            return {"request_id": rec.ops.seen[req.seq_id], "model_id": rec.model_id}
+        session = self._session(rec.session_id)
+        sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
+        snapshot: Future = Future()
+
+        def run() -> dict:
+            st: TrainerState = rec.ready.result()
+            snapshot.set_result(self.engine.snapshot_sampler(st))
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+
+        rid = rec.ops.submit(req.seq_id, run, dict)
+        self.futures.get(rid).future.add_done_callback(
+            lambda f: None if snapshot.done() else snapshot.set_exception(f.exception() or RuntimeError("no snapshot")))
+        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, rec.base_model, None, snapshot, True))
+        return {"request_id": rid, "model_id": rec.model_id}
+
+    # ---- sampling ----------------------------------------------------------------------------------
+    def _add_sampler(self, session: Session, rec: SamplerRecord) -> None:
+        self.samplers[rec.sampler_id] = rec
+        session.samplers.append(rec.sampler_id)
+        ephemeral = [s for s in session.samplers if s in self.samplers and self.samplers[s].ephemeral]
+        excess = len(ephemeral) - self.config.max_samplers_per_session
+        if excess > 0:  # drop the least recently used snapshots
+            for sid in sorted(ephemeral, key=lambda s: self.samplers[s].last_used)[:excess]:
+                del self.samplers[sid]
+                session.samplers.remove(sid)
+
+    def create_sampling_session(self, req: P.CreateSamplingSessionReq) -> dict:
+        session = self._session(req.session_id)
+        sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
+        if sampler_id in self.samplers:
+            return {"sampling_session_id": sampler_id}
+        if req.model_path is not None:
+            meta = self._checkpoint_meta(req.model_path)
+            base = self.base_model_name(meta["base_model"])
+            path = req.model_path
+            ready = self._submit(lambda: self.engine.load_sampler(path))
+        elif req.base_model is not None:
+            base = self.base_model_name(req.base_model)
+            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None))
+        else:
+            raise RequestError(400, "create_sampling_session needs model_path or base_model")
+        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, base, req.model_path, ready, False))
+        return {"sampling_session_id": sampler_id}
+
+    def get_sampler(self, sampler_id: str) -> dict:
+        rec = self.samplers.get(sampler_id)
+        if rec is None:
+            raise RequestError(404, f"unknown sampler {sampler_id!r}")
+        out = {"sampler_id": sampler_id, "base_model": rec.base_model}
+        if rec.model_path:
+            out["model_path"] = rec.model_path
+        return out
+
+    def sample(self, req: P.SampleReq) -> dict:
+        if req.sampling_session_id is None:
+            raise RequestError(400, "asample needs a sampling_session_id (create one with create_sampling_session)")
+        rec = self.samplers.get(req.sampling_session_id)
+        if rec is None:
+            raise RequestError(404, f"unknown sampling_session_id {req.sampling_session_id!r} (it expired, its "
+                                    "session finished, or the server restarted)")
+        rec.last_used = time.monotonic()
+        if req.seq_id is not None and req.seq_id in rec.seen:
+            rid, ids = rec.seen[req.seq_id]
+            return {"request_id": rid, "sample_sequence_ids": ids}
+        ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
+        last_n = req.prompt_logprobs_last_n
+        out: Future = Future()
+        rid = self.futures.add(out, lambda r: P.sample_response_json(r, ids, last_n),
+                               lambda r: P.encode_sample_response(r, last_n))
+        if req.seq_id is not None:
+            rec.seen[req.seq_id] = (rid, ids)
+            if len(rec.seen) > 8192:  # retries only ever repeat recent requests
+                for seq in list(rec.seen)[:4096]:
+                    del rec.seen[seq]
+        loop_add = self.gate.add
+
+        def start(state: SamplerState) -> None:
+            try:
+                check_sample_options(req.topk_prompt_logprobs, req.topk_sample_logprobs, req.prompt_alt_tokens_k,
+                                     req.target_prompt_logprobs)
+                if any(getattr(c, "type", None) != "encoded_text" for c in req.prompt.chunks):
+                    raise ValueError("prompt has non-text chunks; this server takes text tokens only")
+                n_prompt = req.prompt.length
+                if last_n is not None and not (1 <= last_n <= n_prompt - 1):
+                    raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n_prompt - 1}")
+                job = make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
+                                      bool(req.prompt_logprobs))
+            except (ValueError, RequestError) as e:
+                out.set_exception(e)
+                return
+            loop_add(state, job, out)
+
+        if rec.ready.done():
+            if rec.ready.exception() is not None:
+                out.set_exception(rec.ready.exception())
+            else:
+                start(rec.ready.result())
+        else:
+            loop = asyncio.get_running_loop()
+
+            def when_ready(f: Future) -> None:
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                else:
+                    loop.call_soon_threadsafe(start, f.result())
+
+            rec.ready.add_done_callback(when_ready)
+        return {"request_id": rid, "sample_sequence_ids": ids}
+
+    # ---- futures -----------------------------------------------------------------------------------
+    async def retrieve(self, req: P.RetrieveFutureReq, accept_proto: bool) -> tuple[int, Any]:
+        """(HTTP status, body): bytes for protobuf, a dict for JSON."""
+        pending = self.futures.get(req.request_id)
+        if pending is None:
+            raise RequestError(404, f"unknown or expired request_id {req.request_id!r}")
+        if not await wait_done(pending.future, self.config.long_poll_s):
+            return 408, {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+        error = pending.future.exception()
+        if error is not None:
+            body = error_body(error)
+            if body["category"] == "server":
+                log.error("request %s failed", req.request_id, exc_info=error)
+            return 200, body
+        result = pending.future.result()
+        if accept_proto and pending.to_proto is not None:
+            return 200, pending.to_proto(result)
+        return 200, pending.to_json(result)
+
+    # ---- REST ----------------------------------------------------------------------------------------
+    def _live_run(self, run_id: str) -> dict | None:
+        rec = self.models.get(run_id)
+        if rec is None:
+            return None
+        return {"base_model": rec.base_model, "lora": rec.lora, "user_metadata": rec.user_metadata,
+                "last_request": rec.last_request}
+
+    def training_run(self, run_id: str) -> dict:
+        return self.runs.training_run(run_id, self._live_run(run_id))
+
+    def training_runs(self, limit: int, offset: int) -> dict:
+        rows = []
+        for run_id in self.runs.run_ids(list(self.models)):
+            try:
+                rows.append(self.training_run(run_id))
+            except RequestError:
+                continue
+        rows.sort(key=lambda r: r["last_request_time"], reverse=True)
+        page, cursor = paginate(rows, limit, offset)
+        return {"training_runs": page, "cursor": cursor}
+
+    def checkpoints(self, run_id: str) -> dict:
+        return {"checkpoints": self.runs.checkpoints(run_id)}
+
+    def user_checkpoints(self, limit: int, offset: int) -> dict:
+        rows = [c for run_id in self.runs.run_ids([]) for c in self.runs.checkpoints(run_id)]
+        rows.sort(key=lambda c: c.get("time") or "", reverse=True)
+        page, cursor = paginate(rows, limit, offset)
+        return {"checkpoints": page, "cursor": cursor}
+
+    def weights_info(self, req: P.WeightsInfoReq) -> dict:
+        meta = self._checkpoint_meta(req.tinker_path)
+        lora = meta.get("lora", {})
+        return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora.get("rank"),
+                "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
+                "train_attn": lora.get("train_attn"), "optimizer_config": {"type": "adamw"}}
+
+    # ---- housekeeping --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Called about once a second: ordering gaps, expired results, abandoned sessions."""
+        now = time.monotonic()
+        for rec in self.models.values():
+            rec.ops.check_gap(self.config.gap_timeout_s, now)
+            rec.ops.forget_old()
+        self.futures.expire(self.config.result_ttl_s, now)
+        for s in list(self.sessions.values()):
+            if not s.finished and now - s.last_seen > self.config.session_timeout_s:
+                log.warning("session %s sent no heartbeat for %.0f s; releasing its models", s.session_id,
+                            now - s.last_seen)
+                self.finish_session(s.session_id, "timed out")
+

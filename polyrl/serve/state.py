@@ -1,0 +1,305 @@
+"""Server-side bookkeeping: futures by request id, per-model operation order, sessions, samplers.
+
+Everything here is touched from the server's event loop only; the engine's worker thread only
+completes ``concurrent.futures.Future`` objects, which are thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from polyrl.serve.protocol import RequestError
+
+log = logging.getLogger("polyrl.serve")
+
+
+def chain(src: Future, dst: Future, fn: Callable[[Any], Any] | None = None) -> None:
+    """Complete ``dst`` with ``fn(src.result())`` (or ``src``'s exception) once ``src`` is done."""
+
+    def done(f: Future) -> None:
+        if dst.done():
+            return
+        try:
+            dst.set_result(fn(f.result()) if fn else f.result())
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            dst.set_exception(e)
+
+    src.add_done_callback(done)
+
+
+def failed(error: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(error)
+    return fut
+
+
+def error_body(e: BaseException) -> dict:
+    """``{"error", "category"}`` as the SDK's ``retrieve_future`` understands it."""
+    if isinstance(e, RequestError):
+        return {"error": e.message, "category": e.category}
+    if isinstance(e, ValueError):  # the engine raises ValueError for problems with the caller's input
+        return {"error": str(e), "category": "user"}
+    return {"error": f"{type(e).__name__}: {e}", "category": "server"}
+
+
+# ---- futures -----------------------------------------------------------------------------------------
+@dataclass
+class Pending:
+    """An accepted request's result, fetched with ``retrieve_future``."""
+
+    future: Future
+    to_json: Callable[[Any], dict]
+    to_proto: Callable[[Any], bytes] | None = None  # results the SDK decodes from protobuf
+    done_at: float | None = None
+
+
+class Futures:
+    def __init__(self) -> None:
+        self._items: dict[str, Pending] = {}
+
+    def add(self, future: Future, to_json: Callable[[Any], dict], to_proto: Callable[[Any], bytes] | None = None) -> str:
+        request_id = uuid.uuid4().hex
+        self._items[request_id] = Pending(future, to_json, to_proto)
+        return request_id
+
+    def get(self, request_id: str) -> Pending | None:
+        return self._items.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def expire(self, ttl: float, now: float | None = None) -> None:
+        """Forget results that completed more than ``ttl`` seconds ago."""
+        now = time.monotonic() if now is None else now
+        for rid, p in list(self._items.items()):
+            if p.future.done():
+                if p.done_at is None:
+                    p.done_at = now
+                elif now - p.done_at > ttl:
+                    del self._items[rid]
+
+
+async def wait_done(future: Future, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``future`` without cancelling it; whether it is done."""
+    if future.done():
+        return True
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+
+    def wake(_: Future) -> None:
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # loop closed while the server shuts down
+            pass
+
+    future.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+    return future.done()
+
+
+# ---- per-model ordering ------------------------------------------------------------------------------
+class OrderedOps:
+    """One model's operations, run in ``seq_id`` order and each exactly once.
+
+    The SDK numbers a training client's requests 1, 2, 3, ...; it may POST the chunks of one
+    ``forward_backward`` concurrently (in any order) and retry any POST. An operation waits here
+    until every lower ``seq_id`` has been handed to the engine; a repeated ``seq_id`` gets the
+    original request id back. A ``seq_id`` that never arrives (its POST was refused) holds up the
+    ones after it for at most ``gap_timeout`` seconds; then those are failed, not run out of context.
+    """
+
+    def __init__(self, submit: Callable[[Callable[[], Any]], Future], futures: Futures, first_seq: int = 1):
+        self._submit = submit
+        self._futures = futures
+        self.next_seq = first_seq
+        self.seen: dict[int, str] = {}
+        self.waiting: dict[int, tuple[Callable[[], Any], Future]] = {}
+        self.gap_since: float | None = None
+        self.closed: str | None = None
+
+    def submit(self, seq: int, fn: Callable[[], Any], to_json: Callable[[Any], dict],
+               to_proto: Callable[[Any], bytes] | None = None) -> str:
+        if seq in self.seen:
+            return self.seen[seq]
+        if seq < self.next_seq:
+            raise RequestError(400, f"seq_id {seq} was already used by this model (next is {self.next_seq})")
+        if self.closed:
+            raise RequestError(404, self.closed)
+        fut: Future = Future()
+        rid = self._futures.add(fut, to_json, to_proto)
+        self.seen[seq] = rid
+        self.waiting[seq] = (fn, fut)
+        self._drain()
+        return rid
+
+    def refuse(self, seq: int, error: RequestError) -> None:
+        """Record ``seq`` as failed (its POST was malformed) so later operations need not wait for it."""
+        if seq in self.seen or seq < self.next_seq:
+            return
+        self.seen[seq] = self._futures.add(failed(error), dict)
+        self.waiting[seq] = (None, None)  # type: ignore[assignment]
+        self._drain()
+
+    def _drain(self) -> None:
+        start = self.next_seq
+        while self.next_seq in self.waiting:
+            fn, fut = self.waiting.pop(self.next_seq)
+            self.next_seq += 1
+            if fn is not None:
+                chain(self._submit(fn), fut)
+        if not self.waiting:
+            self.gap_since = None
+        elif self.gap_since is None or self.next_seq != start:  # a new gap starts now
+            self.gap_since = time.monotonic()
+
+    def check_gap(self, timeout: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if not self.waiting or self.gap_since is None or now - self.gap_since < timeout:
+            return
+        first = min(self.waiting)
+        missing = list(range(self.next_seq, first))
+        log.warning("seq_id %s never arrived within %.0f s; failing the %d operations queued after it",
+                    missing, timeout, len(self.waiting))
+        for seq in missing:
+            self.seen[seq] = self._futures.add(failed(RequestError(408, f"seq_id {seq} never arrived")), dict)
+        err = RequestError(409, f"not run: seq_id(s) {missing} of this model never reached the server "
+                                f"(waited {timeout:.0f} s)")
+        for _, fut in self.waiting.values():
+            if fut is not None:
+                fut.set_exception(err)
+        self.next_seq = max(self.waiting) + 1
+        self.waiting.clear()
+        self.gap_since = None
+
+    def close(self, reason: str) -> None:
+        self.closed = reason
+        for _, fut in self.waiting.values():
+            if fut is not None and not fut.done():
+                fut.set_exception(RequestError(404, reason))
+        self.waiting.clear()
+
+    def forget_old(self, keep: int = 4096) -> None:
+        for seq in [s for s in self.seen if s < self.next_seq - keep]:
+            del self.seen[seq]
+
+
+# ---- records -----------------------------------------------------------------------------------------
+@dataclass
+class Session:
+    session_id: str
+    tags: list[str] = field(default_factory=list)
+    user_metadata: dict | None = None
+    created: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    finished: bool = False
+    models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelRecord:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: dict
+    user_metadata: dict | None
+    ready: Future  # of the engine's TrainerState
+    ops: OrderedOps
+    create_request_id: str
+    last_request: float = field(default_factory=time.time)
+
+
+@dataclass
+class SamplerRecord:
+    sampler_id: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    ready: Future  # of the engine's SamplerState
+    ephemeral: bool
+    last_used: float = field(default_factory=time.monotonic)
+    seen: dict[int, tuple[str, list[str]]] = field(default_factory=dict)  # seq_id -> (request id, sequence ids)
+
+
+# ---- sampling requests, gathered ---------------------------------------------------------------------
+class SampleGate:
+    """Hands sampling requests to the engine so that a rollout's requests share one batch.
+
+    In-process, an RL step's ``sample`` calls reach the engine within a millisecond and decode as
+    one batch. Through the SDK they arrive one HTTP request at a time, spread over tens of
+    milliseconds, and an idle engine would start decoding the first few alone. So while the engine
+    is idle, requests are held until none has arrived for ``quiet`` seconds (``burst_quiet`` once
+    two or more are waiting: a burst is under way), at most ``max_wait`` after the first. While the
+    engine is busy they go straight to its queue, where its next batch collects them anyway.
+    """
+
+    def __init__(self, submit: Callable[[Any, Any], Future], busy: Callable[[], bool], quiet: float,
+                 burst_quiet: float, max_wait: float):
+        self._submit = submit
+        self._busy = busy
+        self.quiet = quiet
+        self.burst_quiet = burst_quiet
+        self.max_wait = max_wait
+        self._held: list[tuple[Any, Any, Future]] = []
+        self._first = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, sampler_state: Any, job: Any, out: Future) -> None:
+        self._held.append((sampler_state, job, out))
+        if self.quiet <= 0 or self._busy():
+            self.flush()
+            return
+        loop = asyncio.get_running_loop()
+        if len(self._held) == 1:
+            self._first = loop.time()
+        if self._timer is not None:
+            self._timer.cancel()
+        quiet = self.quiet if len(self._held) == 1 else self.burst_quiet
+        delay = min(quiet, self._first + self.max_wait - loop.time())
+        if delay <= 0:
+            self.flush()
+        else:
+            self._timer = loop.call_later(delay, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        held, self._held, self._timer = self._held, [], None
+        if held:
+            log.debug("sampling: %d requests to the engine (busy=%s)", len(held), self._busy)
+        for sampler_state, job, out in held:
+            chain(self._submit(sampler_state, job), out)
+
+
+class Outstanding:
+    """Counts engine operations submitted and not yet finished (is the engine busy?)."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def track(self, fut: Future) -> Future:
+        with self._lock:
+            self._n += 1
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _: Future) -> None:
+        with self._lock:
+            self._n -= 1
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __repr__(self) -> str:
+        return f"Outstanding({self._n})"

@@ -1,0 +1,525 @@
+"""``polyrl serve``: the official tinker SDK (and tinker-cookbook, and ``polyrl train``) against the
+local engine over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
+from polyrl.local import losses
+from polyrl.serve.protocol import RequestError
+from polyrl.serve.state import Futures, OrderedOps
+
+KEY = "tml-serve-test-key"
+
+
+# ---------------------------------------------------------------------------------------- helpers
+class Served:
+    """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port."""
+
+    def __init__(self, model_dir: str, store: Path, *extra: str):
+        cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
+               "--store-dir", str(store), "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        self.url = None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if "listening on" in line:
+                self.url = line.rsplit(" ", 1)[-1].strip()
+                break
+        if self.url is None:
+            self.proc.kill()
+            raise RuntimeError(f"polyrl serve did not start: {self.proc.stderr.read()[-2000:]}")
+        self.http = httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and self.http.get("/healthz").json() == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    s = Served(tiny_model_dir, tmp_path_factory.mktemp("serve-store"), "--long-poll", "1", "--max-body-mb", "1",
+               "--seq-gap-timeout", "6")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def service(served):
+    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    yield sc
+    sc.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def training(service, tiny_model_dir):
+    return service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
+
+
+def _tokens(tokenizer, text="the answer is 42") -> list[int]:
+    return tokenizer.encode(text)
+
+
+def _datum(tokens: list[int], loss: str) -> types.Datum:
+    n = len(tokens)
+    target = tokens[1:] + [tokens[0]]
+    inputs = {"target_tokens": types.TensorData(data=target, dtype="int64", shape=[n])}
+    if loss == "cross_entropy":
+        inputs["weights"] = types.TensorData(data=[0.5] * n, dtype="float32", shape=[n])
+    else:
+        inputs["logprobs"] = types.TensorData(data=[-6.0] * n, dtype="float32", shape=[n])
+        inputs["advantages"] = types.TensorData(data=[1.0, -0.5] * (n // 2) + [1.0] * (n % 2), dtype="float32", shape=[n])
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+
+
+def _session(served: Served) -> str:
+    return served.http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+
+
+def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0) -> str:
+    r = served.http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
+                                                "lora_config": {"rank": 4, "seed": 0}})
+    assert r.status_code == 200, r.text
+    result = _retrieve(served, r.json()["request_id"])
+    return result["model_id"]
+
+
+def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: float = 60):
+    headers = {"Accept": "application/x-protobuf"} if proto else {}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        r = served.http.post("/retrieve_future", json={"request_id": request_id}, headers=headers)
+        if r.status_code == 408:
+            continue
+        assert r.status_code == 200, r.text
+        return r.content if r.headers["content-type"].startswith("application/x-protobuf") else r.json()
+    raise TimeoutError(request_id)
+
+
+def _fwdbwd_body(model_id: str, seq_id: int, datums: list[types.Datum], loss="cross_entropy") -> bytes:
+    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn=loss),
+                                       model_id=model_id, seq_id=seq_id)
+    return forward_backward_request_to_proto(req).SerializeToString()
+
+
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+# ------------------------------------------------------------------------ the SDK, end to end
+def test_sdk_training_and_sampling(served, service, training, tokenizer):
+    info = training.get_info()
+    assert info.model_id.endswith(":train:0") and info.lora_rank == 4 and info.model_data.tokenizer_id
+    tokens = _tokens(tokenizer)
+    n = len(tokens)
+    for loss in sorted(losses.LOSSES):
+        out = training.forward_backward([_datum(tokens, loss), _datum(tokens[:-1], loss)], loss).result()
+        assert "loss:sum" in out.metrics and np.isfinite(out.metrics["loss:sum"]), loss
+        assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[n], [n - 1]]
+        assert all(np.all(o["logprobs"].to_numpy() <= 0) for o in out.loss_fn_outputs)
+    before = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+    # forward_backward_custom: the SDK's forward pass, a client-side loss, then a weighted backward
+    custom = training.forward_backward_custom(
+        [_datum(tokens, "cross_entropy")], lambda data, lps: (-0.5 * sum(lp.sum() for lp in lps), {"n:sum": 1.0})).result()
+    assert custom.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)
+    opt = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert opt.metrics["grad_norm:mean"] > 0
+    after = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+    assert after.metrics["loss:sum"] != before.metrics["loss:sum"]
+
+    sampler = training.save_weights_and_get_sampling_client().result()
+    assert sampler.get_base_model() == training.get_info().model_data.model_name
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    res = sampler.sample(types.ModelInput.from_ints(tokens), num_samples=3, sampling_params=params).result()
+    assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
+    for s in res.sequences:
+        assert 1 <= len(s.tokens) <= 6 and len(s.logprobs) == len(s.tokens) and s.stop_reason in ("stop", "length")
+    again = sampler.sample(types.ModelInput.from_ints(tokens), num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]  # seeded
+    # the sampler's logprobs are the learner's: forward on a sampled sequence gives the same numbers
+    seq = res.sequences[0]
+    full = tokens + list(seq.tokens)
+    lp = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    assert lp[0] is None and len(lp) == len(full)
+    np.testing.assert_allclose(lp[n:], seq.logprobs, atol=1e-4)
+    m = len(full) - 1
+    lm = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                     loss_fn_inputs={"target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[m])})
+    learner = training.forward([lm], "cross_entropy").result()
+    np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1:], seq.logprobs, atol=1e-4)
+
+
+def test_checkpoints_resume_and_rest(served, service, training, tokenizer):
+    tokens = _tokens(tokenizer, "resume me please")
+    state = training.save_state("ckpt-a", user_metadata={"note": "x"}).result()
+    assert state.path == f"tinker://{training.model_id}/weights/ckpt-a"
+    named = training.save_weights_for_sampler("samp-a").result()
+    ref = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+
+    resumed = service.create_training_client_from_state_with_optimizer(state.path).result()
+    assert resumed.model_id != training.model_id
+    got = resumed.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+    np.testing.assert_allclose(got.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               ref.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-6)
+    # same weights and optimizer state: one identical step on each keeps them identical
+    for client in (training, resumed):
+        client.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    a = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    b = resumed.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    np.testing.assert_allclose(a.to_numpy(), b.to_numpy(), atol=1e-5)
+    fresh = service.create_training_client_from_state(state.path).result()  # weights only
+    assert fresh.get_info().lora_rank == 4
+
+    from_path = service.create_sampling_client(model_path=named.path).result()
+    assert from_path.get_base_model() == training.get_info().model_data.model_name
+    assert len(from_path.sample(types.ModelInput.from_ints(tokens), 2, types.SamplingParams(max_tokens=3)).result().sequences) == 2
+
+    rest = tinker.RestClient(base_url=served.url, api_key=KEY)
+    caps = rest.get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [training.get_info().model_data.model_name]
+    assert served.http.get("/get_server_capabilities").json()["supported_loss_fns"] == sorted(losses.LOSSES)
+    cps = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert {c.checkpoint_id for c in cps} == {"weights/ckpt-a", "sampler_weights/samp-a"}
+    assert next(c for c in cps if c.checkpoint_id == "weights/ckpt-a").user_metadata == {"note": "x"}
+    run = rest.get_training_run(training.model_id).result()
+    assert run.lora_rank == 4 and run.last_checkpoint.checkpoint_id == "weights/ckpt-a"
+    runs = rest.list_training_runs().result()
+    assert training.model_id in {r.training_run_id for r in runs.training_runs}
+    rest.delete_checkpoint(training.model_id, "sampler_weights/samp-a").result()
+    assert {c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints} == {"weights/ckpt-a"}
+
+
+def test_unsupported_loss_is_a_user_error_and_the_client_goes_on(training, tokenizer):
+    tokens = _tokens(tokenizer)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        training.forward_backward([_datum(tokens, "ppo")], "stable_reinforce").result(timeout=60)
+    assert err.value.category == types.RequestErrorCategory.User
+    assert "stable_reinforce" in str(err.value) and "importance_sampling" in str(err.value)
+    out = training.forward_backward([_datum(tokens, "ppo")], "ppo").result(timeout=60)  # still usable
+    assert "loss:sum" in out.metrics
+
+
+# ------------------------------------------------------------------------------- the protocol
+def test_api_key_required(served):
+    for headers in ({}, {"X-API-Key": "tml-wrong"}):
+        for method, path in (("GET", "/healthz"), ("POST", "/create_session"), ("GET", "/training_runs")):
+            r = httpx.request(method, served.url + "/api/v1" + path, headers=headers, json={})
+            assert r.status_code == 401 and "X-API-Key" in r.json()["error"]
+    assert served.http.get("/healthz").status_code == 200
+
+
+def test_sessions_heartbeats_and_finish(served, tiny_model_dir):
+    http = served.http
+    assert http.post("/client/config", json={"sdk_version": "0.38.0"}).json()["parallel_fwdbwd_chunks"] is True
+    session = _session(served)
+    assert http.post("/session_heartbeat", json={"session_id": session, "type": "session_heartbeat"}).status_code == 200
+    model_id = _create_model(served, tiny_model_dir, session)
+    assert http.post("/telemetry", json={"events": [], "session_id": session}).json() == {"status": "accepted"}
+    assert http.post(f"/sessions/{session}/finish", json={"reason": {"type": "success"}}).status_code == 200
+    assert http.post("/session_heartbeat", json={"session_id": session}).status_code == 410  # stops the SDK's loop
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
+    assert r.status_code == 404 and "unknown model_id" in r.json()["error"]  # its models were released
+    r = http.post("/create_model", json={"session_id": session, "model_seq_id": 1, "base_model": tiny_model_dir})
+    assert r.status_code == 410
+    assert http.get(f"/training_runs/{model_id}").json()["training_run_id"] == model_id  # the run is still listed
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_model_dir, tokenizer):
+    http = served.http
+    session = _session(served)
+    model_id = _create_model(served, tiny_model_dir, session, seq=0)
+    cases = [
+        (http.post("/forward_backward", content=b"\xff\xff\xff not a protobuf", headers=PROTO), 400, "protobuf"),
+        (http.post("/forward_backward", content=_fwdbwd_body("nope:train:0", 1, [_datum([1, 2, 3], "cross_entropy")]),
+                   headers=PROTO), 404, "unknown model_id"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": "x", "base_model": 5}), 400, "model_seq_id"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": 9, "base_model": "/not/served"}), 400,
+         "not served"),
+        (http.post("/create_model", json={"session_id": "sess-missing", "model_seq_id": 0, "base_model": tiny_model_dir}),
+         404, "unknown session_id"),
+        (http.post("/create_model", content=b"{not json", headers={"Content-Type": "application/json"}), 400, "JSON"),
+        (http.post("/create_session", json=[1, 2]), 400, "JSON object"),
+        (http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": "fast"}}),
+         400, "learning_rate"),
+        (http.post("/optim_step", json={"model_id": "ghost:train:3", "seq_id": 1, "adam_params": {}}), 404, "unknown model_id"),
+        (http.post("/asample", json={"sampling_session_id": "nope", "seq_id": 0, "num_samples": 1,
+                                     "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+                                     "sampling_params": {"max_tokens": 2}}), 404, "sampling_session_id"),
+        (http.post("/asample", json={"sampling_session_id": "nope", "num_samples": -1, "prompt": "hi",
+                                     "sampling_params": {}}), 400, "num_samples"),
+        (http.post("/retrieve_future", json={"request_id": "0" * 32}), 404, "request_id"),
+        (http.post("/load_weights", json={"session_id": session, "model_seq_id": 5, "path": "tinker://../weights/x",
+                                          "optimizer": True}), 400, "run id"),
+        (http.post("/load_weights", json={"session_id": session, "model_seq_id": 5,
+                                          "path": f"tinker://{model_id}/weights/missing", "optimizer": False}), 404, "not found"),
+        (http.get("/training_runs/no-such-run"), 404, "not found"),
+        (http.delete(f"/training_runs/{model_id}/checkpoints/weights/missing"), 404, "not found"),
+        (http.get("/training_runs", params={"limit": "many"}), 400, "limit"),
+        (http.post("/no_such_endpoint", json={}), 404, "not an endpoint"),
+        (http.post("/forward_backward", content=b"\0" * (2 << 20), headers=PROTO), 413, "limit"),
+        (http.post("/asample", content=json.dumps({"pad": "x" * (2 << 20)}), headers={"Content-Type": "application/json"}),
+         413, "limit"),
+    ]
+    for r, status, words in cases:
+        assert r.status_code == status, (r.request.url, r.status_code, r.text[:300])
+        body = r.json()
+        assert words in body["error"] and body["category"] == "user", (r.request.url, body)
+    # a forward_backward whose data is malformed uses up its seq_id: the next operation still runs
+    bad = pb.ForwardBackwardRequest(model_id=model_id, seq_id=1, loss_fn="cross_entropy")
+    d = bad.data.add()
+    d.model_input.add().encoded_text.tokens = np.array([1, 2], dtype=np.int32).tobytes()
+    d.loss_fn_inputs["target_tokens"].dense = b"\x01\x02\x03"  # not a whole number of int64s
+    d.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
+    r = http.post("/forward_backward", content=bad.SerializeToString(), headers=PROTO)
+    assert r.status_code == 400 and "data[0]" in r.json()["error"]
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    assert "metrics" in _retrieve(served, r.json()["request_id"])
+    # zstd bodies (the SDK's proto_compress_fwdbwd) are accepted, and bombs stopped at the size limit
+    import zstandard
+
+    zstd = {**PROTO, "Content-Encoding": "zstd"}
+    body = zstandard.ZstdCompressor().compress(_fwdbwd_body(model_id, 3, [_datum(_tokens(tokenizer), "cross_entropy")]))
+    r = http.post("/forward_backward", content=body, headers=zstd)
+    assert "loss:sum" in _retrieve(served, r.json()["request_id"])["metrics"]
+    r = http.post("/forward_backward", content=zstandard.ZstdCompressor().compress(b"\0" * (3 << 20)), headers=zstd)
+    assert r.status_code == 413
+    r = http.post("/forward_backward", content=b"not zstd", headers=zstd)
+    assert r.status_code == 400 and "zstd" in r.json()["error"]
+    assert served.alive()
+
+
+def test_operations_run_in_seq_order_once_each(served, tiny_model_dir, tokenizer):
+    http = served.http
+    model_id = _create_model(served, tiny_model_dir, _session(served))
+    tokens = _tokens(tokenizer)
+    # chunks of one forward_backward (seq 1, 2) and the optimizer step (seq 3) arrive in reverse order
+    r3 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    r2 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    # nothing can run before seq 1 arrives: the long poll answers 408 with try_again
+    r = http.post("/retrieve_future", json={"request_id": r3.json()["request_id"]})
+    assert r.status_code == 408 and r.json()["type"] == "try_again"
+    r1 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    dup = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    assert dup.json()["request_id"] == r1.json()["request_id"]  # a retried POST is not run twice
+    out1 = _retrieve(served, r1.json()["request_id"], proto=True)
+    out2 = _retrieve(served, r2.json()["request_id"], proto=True)
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    f1, f2 = deserialize_forward_backward_output(out1), deserialize_forward_backward_output(out2)
+    assert f1.metrics["loss:sum"] == pytest.approx(f2.metrics["loss:sum"], rel=1e-6)  # both before the step
+    assert _retrieve(served, r3.json()["request_id"])["metrics"]["grad_norm:mean"] > 0  # both gradients in it
+    json_out = _retrieve(served, r1.json()["request_id"])  # without Accept: protobuf, the same result as JSON
+    assert json_out["metrics"] == pytest.approx(f1.metrics)
+    stale = http.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}})
+    assert stale.json()["request_id"] == r2.json()["request_id"]
+
+    # a seq_id that never arrives holds later operations only until the gap timeout (6 s here)
+    r5 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 1e-2}})
+    failed = _retrieve(served, r5.json()["request_id"], deadline_s=30)
+    assert "seq_id(s) [4]" in failed["error"] and failed["category"] == "user"
+    r6 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": {"learning_rate": 1e-2}})
+    assert "metrics" in _retrieve(served, r6.json()["request_id"])
+
+
+def test_ordered_ops_unit():
+    ran = []
+
+    def submit(fn):
+        fut = Future()
+        fut.set_result(fn())
+        return fut
+
+    futures = Futures()
+    ops = OrderedOps(submit, futures)
+    r2 = ops.submit(2, lambda: ran.append(2), dict)
+    assert ran == [] and ops.gap_since is not None
+    r1 = ops.submit(1, lambda: ran.append(1), dict)
+    assert ran == [1, 2] and ops.submit(2, lambda: ran.append(99), dict) == r2 and r1 != r2
+    with pytest.raises(RequestError):
+        ops.submit(0, lambda: None, dict)
+    ops.submit(4, lambda: ran.append(4), dict)
+    ops.refuse(3, RequestError(400, "bad body"))
+    assert ran == [1, 2, 4]
+    ops.submit(6, lambda: ran.append(6), dict)
+    ops.check_gap(timeout=10, now=ops.gap_since + 5)
+    assert ran == [1, 2, 4] and 6 in ops.waiting
+    ops.check_gap(timeout=10, now=ops.gap_since + 11)
+    assert ran == [1, 2, 4] and not ops.waiting and ops.next_seq == 7
+    assert isinstance(futures.get(ops.seen[5]).future.exception(), RequestError)
+    ops.submit(7, lambda: ran.append(7), dict)
+    ops.close("released")
+    assert ran == [1, 2, 4, 7]
+    with pytest.raises(RequestError):
+        ops.submit(8, lambda: None, dict)
+
+
+def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
+    store = tmp_path / "store"
+    tokens = _tokens(tokenizer, "remember this")
+    first = Served(tiny_model_dir, store)
+    try:
+        sc = tinker.ServiceClient(base_url=first.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1,
+                                            user_metadata={"renderer_name": "qwen3"}).result()
+        tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = tc.save_state("before-restart").result()
+        sampler_path = tc.save_weights_for_sampler("before-restart").result().path
+        ref = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        run_id = tc.model_id
+        sc.close("success").result()
+    finally:
+        first.stop()
+    second = Served(tiny_model_dir, store)
+    try:
+        rest = tinker.RestClient(base_url=second.url, api_key=KEY)
+        assert rest.get_training_run(run_id).result().user_metadata == {"renderer_name": "qwen3"}
+        assert {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints} == {state.path, sampler_path}
+        sc = tinker.ServiceClient(base_url=second.url, api_key=KEY)
+        tc = sc.create_training_client_from_state_with_optimizer(state.path).result()
+        got = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        np.testing.assert_allclose(got.to_numpy(), ref.to_numpy(), atol=1e-6)
+        tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = sc.create_sampling_client(model_path=sampler_path).result()
+        lp = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        np.testing.assert_allclose(lp[1:], ref.to_numpy()[:-1], atol=1e-4)
+        sc.close("success").result()
+    finally:
+        second.stop()
+
+
+# ------------------------------------------------------------------- polyrl's own tinker backend
+class _LetterEnv:
+    """Reward 1 when the reply contains an 'e': a tiny random model gets it about half the time."""
+
+    def reset(self):
+        return Observation([{"role": "user", "content": "Write a word."}])
+
+    def step(self, action):
+        return StepResult(reward=float("e" in action["content"]), done=True)
+
+    def close(self):
+        return None
+
+
+@register_env("serve_test_letter")
+class _LetterBuilder(EnvBuilder):
+    def make(self, split, index):
+        return _LetterEnv()
+
+
+@pytest.mark.slow
+def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_dir, tmp_path, monkeypatch):
+    from polyrl.config import TrainConfig
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train
+
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+
+    def run(name, **over):
+        cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=4, max_steps=3, max_tokens=6, save_every=2,
+                          learning_rate=3e-3, log_path=str(tmp_path / name), seed=3,
+                          environments={"letter": {"type": "serve_test_letter", "num_rollouts": 4}}, **over)
+        train(cfg, ConsoleLog(enabled=False))
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    local = run("local", store_dir=str(tmp_path / "store"))
+    remote = run("remote", backend="tinker", base_url=served.url)
+    assert [r["step"] for r in remote] == [0, 1, 2]
+    for a, b in zip(local, remote):
+        keys = {k for k in a if not k.startswith("time/")}
+        assert keys == {k for k in b if not k.startswith("time/")}
+        assert {"reward/mean", "optim/loss", "optim/kl_sample_train_v1", "optim/grad_norm"} <= keys
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
+    cps = [json.loads(x) for x in (tmp_path / "remote" / "checkpoints.jsonl").read_text().splitlines()]
+    assert cps[-1]["state_path"].startswith("tinker://sess-")
+
+
+# --------------------------------------------------------------------- tinker-cookbook, unmodified
+def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: str = "delete") -> subprocess.CompletedProcess:
+    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
+    return subprocess.run([sys.executable, "-m", module, f"base_url={served.url}", f"log_path={tmp_path / 'log'}",
+                           f"behavior_if_log_dir_exists={log_dir}", *args],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_cookbook_math_rl_recipe(served, tiny_model_dir, tmp_path):
+    common = [f"model_name={tiny_model_dir}", "renderer_name=qwen3", "env=arithmetic", "groups_per_batch=4",
+              "group_size=2", "lora_rank=4", "max_tokens=8", "eval_every=0", "save_every=1", "max_steps=2"]
+    # its default loss (stable_reinforce) is refused with a clear error, not a hang
+    refused = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common)
+    assert refused.returncode != 0
+    assert "stable_reinforce" in refused.stderr and "not implemented by polyrl serve" in refused.stderr
+    done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common, "loss_fn=importance_sampling")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert any("env/all/reward/total" in r for r in rows)
+    cps = [json.loads(x) for x in (tmp_path / "log" / "checkpoints.jsonl").read_text().splitlines()]
+    assert cps[-1]["state_path"].startswith("tinker://")
+    # resuming: the cookbook loads the last state (weights and optimizer, in a new session) and carries on
+    more = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common[:-1], "max_steps=3",
+                     "loss_fn=importance_sampling", log_dir="resume")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert f"Resumed training from {cps[-1]['state_path']}" in more.stderr
+    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "env/all/reward/total" in r] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_cookbook_supervised_recipe(served, tiny_model_dir, tmp_path):
+    import tinker_cookbook
+
+    data = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+    done = _cookbook("tinker_cookbook.recipes.chat_sl.train", served, tmp_path, f"model_name={tiny_model_dir}",
+                     "renderer_name=qwen3", f"dataset={data}", "batch_size=4", "max_steps=2", "lora_rank=4",
+                     "eval_every=0", "save_every=1", "max_length=256")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert any(np.isfinite(r.get("train_mean_nll", np.nan)) for r in rows)
+
+
+def test_api_keys_from_options_file_and_environment(tmp_path, monkeypatch):
+    import argparse
+
+    from polyrl.serve.main import KEYS_ENV, add_arguments, api_keys
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).host == "127.0.0.1"  # loopback unless asked otherwise
+    monkeypatch.delenv(KEYS_ENV, raising=False)
+    keys, generated = api_keys(p.parse_args([]))
+    assert generated and len(keys) == 1 and keys[0].startswith("tml-") and len(keys[0]) > 20
+    f = tmp_path / "keys"
+    f.write_text("# team keys\ntml-from-file  # alice\n\ntml-second\n")
+    monkeypatch.setenv(KEYS_ENV, "tml-env-1, tml-env-2")
+    keys, generated = api_keys(p.parse_args(["--api-key", "tml-arg", "--api-key-file", str(f)]))
+    assert not generated and keys == ["tml-arg", "tml-from-file", "tml-second", "tml-env-1", "tml-env-2"]
