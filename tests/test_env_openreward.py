@@ -9,7 +9,6 @@ import json
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from tinker import types
 openreward = pytest.importorskip("openreward")
 
 from openreward.environments import Environment, Server, TextBlock, ToolOutput, terminal, tool  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from polyrl.config import ConfigError, TrainConfig, load_config  # noqa: E402
@@ -113,38 +113,31 @@ def ors():
 
 
 class Capture:
-    """The platform API's rollout route, recording what the SDK uploads."""
+    """The platform API's rollout route, recording what the SDK uploads (served by uvicorn, as the
+    SDK's uploader expects a keep-alive HTTP/1.1 peer)."""
 
     def __init__(self):
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
-        capture = self
+        app = FastAPI()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+        @app.get("/{path:path}")
+        async def lookup(path: str):  # environment id lookups
+            return [] if path.endswith("/variants") else {"id": "env_letterquest"}
 
-            def _reply(self, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        @app.post("/{path:path}")
+        async def record(path: str, request: Request):
+            body = await request.json()
+            if path == "v1/rollouts":
+                self.bodies.append(body)
+                self.headers.append(dict(request.headers))
+            return {"ok": True}
 
-            def do_GET(self):  # environment id lookups
-                self._reply([] if self.path.endswith("/variants") else {"id": "env_letterquest"})
+        self.server, self.thread, self.url = _serve(app)
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path == "/v1/rollouts":
-                    capture.bodies.append(body)
-                    capture.headers.append(dict(self.headers))
-                self._reply({"ok": True})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
 
     def events(self) -> list[dict]:
         return [e for b in self.bodies for e in b["events"]]
@@ -157,7 +150,7 @@ def openreward_env(monkeypatch):
     capture = Capture()
     monkeypatch.setenv("OPENREWARD_API_URL", capture.url)
     yield capture
-    capture.server.shutdown()
+    capture.close()
 
 
 def _wait_closed(ors_server, timeout=10.0):

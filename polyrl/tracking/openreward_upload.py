@@ -87,6 +87,9 @@ class OpenRewardUploader:
         self.client = client or OpenReward(run_info=run_info)
         if client is not None:
             self.client.run_info = run_info
+        # The SDK creates its background sender lazily and without a lock: create it here, once, so the
+        # upload threads below cannot race into two senders (one of them never flushed by close()).
+        self.rollouts = self.client.rollout
         self.targets = {}
         for name, rt in runtimes.items():
             builder = rt.builder
@@ -119,7 +122,7 @@ class OpenRewardUploader:
                 "advantages": ep.turn_advantages, "num_turns": ep.num_turns, "done_by_env": ep.done_by_env,
                 "error": ep.error, "metrics": ep.metrics,
             })
-            rollout = self.client.rollout.create(
+            rollout = self.rollouts.create(
                 self.run_name, rollout_name=f"step{info['step']}-{ep.env_name}-t{ep.task_index}-g{ep.group_id}",
                 environment=environment, variant=variant, split=ep.split, metadata=metadata)
             rollout_info = RolloutInfo(
@@ -138,7 +141,7 @@ class OpenRewardUploader:
         """Wait for queued uploads and flush the SDK's background sender."""
         self._pool.shutdown(wait=True)
         try:
-            self.client.rollout.close()
+            self.rollouts.close()
         finally:
             close = getattr(self.client, "close", None)
             if callable(close):
