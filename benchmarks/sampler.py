@@ -33,7 +33,6 @@ Run: ``.venv/bin/python benchmarks/sampler.py [--repeats 5] [--threads 1] [--pro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,20 +41,12 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import build_model  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
-
-
-def build_model(root: Path) -> Path:
-    from polyrl.models.tiny import build_tiny_model
-
-    path = build_tiny_model(root / "base-model", "base", seed=0)
-    gen_config = path / "generation_config.json"
-    cfg = json.loads(gen_config.read_text()) if gen_config.exists() else {}
-    cfg["eos_token_id"] = None  # every row runs to max_tokens, on both sides
-    gen_config.write_text(json.dumps(cfg))
-    return path
 
 
 def main() -> None:

@@ -31,23 +31,15 @@ import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import build_model  # noqa: E402
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 warnings.filterwarnings("ignore")
 
 API_KEY = "tml-benchmark"
-
-
-def build_model(root: Path) -> Path:
-    from polyrl.models.tiny import build_tiny_model
-
-    path = build_tiny_model(root / "base-model", "base", seed=0)
-    gen_config = path / "generation_config.json"
-    cfg = json.loads(gen_config.read_text()) if gen_config.exists() else {}
-    cfg["eos_token_id"] = None  # every sample runs to max_tokens, on both sides
-    gen_config.write_text(json.dumps(cfg))
-    return path
 
 
 def start_server(model: Path, store: Path) -> tuple[subprocess.Popen, str]:

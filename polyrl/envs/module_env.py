@@ -66,6 +66,17 @@ def _looks_like_path(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def check_load_environment(target: str, args: dict[str, Any], what: str = "environment") -> None:
+    """``target`` defines ``load_environment`` and it accepts ``args`` (checked at config load)."""
+    loader = getattr(load_module(target, what=what), "load_environment", None)
+    if not callable(loader):
+        raise ValueError(f"{target} has no load_environment() function")
+    try:
+        inspect.signature(loader).bind(**args)
+    except TypeError as exc:
+        raise ValueError(f"{target}.load_environment does not take these args: {exc}") from exc
+
+
 def load_module(target: str, what: str = "environment") -> ModuleType:
     """A module by dotted name, or by ``.py`` file path (``.py`` may be left out); one-line
     ``ValueError`` when it cannot be imported."""
@@ -313,13 +324,7 @@ class ModuleBuilder(EnvBuilder):
         target = type_name.partition(":")[2].strip()
         if not target:
             raise ValueError("module environments are named 'module:<dotted.module or path/file.py>'")
-        loader = getattr(load_module(target), "load_environment", None)
-        if not callable(loader):
-            raise ValueError(f"{target} has no load_environment() function")
-        try:
-            inspect.signature(loader).bind(**args)
-        except TypeError as exc:
-            raise ValueError(f"{target}.load_environment does not take these args: {exc}") from exc
+        check_load_environment(target, args)
 
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
         super().__init__(args, seed, type_name)

@@ -22,12 +22,11 @@ with group reward functions, completion-format (non-chat) environments.
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 from typing import Any
 
 from polyrl.envs.base import EnvBuilder, register_env
-from polyrl.envs.module_env import import_target, load_module
+from polyrl.envs.module_env import check_load_environment, import_target
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +75,7 @@ class VerifiersBuilder(EnvBuilder):
         if not target:
             raise ValueError("verifiers environments are named 'verifiers:<module or file.py>'")
         _vf()
-        loader = getattr(load_module(target, what="verifiers environment"), "load_environment", None)
-        if not callable(loader):
-            raise ValueError(f"{target} has no load_environment() function")
-        try:
-            inspect.signature(loader).bind(**args)
-        except TypeError as exc:
-            raise ValueError(f"{target}.load_environment does not take these args: {exc}") from exc
+        check_load_environment(target, args, what="verifiers environment")
 
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
         super().__init__(args, seed, type_name)
