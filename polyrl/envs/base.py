@@ -155,6 +155,18 @@ def get_env_builder(type_name: str) -> Callable[..., EnvBuilder]:
     return _REGISTRY[key]
 
 
+def parse_prefixed_type(type_name: str, prefix: str, example: str, args: dict[str, Any],
+                        known: tuple[str, ...]) -> str:
+    """``prefix:<id>`` -> ``<id>``, refusing another prefix, an empty id or an unknown arg by name."""
+    got, _, ident = type_name.partition(":")
+    if got != prefix or not ident:
+        raise ValueError(f"expected '{prefix}:<id>' (e.g. {example}), got {type_name!r}")
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise ValueError(f"{prefix}: unknown arg {unknown[0]!r} (known: {', '.join(known)})")
+    return ident
+
+
 def make_env_builder(type_name: str, args: dict[str, Any], seed: int = 0) -> EnvBuilder:
     """Build the builder of an environment entry; builders whose ``__init__`` takes ``type_name``
     get it there, every builder gets it as ``builder.type_name``."""

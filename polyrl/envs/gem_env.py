@@ -47,7 +47,7 @@ import logging
 import os
 from typing import Any
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, register_env
+from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, parse_prefixed_type, register_env
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
 
 _ARGS = ("wrappers", "env_kwargs", "info_suffix", "success_reward", "system_prompt")
@@ -100,13 +100,7 @@ class _Spec:
     """Parsed and checked type + args of one ``gem:`` entry."""
 
     def __init__(self, type_name: str, args: dict[str, Any]):
-        prefix, _, env_id = type_name.partition(":")
-        if prefix != "gem" or not env_id:
-            raise ValueError(f"expected 'gem:<env_id>' (e.g. gem:game:GuessTheNumber-v0-easy), got {type_name!r}")
-        unknown = sorted(set(args) - set(_ARGS))
-        if unknown:
-            raise ValueError(f"gem: unknown arg {unknown[0]!r} (known: {', '.join(_ARGS)})")
-        self.env_id = env_id
+        self.env_id = env_id = parse_prefixed_type(type_name, "gem", "gem:game:GuessTheNumber-v0-easy", args, _ARGS)
         self.wrappers = _wrapper_names(args.get("wrappers"))
         self.env_kwargs = args.get("env_kwargs") or {}
         if not isinstance(self.env_kwargs, dict):

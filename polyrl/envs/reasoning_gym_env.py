@@ -42,7 +42,8 @@ import hashlib
 import re
 from typing import Any
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.envs.base import (Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, parse_prefixed_type,
+                               register_env)
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
 
 _ARGS = ("config", "answer_extraction", "answer_tag", "answer_regex", "system_prompt", "train_size", "test_size",
@@ -81,13 +82,7 @@ class _Spec:
     """Parsed and checked type + args of one ``reasoning_gym:`` entry."""
 
     def __init__(self, type_name: str, args: dict[str, Any]):
-        prefix, _, name = type_name.partition(":")
-        if prefix != "reasoning_gym" or not name:
-            raise ValueError(f"expected 'reasoning_gym:<dataset>' (e.g. reasoning_gym:leg_counting), got {type_name!r}")
-        unknown = sorted(set(args) - set(_ARGS))
-        if unknown:
-            raise ValueError(f"reasoning_gym: unknown arg {unknown[0]!r} (known: {', '.join(_ARGS)})")
-        self.name = name
+        self.name = name = parse_prefixed_type(type_name, "reasoning_gym", "reasoning_gym:leg_counting", args, _ARGS)
         self.config = args.get("config") or {}
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a mapping of the data set's config fields, got {self.config!r}")

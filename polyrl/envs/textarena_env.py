@@ -55,7 +55,7 @@ import random
 import re
 from typing import Any, Callable
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, register_env
+from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, parse_prefixed_type, register_env
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
 
 _ARGS = ("opponent", "opponent_kwargs", "player_id", "num_players", "env_kwargs", "success_reward", "system_prompt")
@@ -170,13 +170,7 @@ class _Spec:
     """Parsed and checked type + args of one ``textarena:`` entry."""
 
     def __init__(self, type_name: str, args: dict[str, Any]):
-        prefix, _, env_id = type_name.partition(":")
-        if prefix != "textarena" or not env_id:
-            raise ValueError(f"expected 'textarena:<env_id>' (e.g. textarena:TicTacToe-v0), got {type_name!r}")
-        unknown = sorted(set(args) - set(_ARGS))
-        if unknown:
-            raise ValueError(f"textarena: unknown arg {unknown[0]!r} (known: {', '.join(_ARGS)})")
-        self.env_id = env_id
+        self.env_id = env_id = parse_prefixed_type(type_name, "textarena", "textarena:TicTacToe-v0", args, _ARGS)
         self.env_kwargs = args.get("env_kwargs") or {}
         if not isinstance(self.env_kwargs, dict):
             raise ValueError(f"env_kwargs must be a mapping, got {self.env_kwargs!r}")
