@@ -365,9 +365,17 @@ def test_demonstration_shapes():
     assert [m["role"] for m in calc] == ["user", "assistant", "tool", "assistant"]
     assert calc[1]["tool_calls"][0]["function"]["name"] == "calculator"
     assert calc[3]["content"] == f"\\boxed{{{calc[2]['content']}}}"
-    wrong_calc = build("calculator", demo_error_rate=1.0).demonstration("train", 0)[0]
-    assert [m["role"] for m in wrong_calc] == ["user", "assistant"]  # skipped the tool
-    assert "tool_calls" not in wrong_calc[1]
+    for kinds in (["add3"], ["mul"]):  # the mistake: the call leaves out the last operand
+        builder = build("calculator", kinds=kinds, demo_error_rate=1.0)
+        wrong_calc, task = builder.demonstration("train", 0)[0], builder.task("train", 0)
+        assert [m["role"] for m in wrong_calc] == ["user", "assistant", "tool", "assistant"]
+        sent = wrong_calc[1]["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert task.expression.startswith(sent + " ") and len(sent.split()) == len(task.expression.split()) - 2
+        assert wrong_calc[3]["content"] == f"\\boxed{{{wrong_calc[2]['content']}}}"
+    # where leaving the operand out changes nothing, the mistake skips the tool and misses by one
+    zeros = build("calculator", kinds=["add3"], min_value=0, max_value=0, demo_error_rate=1.0)
+    skipped = zeros.demonstration("train", 0)[0]
+    assert [m["role"] for m in skipped] == ["user", "assistant"] and skipped[1]["content"] == "\\boxed{1}"
 
     arith = build("arithmetic").demonstration("train", 0)[0]
     assert arith[-1]["content"].startswith("\\boxed{") and len(arith) == 2

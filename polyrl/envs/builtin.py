@@ -14,8 +14,8 @@ stream, and the task space is additionally partitioned by a hash of the task (ab
 handful of secrets).
 
 ``demo_error_rate`` makes a fixed, per-task fraction of demonstrations contain one *consistent*
-mistake (dropped carries, missed targets, linear search, skipping the calculator), so a supervised
-warm start leaves RL something real to fix.
+mistake (dropped carries, missed targets, linear search, an operand left out of the calculator call),
+so a supervised warm start leaves RL something real to fix.
 """
 
 from __future__ import annotations
@@ -814,25 +814,26 @@ class CalculatorBuilder(_BuiltinBuilder):
         return CalculatorEnv(self.task(split, index), self.max_tool_calls)
 
     def demonstration(self, split: str, index: int) -> tuple[list[Message], list[ToolSpec]]:
-        """Call the tool with the problem's expression, then box its result; the designed mistake
-        skips the tool and boxes an answer off by 1, 2 or 10."""
+        """Call the tool with the problem's expression, then box its result. The designed mistake
+        drops the last operand from the call (``a + b`` for ``a + b + c``, ``a`` for ``a * b``) and boxes
+        what the tool returns, so both habits share the second turn and differ in one choice inside the
+        call. Where dropping the operand would not change the result (a last operand of 0, or 1 in a
+        product), the mistake skips the tool and boxes an answer off by 1 instead."""
         t = self.task(split, index)
+        expression = t.expression
         if self._demo_has_error(split, index):
-            delta = self._rng(split, index, "mistake").choice([1, 2, 10])
-            wrong = t.answer - delta if t.answer - delta >= 0 else t.answer + delta
+            expression = t.expression.rsplit(" ", 2)[0]
+            if evaluate_expression(expression)[0] == t.answer:
 
-            def expert() -> Policy:
-                yield _assistant(f"\\boxed{{{wrong}}}")
+                def expert() -> Policy:
+                    yield _assistant(f"\\boxed{{{t.answer + 1}}}")
 
-        else:
+                return _demonstrate(CalculatorEnv(t, self.max_tool_calls), expert())
 
-            def expert() -> Policy:
-                call = {
-                    "id": "call_0",
-                    "type": "function",
-                    "function": {"name": "calculator", "arguments": {"expression": t.expression}},
-                }
-                result = yield {"role": "assistant", "content": "", "tool_calls": [call]}
-                yield _assistant(f"\\boxed{{{result.messages[0]['content']}}}")
+        def expert() -> Policy:
+            call = {"id": "call_0", "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": expression}}}
+            result = yield {"role": "assistant", "content": "", "tool_calls": [call]}
+            yield _assistant(f"\\boxed{{{result.messages[0]['content']}}}")
 
         return _demonstrate(CalculatorEnv(t, self.max_tool_calls), expert())
