@@ -7,9 +7,10 @@ Everything runs offline on a CPU in a few minutes, through the same code paths a
 2. Warm start, ``polyrl.sft`` (cross_entropy on LoRA): demonstrations of two environments,
    ``calculator`` (tool use: call the calculator on ``a + b + c``, then box its result) and
    ``guess_number`` (multi-turn: find a secret in 1..16 from higher/lower feedback). A fixed share of
-   the demonstrations makes one *consistent* mistake (``demo_error_rate``): the calculator is skipped
-   and a near-miss answer boxed, or the number is searched linearly instead of by bisection. The
-   demonstrations show the mistake as a habit chosen at the first token of a reply, so the
+   the demonstrations makes one *consistent* mistake (``demo_error_rate``): the calculator call leaves
+   out the last operand (``6 + 2`` for ``6 + 2 + 8``, whose result is then boxed), or the number is
+   searched linearly instead of by bisection. Each mistake is a habit chosen at one token (end the
+   expression or add the last term; the first guess), and both habits share everything else, so the
    warm-started policy learns the right skill (copying the numbers into the tool call and the tool's
    result into the box; the bisection tree) *and* the bad habit at the demonstrated rate. It is neither
    hopeless (it succeeds whenever it picks the good habit) nor perfect, and no amount of further
@@ -22,9 +23,12 @@ Everything runs offline on a CPU in a few minutes, through the same code paths a
    for each of 128 test tasks per environment.
 
 What a tiny random-init transformer learns in a CPU minute shaped these choices: copying tokens from a
-fixed place and choosing a habit at the first token are quick to learn; arithmetic is not (so the
-calculator adds single digits and the tool does the sum). Each run is fresh (the warm start and RL
-are redone; only the model is reused) and seeded, so it reproduces its numbers.
+fixed place and choosing a habit at one token are quick to learn; arithmetic is not (so the calculator
+adds single digits and the tool does the sum). A mistake that writes its own number after ``\boxed{``
+(skipping the tool and boxing a near miss) taught the model to make numbers up there even after a tool
+call, which RL was slow to unlearn; leaving out an operand keeps the box a pure copy in both habits.
+Each run is fresh (the warm start and RL are redone; only the model is reused) and seeded, so it
+reproduces its numbers.
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default=".quickstart", help="model, checkpoints and logs (default: .quickstart)")
-    p.add_argument("--sft-steps", type=int, default=400, help="warm-start steps (default: 400)")
+    p.add_argument("--sft-steps", type=int, default=600, help="warm-start steps (default: 600)")
     p.add_argument("--rl-steps", type=int, default=40, help="RL steps (default: 40)")
     p.add_argument("--seed", type=int, default=0, help="seed of LoRA init, data order and sampling (default: 0)")
     p.add_argument("--size", default="quickstart-cpu", help="tiny model preset (default: quickstart-cpu)")

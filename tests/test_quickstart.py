@@ -1,0 +1,37 @@
+"""``make quickstart`` end to end, as a user runs it: tiny model, warm start, RL on two environments,
+before/after evaluation on held-out tasks. It checks the quickstart's bar, not just that it runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(tmp_path):
+    workdir = tmp_path / "qs"
+    proc = subprocess.run([sys.executable, "-m", "polyrl.quickstart", "--workdir", str(workdir), "--quiet"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = re.search(r"held-out success: before (\d\.\d\d) -> after (\d\.\d\d)", proc.stdout)
+    assert line, proc.stdout
+    before, after = float(line[1]), float(line[2])
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert set(summary["before"]) == set(summary["after"]) == {"calculator", "guess_number"}
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    assert abs(mean(summary["before"]) - before) < 0.006 and abs(mean(summary["after"]) - after) < 0.006
+    for env, b in summary["before"].items():
+        assert 0.15 < b < 0.85, f"{env}: the warm start should be neither hopeless nor already solved ({b})"
+        assert summary["after"][env] > b, env
+    assert after - before >= 0.30, proc.stdout
+
+    # RL trained both environments in one run, from the warm start's weights
+    rows = [json.loads(x) for x in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(summary["rl_steps"]))
+    assert all("env/calculator/reward/mean" in r and "env/guess_number/reward/mean" in r for r in rows)
+    assert json.loads((workdir / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])["final"] is True
