@@ -1,10 +1,27 @@
-"""The model the sampling benchmarks share: the ``base`` tiny model with no end-of-sequence id, so
-every sample runs to ``max_tokens`` on both sides of a comparison."""
+"""What the benchmarks share: an in-process local service with a given torch thread count, and the
+model the sampling benchmarks use (the ``base`` tiny model with no end-of-sequence id, so every sample
+runs to ``max_tokens`` on both sides of a comparison)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+
+
+def local_service(threads: int):
+    """A fresh temporary directory and a ``polyrl.local.ServiceClient`` storing under it; ``threads``
+    (0: torch's default) applies to this thread and the engine's."""
+    import torch
+
+    from polyrl.local import ServiceClient
+
+    root = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
+    service = ServiceClient(store_dir=root / "store")
+    if threads:
+        torch.set_num_threads(threads)
+        service.engine.call(lambda: torch.set_num_threads(threads))
+    return root, service
 
 
 def build_model(root: Path) -> Path:

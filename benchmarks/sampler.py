@@ -36,13 +36,12 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import build_model  # noqa: E402
+from _models import build_model, local_service  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,14 +63,9 @@ def main() -> None:
     from peft import PeftModel
     from tinker import types
 
-    from polyrl.local import ServiceClient
 
-    root = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
-    service = ServiceClient(store_dir=root / "store")
+    root, service = local_service(args.threads)
     engine = service.engine
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        engine.call(lambda: torch.set_num_threads(args.threads))
     model_dir = str(engine.call(lambda: build_model(root)))
     trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
 

@@ -29,10 +29,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import local_service  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,16 +56,11 @@ def main() -> None:
     import torch
     from tinker import types
 
-    from polyrl.local import ServiceClient
     from polyrl.local.engine import _micro_batches
     from polyrl.models.tiny import build_tiny_model
 
-    root = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
-    service = ServiceClient(store_dir=root / "store")
+    root, service = local_service(args.threads)
     engine = service.engine
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        engine.call(lambda: torch.set_num_threads(args.threads))
     model_dir = str(engine.call(lambda: build_tiny_model(root / "model", args.size, seed=0)))
 
     tc = service.create_lora_training_client(model_dir, rank=args.rank, seed=0).result()
