@@ -335,20 +335,30 @@ def target_logprobs(model, inputs: list[list[int]], targets: list[torch.Tensor],
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Datum indices grouped so each padded micro-batch stays under ``budget`` tokens; sorting by
-    length keeps padding waste low."""
+    """Datum indices grouped into micro-batches of at most ``budget`` padded tokens (a datum longer
+    than that goes alone): the fewest micro-batches, and among those the least padding. Datums are
+    sorted by length, so each micro-batch is a run of that order; a dynamic program over the runs
+    picks the cuts (a greedy fill can pad a short datum to a long one where a different cut would not)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        new_max = max(cur_max, lengths[i])
-        if cur and new_max * (len(cur) + 1) > budget:
-            batches.append(cur)
-            cur, new_max = [], lengths[i]
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        batches.append(cur)
-    return batches
+    sizes = [lengths[i] for i in order]
+    n = len(sizes)
+    # best[j]: (micro-batches, padded tokens) for the first j sorted datums; cut[j]: where the last starts
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = sizes[j - 1]
+        for i in range(j - 1, -1, -1):
+            padded = longest * (j - i)
+            if i < j - 1 and padded > budget:
+                break
+            cand = (best[i][0] + 1, best[i][1] + padded)
+            if cand < best[j]:
+                best[j], cut[j] = cand, i
+    batches, j = [], n
+    while j > 0:
+        batches.append(order[cut[j]:j])
+        j = cut[j]
+    return batches[::-1]
 
 
 def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
