@@ -55,6 +55,20 @@ class _Problems(ValueError):
         self.problems = problems
 
 
+def local_model_problems(backend: str, model_name: str) -> list[tuple[str, str]]:
+    """A local backend needs ``model_name`` to be an existing directory or a hub id (a remote service
+    resolves names itself)."""
+    if backend != "local":
+        return []
+    from polyrl.models import resolve_model_path
+
+    try:
+        resolve_model_path(model_name)
+    except ValueError as exc:
+        return [("model_name", str(exc))]
+    return []
+
+
 # --------------------------------------------------------------------------------------- models
 
 
@@ -231,6 +245,7 @@ class TrainConfig(BaseModel):
                 problems.append((f"loss_fn_config.{key}", f"not used by loss_fn {self.loss_fn!r}"))
         if self.gamma != 1.0 and self.advantage_estimator != "rebn":
             problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
+        problems += local_model_problems(self.backend, self.model_name)
         if self.backend == "tinker":
             for key, default in _LOCAL_ONLY_DEFAULTS.items():
                 if getattr(self, key) != default:

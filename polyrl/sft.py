@@ -13,11 +13,11 @@ import random
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tinker import types
 
 from polyrl.backend import make_service_client
-from polyrl.config import EnvConfig
+from polyrl.config import EnvConfig, _Problems, local_model_problems
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
@@ -46,6 +46,12 @@ class SFTConfig(BaseModel):
     environments: dict[str, EnvConfig] = Field(
         ..., description="Environments whose demonstrations to learn; splits.train.num_samples = demonstrations each."
     )
+
+    @model_validator(mode="after")
+    def _check_model(self) -> SFTConfig:
+        if problems := local_model_problems(self.backend, self.model_name):
+            raise _Problems(problems)
+        return self
 
 
 def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:

@@ -177,6 +177,7 @@ def test_apply_overrides_copies_and_creates_mappings():
         (["environments={}"], "environments: at least one environment is required"),
         (["environments.arithmetic.splits={train: null, test: null}"], "environments.arithmetic.splits: at least one split"),
         (["model_name=null"], "model_name: Input should be a valid string"),
+        (["model_name=./no-such-model"], "model_name: model './no-such-model': no such model directory"),
     ],
 )
 def test_errors_are_one_line_naming_the_key(overrides, expected):
@@ -205,6 +206,8 @@ def test_tinker_backend_rules(monkeypatch):
     assert message.startswith("dtype: ") and "; store_dir: only used by the local backend" in message and "backend:" in message
     monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
     assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
+    # model names are the service's to resolve: no local directory check for a remote backend
+    assert load_config(None, ["backend=tinker", "model_name=./no-such-model"], base=BASE).model_name == "./no-such-model"
 
 
 def test_tinker_key_from_dotenv(tmp_path):
@@ -301,3 +304,13 @@ def test_config_reference_lists_every_field():
     assert "environments.<name>.num_rollouts  (int, >= 1, default 8)" in text
     assert "model_name  (str, required)" in text
     assert TrainConfig.model_fields["eval_every"].description in text.replace("\n    ", " ")
+
+
+def test_sft_config_checks_the_local_model_too(tmp_path):
+    from polyrl.sft import SFTConfig
+
+    missing = str(tmp_path / "missing")
+    assert error_of(None, [f"model_name={missing}"], base=BASE, model=SFTConfig) == (
+        f"model_name: model {missing!r}: no such model directory")
+    (tmp_path / "model").mkdir()
+    assert load_config(None, [f"model_name={tmp_path / 'model'}"], base=BASE, model=SFTConfig).model_name.endswith("model")

@@ -16,6 +16,8 @@ from typing import Iterator
 
 import torch
 
+from polyrl.models import resolve_model_path
+
 LORA_ALPHA = 32
 
 
@@ -60,16 +62,6 @@ class LoraSpec:
             "train_unembed": self.train_unembed,
             "seed": self.seed,
         }
-
-
-def resolve_model_path(name: str) -> str:
-    """A local directory as given; anything else must look like a hub id (``org/name``)."""
-    expanded = os.path.expanduser(name)
-    if os.path.isdir(expanded):
-        return expanded
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(expanded):
-        raise ValueError(f"model {name!r}: no such model directory")
-    return name  # a hub id like "Qwen/Qwen3-8B"; transformers resolves it or fails clearly
 
 
 class BaseModel:

@@ -1,0 +1,16 @@
+"""Where models come from: local directories or hub ids (``resolve_model_path``), and the tiny models
+polyrl builds for tests and the quickstart (``polyrl.models.tiny``)."""
+
+from __future__ import annotations
+
+import os
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory as given; anything else must look like a hub id (``org/name``)."""
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        return expanded
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(expanded):
+        raise ValueError(f"model {name!r}: no such model directory")
+    return name  # a hub id like "Qwen/Qwen3-8B"; transformers resolves it or fails clearly
