@@ -1,6 +1,7 @@
 """``polyrl``: train | sft | eval | tiny-model | serve | report.
 
-Configuration problems print one ``error: ...`` line and exit with code 2 (no traceback).
+Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
+and exit with code 2 (no traceback).
 """
 
 from __future__ import annotations
@@ -112,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_serve)
 
     args = parser.parse_args(argv)
-    from polyrl.config import ConfigError
+    from polyrl.errors import UserInputError
 
     try:
         args.fn(args)
-    except ConfigError as e:
+    except UserInputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -22,6 +22,8 @@ from typing import Any, Iterable, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from polyrl.errors import UserInputError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
@@ -43,7 +45,7 @@ _SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
 _LOCAL_ONLY_DEFAULTS: dict[str, Any] = {"device": "auto", "dtype": "auto", "store_dir": None}
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A configuration problem; ``str()`` is one line naming the dotted key and the reason."""
 
 

@@ -307,6 +307,20 @@ def test_cli_config_errors_are_one_line_exit_2(tmp_path):
     assert p.wait(timeout=60) == 2
 
 
+def test_cli_missing_checkpoints_are_one_line_exit_2(tiny_model_dir, tmp_path):
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 1\nstore_dir: {tmp_path / 'store'}\n"
+                                       "environments: {arithmetic: {}}\n")
+    cases = [
+        (["train", "--overrides", "resume_from=tinker://gone/weights/x"], "error: checkpoint tinker://gone/weights/x not found"),
+        (["train", "--overrides", "resume_from=runs/x"], "error: checkpoint path 'runs/x' must look like tinker://"),
+        (["eval", "--checkpoint", "tinker://gone/sampler_weights/x"], "error: checkpoint tinker://gone/sampler_weights/x not found"),
+    ]
+    for args, expected in cases:
+        p = _run_cli([args[0], "--config_path", "run.yaml", *args[1:]], tmp_path)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2 and err.strip().startswith(expected) and "Traceback" not in err, err
+
+
 def test_overrides_reach_the_loop_config(tmp_path):
     (tmp_path / "run.yaml").write_text("model_name: m\nenvironments: {arithmetic: {}}\n")
     cfg = load_config(tmp_path / "run.yaml", ["batch_size=64", "learning_rate=2e-5",

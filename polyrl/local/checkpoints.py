@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from polyrl.errors import UserInputError
+
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
 
@@ -37,10 +39,10 @@ class CheckpointPath:
     @classmethod
     def parse(cls, path: str) -> "CheckpointPath":
         if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise ValueError(f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
+            raise UserInputError(f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
         parts = path[len("tinker://") :].split("/")
         if len(parts) != 3 or not all(parts) or parts[1] not in KINDS:
-            raise ValueError(
+            raise UserInputError(
                 f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
                 "or tinker://<run_id>/sampler_weights/<name>"
             )
@@ -67,7 +69,7 @@ class Store:
         cp = CheckpointPath.parse(path)
         d = self.directory(cp)
         if not (d / "polyrl.json").exists():
-            raise ValueError(f"checkpoint {path} not found (looked in {d})")
+            raise UserInputError(f"checkpoint {path} not found (looked in {d})")
         return cp, d
 
     def write(self, cp: CheckpointPath, writer: Callable[[Path], None], meta: dict, overwrite: bool = False) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from polyrl.errors import UserInputError
+
 
 def resolve_model_path(name: str) -> str:
     """A local directory as given; anything else must look like a hub id (``org/name``)."""
@@ -12,5 +14,5 @@ def resolve_model_path(name: str) -> str:
     if os.path.isdir(expanded):
         return expanded
     if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.path.exists(expanded):
-        raise ValueError(f"model {name!r}: no such model directory")
+        raise UserInputError(f"model {name!r}: no such model directory")
     return name  # a hub id like "Qwen/Qwen3-8B"; transformers resolves it or fails clearly

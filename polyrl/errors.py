@@ -1,0 +1,9 @@
+"""Errors about what the user asked for, as opposed to bugs."""
+
+from __future__ import annotations
+
+
+class UserInputError(ValueError):
+    """What the user asked for cannot be done as given: a missing model directory or checkpoint, a
+    malformed path, a bad config value. The message names the problem in one line; the command line
+    prints it as ``error: ...`` and exits with code 2, without a traceback."""
