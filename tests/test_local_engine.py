@@ -97,8 +97,9 @@ def assert_weights_equal(a: dict, b: dict, atol: float = 1e-7) -> None:
 
 
 def checkpoint_dir(store: Path, path: str) -> Path:
-    run_id, kind, name = path[len("tinker://") :].split("/")
-    return store / run_id / kind / name
+    from polyrl.local.checkpoints import Store
+
+    return Store(store).resolve(path)[1]
 
 
 def adam(lr: float = 1e-2) -> types.AdamParams:
@@ -786,3 +787,17 @@ def test_micro_batches_are_fewest_then_least_padded():
                 if all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in runs):
                     best = min(best or cost(runs, lengths), cost(runs, lengths))
         assert cost(got, lengths) == best, (lengths, budget)
+
+
+def test_store_directories_are_portable_names(tmp_path):
+    """Run ids hold ':' (Tinker's scheme); on disk they are percent-encoded and listed back as ids."""
+    from polyrl.local.checkpoints import CheckpointPath, Store
+
+    store = Store(tmp_path)
+    cp = CheckpointPath("local-1a2b:train:0", "weights", "step_1")
+    path = store.write(cp, lambda d: (d / "adapter.bin").write_bytes(b"x"), {"model_id": cp.run_id})
+    assert path == "tinker://local-1a2b:train:0/weights/step_1"
+    assert [p.name for p in tmp_path.iterdir()] == ["local-1a2b%3Atrain%3A0"]
+    assert store.runs() == ["local-1a2b:train:0"]
+    assert store.resolve(path)[1] == tmp_path / "local-1a2b%3Atrain%3A0" / "weights" / "step_1"
+    assert [c["tinker_path"] for c in store.list("local-1a2b:train:0")] == [path]

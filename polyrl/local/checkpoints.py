@@ -1,6 +1,7 @@
 """The local checkpoint store: ``tinker://<run_id>/<kind>/<name>`` paths resolved to directories.
 
-Layout: ``<root>/<run_id>/{weights|sampler_weights}/<name>/`` holding a standard PEFT adapter
+Layout: ``<root>/<run_id>/{weights|sampler_weights}/<name>/`` (the run id percent-encoded: ``:`` is
+``%3A``) holding a standard PEFT adapter
 (``adapter_model.safetensors`` + ``adapter_config.json``), ``polyrl.json`` (base model, LoRA spec,
 optimizer steps) and, for training state, ``optimizer.pt``. Every checkpoint is written to a
 temporary directory and renamed into place, so a crash never leaves a half-written checkpoint.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
+from urllib.parse import quote, unquote
 
 from polyrl.errors import UserInputError
 
@@ -62,8 +64,13 @@ class Store:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root).expanduser() if root else default_store_dir()
 
+    def run_directory(self, run_id: str) -> Path:
+        """A run's directory; the id is percent-encoded (Tinker's ids hold ':', which not every file
+        system accepts in a name)."""
+        return self.root / quote(run_id, safe="")
+
     def directory(self, cp: CheckpointPath) -> Path:
-        return self.root / cp.run_id / cp.kind / cp.name
+        return self.run_directory(cp.run_id) / cp.kind / cp.name
 
     def resolve(self, path: str) -> tuple[CheckpointPath, Path]:
         cp = CheckpointPath.parse(path)
@@ -100,7 +107,7 @@ class Store:
         """Checkpoints of a run, oldest first: dicts with Tinker's ``Checkpoint`` fields."""
         rows = []
         for kind, ctype in KINDS.items():
-            base = self.root / run_id / kind
+            base = self.run_directory(run_id) / kind
             if not base.is_dir():
                 continue
             for d in base.iterdir():
@@ -121,7 +128,7 @@ class Store:
         return sorted(rows, key=lambda r: r["time"] or "")
 
     def runs(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+        return sorted(unquote(p.name) for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
 
     def delete(self, path: str) -> None:
         cp, d = self.resolve(path)

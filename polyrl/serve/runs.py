@@ -51,7 +51,7 @@ class Runs:
 
     # ---- run.json ---------------------------------------------------------------------------------
     def record(self, run_id: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
-        d = self.store.root / run_id
+        d = self.store.run_directory(run_id)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps({"training_run_id": run_id, "base_model": base_model, "lora": lora,
@@ -59,7 +59,7 @@ class Runs:
         os.replace(tmp, d / RUN_FILE)
 
     def info(self, run_id: str) -> dict | None:
-        f = self.store.root / run_id / RUN_FILE
+        f = self.store.run_directory(run_id) / RUN_FILE
         try:
             return json.loads(f.read_text())
         except (OSError, ValueError):
@@ -74,7 +74,7 @@ class Runs:
         """Tinker's ``TrainingRun``; ``live`` holds what the server knows of a run it is serving."""
         check_id(run_id, "training run id")
         info = self.info(run_id) or {}
-        cps = self.store.list(run_id) if (self.store.root / run_id).is_dir() else []
+        cps = self.store.list(run_id) if self.store.run_directory(run_id).is_dir() else []
         if not (live or info or cps):
             raise RequestError(404, f"training run {run_id!r} not found")
         latest_meta = self._meta(cps[-1]["tinker_path"]) if cps else {}
