@@ -1,12 +1,28 @@
-"""What the benchmarks share: an in-process local service with a given torch thread count, and the
-model the sampling benchmarks use (the ``base`` tiny model with no end-of-sequence id, so every sample
-runs to ``max_tokens`` on both sides of a comparison)."""
+"""What the benchmarks share: an offline, quiet environment (set on import), the RL rollout shape
+options, an in-process local service with a given torch thread count, and the model the sampling
+benchmarks use (the ``base`` tiny model with no end-of-sequence id, so every sample runs to
+``max_tokens`` on both sides of a comparison)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import tempfile
+import warnings
 from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+
+def add_rollout_args(ap: argparse.ArgumentParser) -> None:
+    """The GRPO-shaped sampling workload: prompts x group rows, prompt and completion lengths."""
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
 
 
 def local_service(threads: int):

@@ -37,23 +37,15 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import build_model, local_service  # noqa: E402
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-warnings.filterwarnings("ignore")
+from _models import add_rollout_args, build_model, local_service  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_rollout_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -62,7 +54,6 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from peft import PeftModel
     from tinker import types
-
 
     root, service = local_service(args.threads)
     engine = service.engine
@@ -79,8 +70,7 @@ def main() -> None:
     ckpt = trainer.save_weights_for_sampler("bench").result().path
     lora_sampler = service.create_sampling_client(model_path=ckpt).result()
     base_sampler = service.create_sampling_client(base_model=model_dir).result()
-    run_id, kind, name = ckpt[len("tinker://"):].split("/")
-    adapter_dir = root / "store" / run_id / kind / name
+    adapter_dir = engine.store.resolve(ckpt)[1]
 
     def load_hf():
         plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -28,16 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import build_model  # noqa: E402
+from _models import add_rollout_args, build_model  # noqa: E402
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-warnings.filterwarnings("ignore")
 
 API_KEY = "tml-benchmark"
 
@@ -165,10 +161,7 @@ async def run(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    add_rollout_args(ap)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)

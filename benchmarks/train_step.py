@@ -31,15 +31,10 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import local_service  # noqa: E402
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-warnings.filterwarnings("ignore")
 
 
 def main() -> None:
@@ -74,8 +69,7 @@ def main() -> None:
 
     engine.call(init_lora)
     ckpt = tc.save_state("bench").result().path
-    run_id, kind, name = ckpt[len("tinker://"):].split("/")
-    adapter_dir = root / "store" / run_id / kind / name
+    adapter_dir = engine.store.resolve(ckpt)[1]
 
     # ---- the batch ------------------------------------------------------------------------
     gen = torch.Generator().manual_seed(1)
