@@ -207,8 +207,7 @@ class ReasoningGymBuilder(EnvBuilder):
     """``reasoning_gym:<dataset>``: see the module docstring."""
 
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
-        super().__init__(args, seed)
-        self.type_name = type_name or self.type_name
+        super().__init__(args, seed, type_name)
         self.spec = _Spec(self.type_name, self.args)
         self._datasets: dict[str, Any] = {}
         self._test_questions: set[str] | None = None

@@ -374,8 +374,7 @@ class TextArenaBuilder(EnvBuilder):
     """``textarena:<env_id>``: see the module docstring."""
 
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
-        super().__init__(args, seed)
-        self.type_name = type_name or self.type_name
+        super().__init__(args, seed, type_name)
         self.spec = _Spec(self.type_name, self.args)
 
     @classmethod
