@@ -14,7 +14,8 @@ import re
 import time
 from datetime import datetime, timezone
 
-from polyrl.local.checkpoints import KINDS, Store
+from polyrl.errors import UserInputError
+from polyrl.local.checkpoints import KINDS, CheckpointPath, Store
 from polyrl.serve.protocol import RequestError
 
 _ID = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:\-]*$")
@@ -30,14 +31,12 @@ def check_id(value: str, what: str) -> str:
 
 def check_tinker_path(path: str) -> str:
     """A ``tinker://<run>/<weights|sampler_weights>/<name>`` path with safe components."""
-    if not isinstance(path, str) or not path.startswith("tinker://"):
-        raise RequestError(400, f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in KINDS:
-        raise RequestError(400, f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
-                                "or tinker://<run_id>/sampler_weights/<name>")
-    check_id(parts[0], "run id")
-    check_id(parts[2], "checkpoint name")
+    try:
+        cp = CheckpointPath.parse(path)
+    except UserInputError as exc:
+        raise RequestError(400, str(exc)) from exc
+    check_id(cp.run_id, "run id")
+    check_id(cp.name, "checkpoint name")
     return path
 
 
