@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from tinker import types
+from scripted import ScriptedSampler
 
 from polyrl.config import ConfigError, TrainConfig, load_config
 from polyrl.envs.base import make_env_builder
@@ -34,20 +34,6 @@ async def _secret(builder, split: str, index: int) -> int:
         if (await env.step(_guess(n))).metrics["success"]:
             return n
     raise AssertionError("no secret in 1..10")
-
-
-class _Scripted:
-    """A sampling client that replies with the given assistant messages in turn."""
-
-    def __init__(self, renderer, replies):
-        self.renderer, self.replies, self.prompts = renderer, list(replies), []
-
-    async def sample(self, prompt, num_samples, params):
-        self.prompts.append(prompt.to_ints())
-        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
-        return types.SampleResponse(sequences=[seq])
 
 
 def test_tasks_are_seeded_per_split_and_leave_the_global_rng_alone():
@@ -97,7 +83,7 @@ def test_multi_turn_episode_with_per_step_rewards(tokenizer):
     secret = asyncio.run(_secret(builder, "train", 5))
     wrong = [n for n in range(1, 11) if n != secret][:2]
     renderer = get_renderer("qwen3", tokenizer)
-    policy = _Scripted(renderer, [_guess(wrong[0]), _guess(wrong[1]), _guess(secret)])
+    policy = ScriptedSampler(renderer, [_guess(wrong[0]), _guess(wrong[1]), _guess(secret)])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
     ep = asyncio.run(run_episode(builder.make("train", 5), Episode("guess", "train", 5, 0), renderer, policy, settings))
     assert ep.step_rewards == [0.0, 0.0, 1.0] and ep.reward == 1.0 and ep.success and ep.done_by_env
@@ -115,7 +101,7 @@ def test_multi_turn_episode_with_per_step_rewards(tokenizer):
 def test_gem_plain_template_renderer(tokenizer):
     builder = make_env_builder(GUESS, {}, seed=0)
     renderer = get_renderer("qwen3_game", tokenizer)
-    policy = _Scripted(renderer, [{"role": "assistant", "content": "no idea"}])
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "no idea"}])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
     ep = asyncio.run(run_episode(builder.make("test", 0), Episode("guess", "test", 0, 0), renderer, policy, settings))
     text = tokenizer.decode(ep.tokens)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinker import types
+from scripted import ScriptedSampler
 
 from polyrl.config import ConfigError, TrainConfig, load_config
 from polyrl.envs.base import StepResult, get_env_builder, make_env_builder
@@ -30,17 +30,6 @@ def in_repo(monkeypatch):
     """Run from the repository root with it on sys.path (file paths and dotted paths both resolve)."""
     monkeypatch.chdir(REPO)
     monkeypatch.syspath_prepend(str(REPO))
-
-
-class ScriptedSampler:
-    def __init__(self, renderer, replies):
-        self.renderer, self.replies = renderer, list(replies)
-
-    async def sample(self, prompt, num_samples, params):
-        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
-        return types.SampleResponse(sequences=[seq])
 
 
 def _settings(**kw):

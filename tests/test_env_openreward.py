@@ -11,9 +11,8 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from tinker import types
+from scripted import ScriptedSampler
 
 openreward = pytest.importorskip("openreward")
 
@@ -158,20 +157,6 @@ def _wait_closed(ors_server, timeout=10.0):
     while ors_server._active_envs and time.monotonic() < deadline:
         time.sleep(0.05)
     return not ors_server._active_envs
-
-
-class ScriptedSampler:
-    """Replies with the given assistant messages in turn (the SamplingClient interface)."""
-
-    def __init__(self, renderer, replies):
-        self.renderer, self.replies, self.prompts = renderer, list(replies), []
-
-    async def sample(self, prompt, num_samples, params):
-        self.prompts.append(prompt.to_ints())
-        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
-        return types.SampleResponse(sequences=[seq])
 
 
 def _call(name, args, i=0):

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from tinker import types
+from scripted import ScriptedSampler
 
 from polyrl.config import ConfigError, TrainConfig, load_config
 from polyrl.openai_server import OpenAIServer
@@ -25,26 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 VF_ENV = "verifiers:tests.fixtures.vf_letter_env"
 
 
-class ScriptedSampler:
-    def __init__(self, renderer, replies, stop_reason="stop"):
-        self.renderer, self.replies, self.params = renderer, list(replies), []
-        self.stop_reason = stop_reason
-
-    async def sample(self, prompt, num_samples, params):
-        self.params.append(params)
-        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
-        seq = types.SampledSequence(stop_reason=self.stop_reason, sequence_id="s",
-                                    tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=np.linspace(-0.1, -1.0, len(tokens)).astype(np.float32))
-        return types.SampleResponse(sequences=[seq])
-
-
 # ---------------------------------------------------------------------------- the endpoint
 def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exactly(tokenizer):
     renderer = get_renderer("qwen3", tokenizer)
     call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "", "tool_calls": [call]},
-                                        {"role": "assistant", "content": "It is 3."}])
+                                        {"role": "assistant", "content": "It is 3."}],
+                             logprobs=lambda n: np.linspace(-0.1, -1.0, n))
     tools = [{"type": "function", "function": {"name": "add", "description": "Add.",
                                                "parameters": {"type": "object", "properties": {}}}}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"}]

@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from tinker import types
+from scripted import ScriptedSampler
 
 from polyrl import advantages as adv
 from polyrl.config import EnvConfig, TrainConfig, load_config
@@ -72,21 +71,6 @@ class _LetterEnv:
 class LetterBuilder(EnvBuilder):
     def make(self, split, index):
         return _LetterEnv()
-
-
-class ScriptedSampler:
-    """A deterministic policy with the SamplingClient interface: replies with the given assistant
-    messages in turn, recording every prompt it was asked to continue."""
-
-    def __init__(self, renderer, replies):
-        self.renderer, self.replies, self.prompts = renderer, list(replies), []
-
-    async def sample(self, prompt, num_samples, params):
-        self.prompts.append(prompt.to_ints())
-        tokens = self.renderer.assistant_tokens(self.replies.pop(0))
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
-        return types.SampleResponse(sequences=[seq])
 
 
 # ---------------------------------------------------------------------------- advantages
