@@ -13,6 +13,7 @@ import random
 import re
 from pathlib import Path
 
+from polyrl.envs.builtin import CALCULATOR_TOOL
 from polyrl.tracking.files import step_file
 
 ENVS = ("calculator", "guess_number", "arithmetic")
@@ -43,20 +44,7 @@ def synthetic_episode(
     """One row of ``trajectories/step_NNNNNN.jsonl``: a user question, ``tool_turns`` assistant turns
     calling a calculator (each followed by the tool's result), then a final answer turn."""
     a, b = rng.randint(10, 999), rng.randint(10, 999)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "calculator",
-                "description": "Evaluate an arithmetic expression.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"expression": {"type": "string"}},
-                    "required": ["expression"],
-                },
-            },
-        }
-    ]
+    tools = [CALCULATOR_TOOL]
     messages: list[dict] = [
         {
             "role": "user",
