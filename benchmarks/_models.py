@@ -1,5 +1,6 @@
 """What the benchmarks share: an offline, quiet environment (set on import), the RL rollout shape
-options, an in-process local service with a given torch thread count, and the model the sampling
+options, an in-process local service with a given torch thread count, nonzero LoRA weights for a
+training client, and the model the sampling
 benchmarks use (the ``base`` tiny model with no end-of-sequence id, so every sample runs to
 ``max_tokens`` on both sides of a comparison)."""
 
@@ -49,3 +50,17 @@ def build_model(root: Path) -> Path:
     cfg["eos_token_id"] = None
     gen_config.write_text(json.dumps(cfg))
     return path
+
+
+def randomize_lora(engine, training_client, std: float = 0.02, seed: int = 0) -> None:
+    """Seeded random values for every LoRA parameter (B included), so the LoRA path computes
+    something real and every gradient is nonzero. Runs on the engine's worker thread."""
+    import torch
+
+    def fill() -> None:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in training_client._state.params:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    engine.call(fill)

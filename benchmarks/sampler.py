@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import add_rollout_args, build_model, local_service  # noqa: E402
+from _models import add_rollout_args, build_model, local_service, randomize_lora  # noqa: E402
 
 
 def main() -> None:
@@ -60,13 +60,7 @@ def main() -> None:
     model_dir = str(engine.call(lambda: build_model(root)))
     trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
 
-    def init_lora() -> None:  # nonzero LoRA B, so the LoRA path computes something real
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in trainer._state.params:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-
-    engine.call(init_lora)
+    randomize_lora(engine, trainer)
     ckpt = trainer.save_weights_for_sampler("bench").result().path
     lora_sampler = service.create_sampling_client(model_path=ckpt).result()
     base_sampler = service.create_sampling_client(base_model=model_dir).result()

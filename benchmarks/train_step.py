@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import local_service  # noqa: E402
+from _models import local_service, randomize_lora  # noqa: E402
 
 
 def main() -> None:
@@ -61,13 +61,7 @@ def main() -> None:
     tc = service.create_lora_training_client(model_dir, rank=args.rank, seed=0).result()
     vocab = tc._state.base.vocab_size
 
-    def init_lora() -> None:  # nonzero LoRA B, so every gradient is nonzero
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in tc._state.params:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-
-    engine.call(init_lora)
+    randomize_lora(engine, tc)
     ckpt = tc.save_state("bench").result().path
     adapter_dir = engine.store.resolve(ckpt)[1]
 
