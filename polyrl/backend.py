@@ -16,7 +16,9 @@ def make_service_client(config: Any) -> Any:
     if config.backend == "local":
         from polyrl.local import ServiceClient
 
-        return ServiceClient(store_dir=config.store_dir, device=config.device, dtype=config.dtype)
+        return ServiceClient(store_dir=config.store_dir, device=config.device, dtype=config.dtype,
+                             micro_batch_tokens=config.micro_batch_tokens,
+                             gradient_checkpointing=config.gradient_checkpointing)
     import tinker
 
     kwargs = {"api_key": os.environ.get("TINKER_API_KEY") or ("tml-local" if config.base_url else None)}

@@ -42,7 +42,8 @@ _SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"shuffle": True, "num_samples": None},
     "test": {"shuffle": False, "num_samples": 32},
 }
-_LOCAL_ONLY_DEFAULTS: dict[str, Any] = {"device": "auto", "dtype": "auto", "store_dir": None}
+_LOCAL_ONLY_DEFAULTS: dict[str, Any] = {"device": "auto", "dtype": "auto", "store_dir": None,
+                                         "micro_batch_tokens": 4096, "gradient_checkpointing": "auto"}
 
 
 class ConfigError(UserInputError):
@@ -173,6 +174,14 @@ class TrainConfig(BaseModel):
     )
     store_dir: str | None = Field(
         None, description="Local engine only: directory of the engine's weight store; null = the engine's default."
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Local engine only: tokens per forward/backward pass (packed, padding included); "
+        "a step's datums are split into as many passes as needed. Lower it if training runs out of memory.",
+    )
+    gradient_checkpointing: Literal["auto", True, False] = Field(
+        "auto", description="Local engine only: recompute activations in backward instead of keeping them "
+        "(less memory, ~30% more compute); 'auto' turns it on for models of 300M parameters and more.",
     )
 
     # loss and advantages

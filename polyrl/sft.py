@@ -43,6 +43,9 @@ class SFTConfig(BaseModel):
     device: str = Field("auto", description="Local engine device.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Local engine dtype.")
     store_dir: str | None = Field(None, description="Local engine checkpoint store.")
+    micro_batch_tokens: int = Field(4096, ge=1, description="Local engine: tokens per forward/backward pass.")
+    gradient_checkpointing: Literal["auto", True, False] = Field(
+        "auto", description="Local engine: recompute activations in backward (auto: on from 300M parameters).")
     environments: dict[str, EnvConfig] = Field(
         ..., description="Environments whose demonstrations to learn; splits.train.num_samples = demonstrations each."
     )

@@ -761,34 +761,6 @@ def test_bad_input_raises_clear_errors(service, warm, tiny_model_dir):
     assert math.isfinite(out.metrics["loss:sum"])
 
 
-def test_micro_batches_are_fewest_then_least_padded():
-    """Against every way of cutting the length-sorted datums into runs, on small random batches."""
-    import itertools
-    import random
-
-    from polyrl.local.engine import _micro_batches
-
-    def cost(batches, lengths):
-        return len(batches), sum(max(lengths[i] for i in b) * len(b) for b in batches)
-
-    rng = random.Random(0)
-    for _ in range(200):
-        lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
-        budget = rng.randint(30, 200)
-        got = _micro_batches(lengths, budget)
-        assert sorted(i for b in got for i in b) == list(range(len(lengths)))
-        assert all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in got)
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        best = None
-        for r in range(len(order)):
-            for cuts in itertools.combinations(range(1, len(order)), r):
-                edges = [0, *cuts, len(order)]
-                runs = [order[a:b] for a, b in zip(edges, edges[1:])]
-                if all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in runs):
-                    best = min(best or cost(runs, lengths), cost(runs, lengths))
-        assert cost(got, lengths) == best, (lengths, budget)
-
-
 def test_store_directories_are_portable_names(tmp_path):
     """Run ids hold ':' (Tinker's scheme); on disk they are percent-encoded and listed back as ids."""
     from polyrl.local.checkpoints import CheckpointPath, Store

@@ -8,6 +8,7 @@ generates them in one batch (see :mod:`polyrl.local.sampler`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -16,16 +17,21 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from tinker import types
 
 from polyrl.local import losses
 from polyrl.local.checkpoints import CheckpointPath, Store, check_name
+from polyrl.local.compute import packed_logprobs
 from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
 
+# Tokens (packed, padding included) per forward/backward pass; a call's datums are split into as many
+# micro-batches as this needs and their gradients summed. Chunked logits keep memory per token small.
+DEFAULT_MICRO_BATCH_TOKENS = 4096
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
 
@@ -74,19 +80,26 @@ class Engine:
     _shared_lock = threading.Lock()
 
     @classmethod
-    def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> "Engine":
-        key = (str(Store(store_dir).root), device, dtype)
+    def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+               micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+               gradient_checkpointing: bool | str = "auto") -> "Engine":
+        key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing)
         with cls._shared_lock:
             if key not in cls._shared:
-                cls._shared[key] = cls(store_dir, device, dtype)
+                cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-                 micro_batch_tokens: int = 4096):
+                 micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS, gradient_checkpointing: bool | str = "auto"):
+        if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
+        if gradient_checkpointing not in ("auto", True, False):
+            raise ValueError(f"gradient_checkpointing must be 'auto', true or false, got {gradient_checkpointing!r}")
         self.store = Store(store_dir)
         self.device_name = device
         self.dtype_name = dtype
         self.micro_batch_tokens = micro_batch_tokens
+        self.gradient_checkpointing = gradient_checkpointing
         self._bases: dict[str, BaseModel] = {}
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
@@ -163,7 +176,7 @@ class Engine:
     # ---- models (worker thread only) ---------------------------------------------------------
     def base(self, name: str) -> BaseModel:
         if name not in self._bases:
-            self._bases[name] = BaseModel(name, self.device_name, self.dtype_name)
+            self._bases[name] = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing)
         return self._bases[name]
 
     def loaded_models(self) -> list[BaseModel]:
@@ -188,19 +201,15 @@ class Engine:
         prepared = [_prepare_datum(i, d, spec, st.base.vocab_size) for i, d in enumerate(data)]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
-        with st.base.use(st.adapter, train=backward) as model, torch.set_grad_enabled(backward):
-            for idx in _micro_batches([len(p[0]) for p in prepared], self.micro_batch_tokens):
-                lps = target_logprobs(model, [prepared[i][0] for i in idx], [prepared[i][1] for i in idx], st.base.device)
-                flat_lp = torch.cat(lps)
-                inputs = {k: torch.cat([prepared[i][2][k] for i in idx]).to(st.base.device)
-                          for k in prepared[idx[0]][2]}
-                seg_ids = torch.cat([torch.full((len(lp),), n, dtype=torch.long) for n, lp in enumerate(lps)])
-                loss, m = spec.fn(flat_lp, inputs, losses.Segments(seg_ids.to(st.base.device), len(idx)), config)
+        with _all_or_nothing(st.params), st.base.use(st.adapter, train=backward), torch.set_grad_enabled(backward):
+            for mb in self._micro_batches(st.base, prepared):
+                lps = packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])
+                loss, metrics = _batch_loss(spec, [prepared[i] for i in mb.datums], lps, config, st.base.device)
                 if backward:
                     loss.backward()
-                for n, i in enumerate(idx):
-                    outputs[i] = lps[n].detach()
-                parts.append(m)
+                for i, lp in zip(mb.datums, lps):
+                    outputs[i] = lp.detach()
+                parts += metrics
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
             loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(o.float().cpu())} for o in outputs],
@@ -209,8 +218,11 @@ class Engine:
 
     def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
         prepared = [_prepare_datum(i, d, None, st.base.vocab_size) for i, d in enumerate(data)]
-        with st.base.use(st.adapter, train=True) as model:
-            lps = target_logprobs(model, [p[0] for p in prepared], [p[1] for p in prepared], st.base.device)
+        lps: list[torch.Tensor | None] = [None] * len(data)
+        with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
+            for mb in self._micro_batches(st.base, prepared):
+                for i, lp in zip(mb.datums, packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
+                    lps[i] = lp
             loss, user_metrics = fn(data, lps)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError("a custom loss function must return (scalar tensor, metrics dict)")
@@ -222,6 +234,9 @@ class Engine:
             loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())} for lp in lps],
             metrics=metrics,
         )
+
+    def _micro_batches(self, base: BaseModel, prepared: list["_Datum"]) -> list[MicroBatch]:
+        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, device=base.device)
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
         for group in st.optimizer.param_groups:
@@ -284,8 +299,52 @@ class Engine:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, vocab: int):
-    """(input tokens, target tokens, float inputs) of one datum, validated with clear errors."""
+@dataclass
+class _Datum:
+    tokens: list[int]
+    target: torch.Tensor  # int64 [len(tokens)]
+    floats: dict[str, torch.Tensor]  # float32 loss inputs, each [len(tokens)]
+
+
+@contextlib.contextmanager
+def _all_or_nothing(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Gradients of a call are added to the ones already accumulated only if the whole call succeeds:
+    a failure in any micro-batch (bad input, out of memory) leaves the accumulated gradients as they
+    were, so a following ``optim_step`` never applies half a batch."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    except BaseException:
+        for p, g in zip(params, earlier):
+            p.grad = g
+        raise
+    for p, g in zip(params, earlier):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Tensor], config: dict,
+                device: torch.device) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """The loss of a micro-batch's datums: one call of the loss per set of ``loss_fn_inputs`` keys
+    (datums may differ, e.g. ``weights`` on some only; each is computed with exactly its own inputs)."""
+    by_keys: dict[tuple[str, ...], list[int]] = {}
+    for n, d in enumerate(datums):
+        by_keys.setdefault(tuple(sorted(d.floats)), []).append(n)
+    total, metrics = None, []
+    for keys, members in by_keys.items():
+        flat_lp = torch.cat([lps[n] for n in members])
+        inputs = {k: torch.cat([datums[n].floats[k] for n in members]).to(device) for k in keys}
+        seg_ids = torch.cat([torch.full((len(lps[n]),), j, dtype=torch.long) for j, n in enumerate(members)])
+        loss, m = spec.fn(flat_lp, inputs, losses.Segments(seg_ids.to(device), len(members)), config)
+        total = loss if total is None else total + loss
+        metrics.append(m)
+    return total, metrics
+
+
+def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, vocab: int) -> _Datum:
+    """One datum's tokens, targets and float inputs, validated with clear errors."""
     if not isinstance(datum, types.Datum):
         raise ValueError(f"data[{i}] is a {type(datum).__name__}, not a tinker.types.Datum")
     tokens: list[int] = []
@@ -317,48 +376,7 @@ def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, voc
         if len(t) != len(tokens):
             raise ValueError(f"data[{i}]: loss_fn_inputs[{key!r}] has {len(t)} entries but model_input has {len(tokens)} tokens")
         floats[key] = t
-    return tokens, target, floats
-
-
-def target_logprobs(model, inputs: list[list[int]], targets: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """Log-probabilities of each target token under ``model``; right-padded batch, causal attention."""
-    width = max(len(x) for x in inputs)
-    ids = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
-    tgt = torch.zeros((len(inputs), width), dtype=torch.long, device=device)
-    for i, (x, t) in enumerate(zip(inputs, targets)):
-        ids[i, : len(x)] = torch.tensor(x, device=device)
-        tgt[i, : len(x)] = t.to(device)
-    # Padding sits after every real token, so causal attention alone keeps it invisible.
-    logits = model(input_ids=ids, use_cache=False).logits.float()
-    lp = -torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none").view(tgt.shape)
-    return [lp[i, : len(x)] for i, x in enumerate(inputs)]
-
-
-def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Datum indices grouped into micro-batches of at most ``budget`` padded tokens (a datum longer
-    than that goes alone): the fewest micro-batches, and among those the least padding. Datums are
-    sorted by length, so each micro-batch is a run of that order; a dynamic program over the runs
-    picks the cuts (a greedy fill can pad a short datum to a long one where a different cut would not)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    sizes = [lengths[i] for i in order]
-    n = len(sizes)
-    # best[j]: (micro-batches, padded tokens) for the first j sorted datums; cut[j]: where the last starts
-    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = sizes[j - 1]
-        for i in range(j - 1, -1, -1):
-            padded = longest * (j - i)
-            if i < j - 1 and padded > budget:
-                break
-            cand = (best[i][0] + 1, best[i][1] + padded)
-            if cand < best[j]:
-                best[j], cut[j] = cand, i
-    batches, j = [], n
-    while j > 0:
-        batches.append(order[cut[j]:j])
-        j = cut[j]
-    return batches[::-1]
+    return _Datum(tokens, target, floats)
 
 
 def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

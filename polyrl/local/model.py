@@ -19,6 +19,9 @@ import torch
 from polyrl.models import resolve_model_path
 
 LORA_ALPHA = 32
+# ``gradient_checkpointing: auto`` turns it on from this many base-model parameters: below it,
+# activations are small next to the weights and recomputing them would only cost time.
+CHECKPOINTING_AUTO_PARAMS = 300_000_000
 
 
 def select_device(device: str = "auto") -> torch.device:
@@ -67,7 +70,8 @@ class LoraSpec:
 class BaseModel:
     """A Hugging Face causal LM wrapped by PEFT, holding named LoRA adapters."""
 
-    def __init__(self, name: str, device: str = "auto", dtype: str = "auto"):
+    def __init__(self, name: str, device: str = "auto", dtype: str = "auto",
+                 gradient_checkpointing: bool | str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.name = name
@@ -90,6 +94,12 @@ class BaseModel:
         self._slot_owner: dict[str, object] = {}
         self._tokenizer = None
         self._linears = self._linear_layers()
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+        if gradient_checkpointing == "auto":
+            gradient_checkpointing = self.num_parameters >= CHECKPOINTING_AUTO_PARAMS
+        self.gradient_checkpointing = bool(gradient_checkpointing)
+        self._wrap_layers_for_checkpointing()
+        self._split_head: bool | None = None  # whether decoder + unembedding reproduce the model's logits
 
     @property
     def tokenizer(self):
@@ -106,6 +116,73 @@ class BaseModel:
     @property
     def max_context_length(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
+
+    # ---- training forward: decoder layers (checkpointed) and the unembedding apart ---------
+    def _decoder_layers(self) -> torch.nn.ModuleList | None:
+        """The stack of transformer blocks: the longest ``ModuleList`` of the decoder."""
+        decoder = self.hf_model.get_decoder() if hasattr(self.hf_model, "get_decoder") else self.hf_model
+        lists = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList)]
+        return max(lists, key=len) if lists else None
+
+    def _wrap_layers_for_checkpointing(self) -> None:
+        """Make each transformer block recompute its activations in backward when checkpointing is on.
+
+        Hugging Face's own switch only acts in ``train()`` mode, which would also turn dropout on (and
+        sampler and learner must compute the same logprobs), so the blocks are wrapped here instead."""
+        from torch.utils.checkpoint import checkpoint
+
+        layers = self._decoder_layers()
+        for layer in layers if layers is not None else []:
+            inner = layer.forward
+
+            def forward(*args, _inner=inner, **kwargs):
+                if self.gradient_checkpointing and torch.is_grad_enabled():
+                    return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return _inner(*args, **kwargs)
+
+            layer.forward = forward
+
+    def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                       attend: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Packed rows through the model with the active adapter, under a boolean ``attend`` mask
+        ``[rows, 1, width, width]`` (query attends to key): ``(last hidden states, True)`` when the
+        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``."""
+        mask: torch.Tensor = attend
+        if self.hf_model.config._attn_implementation == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(attend.shape, dtype=self.dtype, device=attend.device)
+            mask.masked_fill_(~attend, torch.finfo(self.dtype).min)
+        if self.split_head:
+            out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                              use_cache=False)
+            return out.last_hidden_state, True
+        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        return out.logits.float(), False
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states (the model's unembedding, with its adapter, and soft-capping)."""
+        logits = self.hf_model.get_output_embeddings()(hidden).float()
+        cap = getattr(self.hf_model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def split_head(self) -> bool:
+        """Whether ``logits(decoder(x))`` equals the model's own logits (checked once on a short input).
+
+        Architectures that scale or otherwise post-process logits in their own way fail the check, and
+        the engine then computes full logits through the whole model instead."""
+        if self._split_head is None:
+            self._split_head = False
+            if hasattr(self.hf_model, "get_decoder") and self.hf_model.get_output_embeddings() is not None:
+                ids = torch.arange(1, 9, device=self.device).remainder(self.vocab_size).unsqueeze(0)
+                with torch.no_grad():
+                    want = self.hf_model(input_ids=ids, use_cache=False).logits.float()
+                    hidden = self.hf_model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+                    got = self.logits(hidden)
+                scale = float(want.abs().max()) or 1.0
+                self._split_head = bool((got - want).abs().max() <= 1e-4 * scale)
+        return self._split_head
 
     # ---- adapters -------------------------------------------------------------------------
     def _linear_layers(self) -> dict[str, str]:

@@ -18,7 +18,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
 from polyrl.local import losses
-from polyrl.local.engine import Engine, SamplerState, TrainerState
+from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.sampler import SampleJob, resolve_stops
 
@@ -92,12 +92,15 @@ class ServiceClient:
     ``store_dir`` is where checkpoints live (default ``$POLYRL_STORE_DIR`` or
     ``~/.cache/polyrl/store``); ``device`` is ``auto`` | ``cpu`` | ``cuda[:N]`` | ``mps``; ``dtype`` is
     ``auto`` (bfloat16 on capable GPUs, else float32) or a dtype name. ``models`` lists base models
-    reported by ``get_server_capabilities`` before they are loaded.
+    reported by ``get_server_capabilities`` before they are loaded. ``micro_batch_tokens`` caps the
+    tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
+    300M parameters and more) trades recomputation for activation memory.
     """
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-                 models: Sequence[str] = (), **_ignored: Any):
-        self.engine = Engine.shared(store_dir, device, dtype)
+                 models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+                 gradient_checkpointing: bool | str = "auto", **_ignored: Any):
+        self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing)
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self._models = list(models)
         self._counter = itertools.count()

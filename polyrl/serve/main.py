@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir", help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
+                   help="tokens per forward/backward pass (default 4096); lower it if training runs out of memory")
+    p.add_argument("--gradient-checkpointing", choices=["auto", "true", "false"], default="auto",
+                   help="recompute activations in backward to save memory (auto: on for models of 300M+ parameters)")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body (413 above)")
     p.add_argument("--long-poll", type=float, default=30.0, help="seconds retrieve_future waits before a 408")
     p.add_argument("--seq-gap-timeout", type=float, default=120.0,
@@ -59,8 +63,15 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
 def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
     from polyrl.serve.server import ServeConfig
 
+    from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS
+    from polyrl.errors import UserInputError
+
+    if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
+        raise UserInputError(f"--micro-batch-tokens must be a positive integer, got {args.micro_batch_tokens}")
+    checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
     return ServeConfig(models=list(args.models), api_keys=keys, store_dir=args.store_dir, device=args.device,
-                       dtype=args.dtype, max_body_bytes=int(args.max_body_mb * (1 << 20)), long_poll_s=args.long_poll,
+                       dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
+                       gradient_checkpointing=checkpointing, max_body_bytes=int(args.max_body_mb * (1 << 20)), long_poll_s=args.long_poll,
                        gap_timeout_s=args.seq_gap_timeout,                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload)
 
 

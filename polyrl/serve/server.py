@@ -21,7 +21,7 @@ from typing import Any
 from tinker import types
 
 from polyrl.local import losses
-from polyrl.local.engine import Engine, SamplerState, TrainerState
+from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.service import check_sample_options, make_sample_job
 from polyrl.serve import protocol as P
@@ -42,6 +42,8 @@ class ServeConfig:
     store_dir: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
+    gradient_checkpointing: bool | str = "auto"
     max_body_bytes: int = 64 << 20
     long_poll_s: float = 30.0  # retrieve_future waits this long before answering 408 (SDK timeout: 45 s)
     gap_timeout_s: float = 120.0
@@ -59,7 +61,8 @@ def _json(model: Any) -> dict:
 class Server:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or Engine(config.store_dir, config.device, config.dtype)
+        self.engine = engine or Engine(config.store_dir, config.device, config.dtype, config.micro_batch_tokens,
+                                       config.gradient_checkpointing)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}

@@ -1,0 +1,56 @@
+"""Target-token log-probabilities of packed micro-batches, without a ``[tokens x vocab]`` tensor that
+lives for the whole micro-batch.
+
+The decoder runs once over the packed rows (:mod:`polyrl.local.packing`); the unembedding, the
+log-sum-exp and the target gather then run over chunks of the packed positions. In backward each
+chunk's logits are recomputed from its hidden states (activation checkpointing), so at most one
+chunk of float32 logits exists at a time. A packed position shared by several datums (a common
+prefix) is unembedded once and gathered for each datum's own target.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from polyrl.local.model import BaseModel
+from polyrl.local.packing import MicroBatch
+
+# Float32 logits alive at once: 64 MiB is ~110 positions of a 150k vocabulary, ~340 of a 49k one.
+LOGITS_CHUNK_BYTES = 64 << 20
+
+
+def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log p(targets[j] | hidden[local[j]])`` for each request ``j`` of one chunk."""
+    logits = base.logits(hidden)
+    return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]
+
+
+def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor],
+                    chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
+    """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order)."""
+    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend)
+    target = torch.cat(targets).to(out.device)
+    flat = out.reshape(-1, out.shape[-1])
+    if not split:  # full logits came back (an architecture whose unembedding cannot run apart)
+        lp = flat[mb.gather, target] - torch.logsumexp(flat, dim=-1)[mb.gather]
+        return list(lp.split(mb.lengths))
+    # Unique packed positions in chunks; requests (datum tokens) sorted by position so each chunk's
+    # requests are one contiguous run.
+    positions, inverse = torch.unique(mb.gather, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    inverse_sorted, target_sorted = inverse[order], target[order]
+    per_chunk = max(1, chunk_bytes // (4 * base.vocab_size))
+    recompute = torch.is_grad_enabled() and len(positions) > per_chunk
+    pieces = []
+    for start in range(0, len(positions), per_chunk):
+        end = min(start + per_chunk, len(positions))
+        lo, hi = torch.searchsorted(inverse_sorted, torch.tensor([start, end], device=inverse_sorted.device)).tolist()
+        hidden = flat[positions[start:end]]
+        local = inverse_sorted[lo:hi] - start
+        if recompute:
+            pieces.append(checkpoint(_chunk_logprobs, base, hidden, local, target_sorted[lo:hi], use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(base, hidden, local, target_sorted[lo:hi]))
+    lp = torch.cat(pieces)[torch.argsort(order)]
+    return list(lp.split(mb.lengths))

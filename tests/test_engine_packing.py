@@ -1,0 +1,295 @@
+"""The engine's optimisations against the plain computation: shared-prefix packing, chunked logits,
+gradient checkpointing; and the guarantees around them (a failed call commits no gradient, datums
+with different ``loss_fn_inputs`` keys each get exactly their own loss).
+
+References are computed datum by datum through an independent Hugging Face + PEFT model loaded
+from the same adapter checkpoint (``test_local_engine``'s helpers), so nothing here goes through
+polyrl's packing or chunking.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tinker import types
+
+from polyrl.local import ServiceClient
+from polyrl.local.compute import packed_logprobs
+from polyrl.local.packing import micro_batches, pack_rows
+from test_local_engine import (
+    adam,
+    assert_grads_close,
+    checkpoint_dir,
+    from_state,
+    load_reference,
+    make_datum,
+    out_logprobs,
+    random_datum,
+    ref_grads,
+    ref_token_logprobs,
+    reference_loss,
+    take_grads,
+    weights,
+    with_inputs,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def service(store) -> ServiceClient:
+    return ServiceClient(store_dir=store)
+
+
+@pytest.fixture(scope="module")
+def warm(service, store, tiny_model_dir):
+    """A trained adapter (A and B nonzero, so every gradient is) and an independent reference model."""
+    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=3).result()
+    gen = torch.Generator().manual_seed(1)
+    data = [random_datum(gen, n) for n in (6, 10, 14)]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam(0.02))
+    path = tc.save_state("warm").result().path
+    return {"path": path, "ref": load_reference(tiny_model_dir, checkpoint_dir(store, path))}
+
+
+def shared_prefix_batch(gen: torch.Generator, vocab: int = 700) -> list[types.Datum]:
+    """GRPO-shaped groups (samples sharing a prompt), a multi-turn episode whose later datums extend
+    the earlier ones, and unrelated short datums."""
+    ints = lambda n: torch.randint(0, vocab, (n,), generator=gen).tolist()  # noqa: E731
+    seqs = []
+    for prompt_len in (9, 15, 15):  # two groups with prompts of equal length but different tokens
+        prompt = ints(prompt_len)
+        seqs += [prompt + ints(int(torch.randint(1, 8, (1,), generator=gen))) for _ in range(4)]
+    turn1 = ints(6) + ints(5)
+    turn2 = turn1 + ints(4) + ints(3)
+    seqs += [turn1, turn2, turn2 + ints(2) + ints(6)]
+    seqs += [ints(3), ints(5), ints(2)]
+    data = []
+    for s in seqs:
+        nxt = ints(1)
+        data.append(make_datum(s, s[1:] + nxt))
+    return data
+
+
+def rl_inputs(tc, data, gen) -> list[types.Datum]:
+    lps = out_logprobs(tc.forward(data, "cross_entropy").result())
+    out = []
+    for d, lp in zip(data, lps):
+        adv = torch.randn(len(lp), generator=gen)
+        adv[: len(lp) // 3] = 0.0
+        out.append(with_inputs(d, logprobs=lp + 0.3 * torch.randn(len(lp), generator=gen), advantages=adv))
+    return out
+
+
+# ---- packing layout ----------------------------------------------------------------------------
+def test_rows_share_prefixes_and_keep_each_datum_whole():
+    rng = random.Random(0)
+    for _ in range(50):
+        seqs = []
+        for _ in range(rng.randint(1, 6)):
+            prompt = [rng.randrange(5) for _ in range(rng.randint(1, 12))]
+            seqs += [prompt + [rng.randrange(5) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(1, 5))]
+        seqs = [s for s in seqs if s]
+        capacity = rng.randint(4, 40)
+        rows = pack_rows(seqs, capacity)
+        placed = sorted(d for r in rows for d in r.paths)
+        assert placed == list(range(len(seqs)))
+        for row in rows:
+            assert len(row) <= max(capacity, max(len(s) for s in seqs))
+            for d, path in row.paths.items():
+                assert [row.tokens[p] for p in path] == seqs[d]
+                assert [row.positions[p] for p in path] == list(range(len(seqs[d])))
+                assert path == sorted(path)
+        # nothing shared is stored twice within a row: packed tokens = distinct prefixes (trie nodes)
+        for row in rows:
+            prefixes = {tuple(seqs[d][: k + 1]) for d in row.paths for k in range(len(seqs[d]))}
+            assert len(row) == len(prefixes)
+
+
+def test_grpo_batch_packs_each_prompt_once():
+    prompt_a, prompt_b = list(range(100, 292)), list(range(300, 492))
+    seqs = [p + [7, k, 9] * 8 for p in (prompt_a, prompt_b) for k in range(8)]
+    packed = sum(len(r) for r in pack_rows(seqs, 4096))
+    assert packed == 2 * (192 + 1 + 8 * 23)  # each prompt once, and the completions' common first token
+    separate = sum(len(s) for s in seqs)
+    assert separate / packed > 4
+
+
+def test_attention_mask_is_each_datums_own_causal_prefix():
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [8, 9]]
+    (mb,) = micro_batches(seqs, budget=64)
+    (row,) = pack_rows(seqs, 64)
+    attend = mb.attend[0, 0]
+    for d, path in row.paths.items():
+        for k, q in enumerate(path):
+            allowed = set(path[: k + 1])
+            assert {j for j in range(len(row)) if attend[q, j]} == allowed
+
+
+# ---- exactness ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "gspo"])
+def test_shared_prefix_packing_matches_separate_computation(service, warm, loss_fn):
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(7)
+    data = rl_inputs(tc, shared_prefix_batch(gen), gen)
+    rows = pack_rows([d.model_input.to_ints() for d in data])
+    assert sum(len(r) for r in rows) < 0.7 * sum(d.model_input.length for d in data)  # sharing happened
+
+    out = tc.forward_backward(data, loss_fn).result()
+    got_lps, got_grads = out_logprobs(out), take_grads(tc)
+
+    ref = warm["ref"]
+    with torch.no_grad():
+        want_lps = [ref_token_logprobs(ref, d) for d in data]
+    for got, want in zip(got_lps, want_lps):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    loss, coefs = reference_loss(loss_fn, [lp.double() for lp in want_lps], data, {})
+    assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5, abs=1e-5)
+    assert_grads_close(got_grads, ref_grads(ref, data, coefs), rtol=1e-5)
+
+
+def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm):
+    tc = from_state(service, warm["path"])
+    st, base = tc._state, tc._state.base
+    gen = torch.Generator().manual_seed(9)
+    data = shared_prefix_batch(gen)
+    seqs = [d.model_input.to_ints() for d in data]
+    (mb,) = micro_batches(seqs, budget=4096)
+    targets = [data[i].loss_fn_inputs["target_tokens"].to_torch().long() for i in mb.datums]
+    coef = [torch.randn(len(t), generator=gen) for t in targets]
+
+    results = []
+    for chunk_bytes in (1 << 40, 4 * base.vocab_size * 3):  # one chunk; three positions per chunk
+        with base.use(st.adapter, train=True):
+            lps = packed_logprobs(base, mb, targets, chunk_bytes=chunk_bytes)
+            sum((c * lp).sum() for c, lp in zip(coef, lps)).backward()
+        results.append(([lp.detach() for lp in lps], take_grads(tc)))
+    (lp_a, g_a), (lp_b, g_b) = results
+    for a, b in zip(lp_a, lp_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert_grads_close(g_b, g_a, rtol=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(service, warm):
+    tc = from_state(service, warm["path"])
+    base = tc._state.base
+    gen = torch.Generator().manual_seed(13)
+    data = rl_inputs(tc, shared_prefix_batch(gen), gen)
+    grads, lps = [], []
+    for on in (False, True):
+        base.gradient_checkpointing = on
+        try:
+            lps.append(out_logprobs(tc.forward_backward(data, "ppo").result()))
+        finally:
+            base.gradient_checkpointing = False
+        grads.append(take_grads(tc))
+    for a, b in zip(*lps):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_grads_close(grads[1], grads[0], rtol=1e-5)
+
+
+def test_checkpointing_recomputes_blocks_in_backward(service, warm, monkeypatch):
+    """With checkpointing on, each transformer block runs twice per training pass (forward and the
+    backward's recomputation); with it off, once."""
+    tc = from_state(service, warm["path"])
+    base = tc._state.base
+    inner = next(base._decoder_layers()[0].children())  # the recomputation calls the block's submodules
+    calls = []
+    handle = inner.register_forward_hook(lambda *a: calls.append(1))
+    data = [random_datum(torch.Generator().manual_seed(2), 8)]
+    try:
+        for on, want in ((False, 1), (True, 2)):
+            base.gradient_checkpointing = on
+            calls.clear()
+            tc.forward_backward(data, "cross_entropy").result()
+            assert len(calls) == want
+    finally:
+        base.gradient_checkpointing = False
+        handle.remove()
+        take_grads(tc)
+
+
+def test_auto_checkpointing_follows_model_size(tiny_model_dir):
+    from polyrl.local.model import BaseModel
+
+    assert BaseModel(tiny_model_dir).gradient_checkpointing is False  # tiny: activations are cheap
+    assert BaseModel(tiny_model_dir, gradient_checkpointing=True).gradient_checkpointing is True
+
+
+# ---- a call commits its gradients whole, or not at all ----------------------------------------
+def test_failed_forward_backward_leaves_accumulated_gradients_untouched(service, warm, monkeypatch):
+    import polyrl.local.engine as engine_mod
+
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(17)
+    first = [random_datum(gen, n) for n in (5, 9)]
+    second = [random_datum(gen, n) for n in (6, 11, 13, 4)]
+    tc.forward_backward(first, "cross_entropy").result()
+    before = {n: p.grad.clone() for n, p in zip(range(len(tc._state.params)), tc._state.params)}
+
+    calls = []
+    real = engine_mod.packed_logprobs
+
+    def fails_on_second_micro_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "packed_logprobs", fails_on_second_micro_batch)
+    monkeypatch.setattr(service.engine, "micro_batch_tokens", 14)  # several micro-batches
+    with pytest.raises(RuntimeError, match="simulated"):
+        tc.forward_backward(second, "cross_entropy").result()
+    assert len(calls) == 2  # micro-batch 1 ran its backward before micro-batch 2 failed
+    monkeypatch.undo()
+    after = {n: p.grad for n, p in zip(range(len(tc._state.params)), tc._state.params)}
+    for n in before:
+        assert torch.equal(before[n], after[n])
+
+    # the queued optim_step applies exactly the first call's gradients
+    tc.optim_step(adam(1e-2)).result()
+    ref = from_state(service, warm["path"])
+    ref.forward_backward(first, "cross_entropy").result()
+    ref.optim_step(adam(1e-2)).result()
+    wa, wb = weights(tc), weights(ref)
+    for n in wa:
+        torch.testing.assert_close(wa[n], wb[n], rtol=0, atol=1e-7)
+
+
+# ---- datums with different loss_fn_inputs keys -------------------------------------------------
+def test_datums_with_different_input_keys_each_get_their_own_loss(service, warm):
+    tc = from_state(service, warm["path"])
+    gen = torch.Generator().manual_seed(19)
+    plain = [random_datum(gen, n) for n in (5, 8, 6)]
+    weighted = with_inputs(plain[1], weights=torch.rand(8, generator=gen))
+    mixed = [plain[0], weighted, plain[2]]  # weights on the middle datum only
+
+    got = tc.forward_backward(mixed, "cross_entropy").result()
+    got_grads = take_grads(tc)
+    ref = warm["ref"]
+    with torch.no_grad():
+        lps = [ref_token_logprobs(ref, d).double() for d in mixed]
+    loss, coefs = reference_loss("cross_entropy", lps, mixed, {})
+    assert got.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5)
+    assert_grads_close(got_grads, ref_grads(ref, mixed, coefs), rtol=1e-5)
+
+    # GSPO with a sequence_ratio_mask on one datum: that datum's ratio uses its mask, the others
+    # fall back to their nonzero-advantage tokens
+    rl = rl_inputs(tc, plain, gen)
+    rl[2] = with_inputs(rl[2], sequence_ratio_mask=[1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    got = tc.forward_backward(rl, "gspo").result()
+    got_grads = take_grads(tc)
+    with torch.no_grad():
+        lps = [ref_token_logprobs(ref, d).double() for d in rl]
+    loss, coefs = reference_loss("gspo", lps, rl, {})
+    assert got.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert_grads_close(got_grads, ref_grads(ref, rl, coefs), rtol=1e-5)
