@@ -1,4 +1,4 @@
-"""``polyrl``: train | sft | eval | tiny-model | serve | report.
+"""``polyrl``: train | sft | eval | tiny-model | serve | report | export | chat | play.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
 and exit with code 2 (no traceback).
@@ -78,6 +78,24 @@ def cmd_serve(args) -> None:
     run(args)
 
 
+def cmd_export(args) -> None:
+    from polyrl.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out_dir, merged=args.merged, store_dir=args.store_dir))
+
+
+def cmd_chat(args) -> None:
+    from polyrl.interactive import run_chat
+
+    run_chat(args)
+
+
+def cmd_play(args) -> None:
+    from polyrl.interactive import run_play
+
+    run_play(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +129,25 @@ def main(argv: list[str] | None = None) -> None:
 
     add_arguments(p)
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("export", help="write a checkpoint as a PEFT adapter directory or (--merged) a full HF model")
+    p.add_argument("checkpoint", help="tinker://<run>/sampler_weights/<name> (or weights), a checkpoint directory "
+                                      "or a run's log_path (its latest checkpoint)")
+    p.add_argument("out_dir", help="a new directory (never overwritten)")
+    p.add_argument("--merged", action="store_true", help="fold the adapter into the base weights: a standard "
+                                                         "Hugging Face model directory with the tokenizer")
+    p.add_argument("--store_dir", "--store-dir", dest="store_dir", help="local checkpoint store for tinker:// paths")
+    p.set_defaults(fn=cmd_export)
+
+    from polyrl.interactive import add_chat_arguments, add_play_arguments
+
+    p = sub.add_parser("chat", help="talk to a trained policy (or a base model) in the terminal")
+    add_chat_arguments(p)
+    p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("play", help="play an environment by hand, seeing what the policy sees, or watch a policy play")
+    add_play_arguments(p)
+    p.set_defaults(fn=cmd_play)
 
     args = parser.parse_args(argv)
     from polyrl.errors import UserInputError
