@@ -773,3 +773,28 @@ def test_store_directories_are_portable_names(tmp_path):
     assert store.runs() == ["local-1a2b:train:0"]
     assert store.resolve(path)[1] == tmp_path / "local-1a2b%3Atrain%3A0" / "weights" / "step_1"
     assert [c["tinker_path"] for c in store.list("local-1a2b:train:0")] == [path]
+
+
+def test_counter_uniforms_are_uniform_and_a_function_of_seed_and_step():
+    """Seeded rows draw from a hash of (seed, step): vectorised, batch-independent, and uniform."""
+    from polyrl.local.sampler import _inverse_cdf, counter_uniforms
+
+    seeds = torch.randint(0, 2**62, (20000,), generator=torch.Generator().manual_seed(0))
+    u = counter_uniforms(seeds, 7)
+    assert u.dtype == torch.float64 and float(u.min()) > 0 and float(u.max()) < 1
+    assert torch.equal(counter_uniforms(seeds[5:9], 7), u[5:9])  # a row's draw ignores its batch
+    assert not torch.equal(counter_uniforms(seeds, 8), u)  # and changes with the step
+    # uniform: every tenth of (0, 1) gets its share (chi-square, 9 degrees of freedom, p ~ 1e-6 bound)
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    chi2 = float(((counts - 2000) ** 2 / 2000).sum())
+    assert chi2 < 50, counts
+    # consecutive seeds are not correlated (a weak hash would map 0, 1, 2, ... to nearby numbers)
+    v = counter_uniforms(torch.arange(20000), 0)
+    assert abs(float(torch.corrcoef(torch.stack([v[:-1], v[1:]]))[0, 1])) < 0.03
+
+    # inverse-CDF sampling with these uniforms follows the distribution
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    tokens = _inverse_cdf(probs.expand(len(u), -1).contiguous(), u)
+    freq = torch.bincount(tokens, minlength=5).double() / len(u)
+    torch.testing.assert_close(freq, probs.double(), rtol=0, atol=0.015)
+    assert int((tokens == 1).sum()) == 0  # a zero-probability token is never drawn

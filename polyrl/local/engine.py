@@ -165,7 +165,8 @@ class Engine:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
                 with base.use(adapter) as model:
-                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator)
+                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
+                                       logits_fn=base.logits if base.split_head else None)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001

@@ -8,6 +8,11 @@ temperature, top-k/top-p, stops, ``max_tokens`` and seed.
 Returned logprobs are the model's own (temperature 1, unfiltered) log-probabilities of the sampled
 tokens: exactly what ``forward`` computes for the same tokens, so RL importance ratios compare
 like with like.
+
+Sampling is by inverse CDF: one uniform number per row per step, vectorised over the batch. A
+seeded request's rows draw theirs from a counter-based hash of (row seed, step), so a sample never
+depends on its batch, and nothing loops over rows in Python (on a GPU, a per-row generator would
+be one kernel launch per row per step).
 """
 
 from __future__ import annotations
@@ -131,18 +136,54 @@ def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Ten
     return x
 
 
-def _gumbel(shape: tuple[int, int], seeded: list[tuple[int, torch.Generator]], device, default_gen) -> torch.Tensor:
-    """Gumbel noise; the ``(row, generator)`` rows of seeded requests draw from their own generator
-    (batch-independent)."""
-    u = torch.rand(shape, device=device, generator=default_gen)
-    for i, g in seeded:
-        u[i] = torch.rand(shape[1], device=device, generator=g)
-    return u.clamp_(min=1e-20).log_().neg_().clamp_(min=1e-20).log_().neg_()
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for ``x`` in [0, 2**32), without int64 overflow (16-bit halves of ``c``)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (Wellons' lowbias32), elementwise."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One float64 uniform in (0, 1) per row, a pure function of (row seed, step): 53 random bits from
+    two hashes of the seed's 32-bit halves and the step."""
+    lo, hi = seeds & _MASK32, (seeds >> 32) & _MASK32
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(seeds, step & _MASK32) ^ 0x9E3779B9)))
+    h2 = _mix32(h ^ 0x85EBCA6B)
+    return ((h >> 6).double() * 134217728.0 + (h2 >> 5).double() + 0.5) / 9007199254740992.0  # 26 + 27 bits
+
+
+def _row_uniforms(seeds: torch.Tensor, seeded: torch.Tensor, step: int, generator) -> torch.Tensor:
+    """Uniforms for a decode step: counter-based for seeded rows, the engine's generator for the rest."""
+    u = torch.rand(len(seeds), generator=generator, device=seeds.device, dtype=torch.float64)
+    if bool(seeded.any()):
+        u = torch.where(seeded, counter_uniforms(seeds, step), u)
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token: the first whose cumulative probability reaches ``u[i]`` of the row's total."""
+    cdf = probs.cumsum(-1)
+    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)
+    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 @torch.inference_mode()
-def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None) -> list[types.SampleResponse]:
-    """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order."""
+def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
+             logits_fn=None) -> list[types.SampleResponse]:
+    """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
+
+    ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
+    unembeds every position only of the prompts whose logprobs were asked for."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
     unique: dict[tuple[int, ...], int] = {}
     for job in jobs:
@@ -157,7 +198,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         ids[i, width - len(p) :] = torch.tensor(p, device=device)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    want_prompt_lp = any(j.include_prompt_logprobs or j.prompt_only for j in jobs)
+    lp_prompts = sorted({unique[tuple(j.prompt)] for j in jobs if j.include_prompt_logprobs or j.prompt_only})
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -166,51 +207,54 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
     layer_class = _buffer_layer_class()
     cache.layer_class_to_replicate = lambda: layer_class(capacity)
-    out = model(
+    split = logits_fn is not None and bool(lp_prompts)
+    out = (model.get_decoder() if split else model)(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=0 if want_prompt_lp else 1,
+        **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
     )
-    logits = out.logits.float()
-    last_logits = logits[:, -1, :]
     prompt_lps: dict[int, np.ndarray] = {}
-    if want_prompt_lp:
-        logp_all = torch.log_softmax(logits[:, :-1, :], dim=-1)
-        targets = ids[:, 1:]
-        picked = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        for i, p in enumerate(prompts):
-            arr = np.full(len(p), np.nan, dtype=np.float32)
-            if len(p) > 1:
-                arr[1:] = picked[i, width - len(p) :].cpu().numpy()
-            prompt_lps[i] = arr
+    if split:  # unembed the last position of every prompt, every position of the asked-for ones
+        hidden = out.last_hidden_state
+        last_logits = logits_fn(hidden[:, -1, :])
+        rows_logits = ((i, logits_fn(hidden[i, width - len(prompts[i]) : -1])) for i in lp_prompts)
+    else:
+        logits = out.logits.float()
+        last_logits = logits[:, -1, :]
+        rows_logits = ((i, logits[i, width - len(prompts[i]) : -1]) for i in lp_prompts)
+    for i, row_logits in rows_logits:
+        p = prompts[i]
+        arr = np.full(len(p), np.nan, dtype=np.float32)
+        if len(p) > 1:
+            targets = torch.tensor(p[1:], device=device)
+            picked = row_logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row_logits, dim=-1)
+            arr[1:] = picked.cpu().numpy()
+        prompt_lps[i] = arr
 
     # ---- expand to one row per sample --------------------------------------------------------
     rows: list[_Row] = []
     row_prompt: list[int] = []
-    row_gen: list[torch.Generator | None] = []
+    row_seed: list[int] = []  # -1: unseeded
     for j, job in enumerate(jobs):
         if job.prompt_only:
             continue
-        # A seeded request gives each of its samples its own generator (seeded from the request's
-        # seed), so a sample's draws never depend on when its siblings, or other requests, finish.
-        seeds: list[int | None] = [None] * job.num_samples
+        # A seeded request gives each of its samples its own seed (drawn from the request's), so a
+        # sample's draws never depend on when its siblings, or other requests, finish.
+        seeds = [-1] * job.num_samples
         if job.params.seed is not None:
             parent = torch.Generator().manual_seed(int(job.params.seed))
             seeds = torch.randint(0, 2**62, (job.num_samples,), generator=parent).tolist()
         for seed in seeds:
-            gen = None
-            if seed is not None:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(seed)
             rows.append(_Row(job=j))
             row_prompt.append(unique[tuple(job.prompt)])
-            row_gen.append(gen)
+            row_seed.append(seed)
 
     if rows:
-        _decode(model, jobs, rows, row_prompt, row_gen, cache, mask, lengths, last_logits, tokenizer, device, generator)
+        seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
+        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -232,7 +276,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     return responses
 
 
-def _decode(model, jobs, rows, row_prompt, row_gen, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator):
+def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]
@@ -252,17 +296,19 @@ def _decode(model, jobs, rows, row_prompt, row_gen, cache, prompt_mask, prompt_l
                           dtype=mask.dtype, device=device)
     mask_buf[:, : mask.shape[1]] = mask
     width = mask.shape[1]
-    seeded = [(pos, g) for pos, g in enumerate(row_gen) if g is not None]
+    seeded = seeds >= 0
     sel = torch.arange(len(rows), device=device)
+    step = 0
 
     while True:
-        gumbel = _gumbel(tuple(logits.shape), seeded, device, generator)
+        u = _row_uniforms(seeds[sel], seeded[sel], step, generator)
         logp = torch.log_softmax(logits, dim=-1)
-        if plain:  # temperature 1, no top-k / top-p: nothing to filter (x / 1.0 == x exactly)
-            sampled = (logits + gumbel).argmax(-1)
+        if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
+            sampled = _inverse_cdf(logp.exp(), u)
         else:
-            sampled = (_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]) + gumbel).argmax(-1)
+            sampled = _inverse_cdf(torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
         tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
+        step += 1
         token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         for row_i, tok, lp in zip(in_cache, tokens.tolist(), token_lp.tolist()):
             row = rows[row_i]
@@ -285,7 +331,6 @@ def _decode(model, jobs, rows, row_prompt, row_gen, cache, prompt_mask, prompt_l
             cache.batch_select_indices(keep)
             mask_buf, next_pos, tokens, sel = mask_buf[keep], next_pos[keep], tokens[keep], sel[keep]
             in_cache = [in_cache[pos] for pos in alive]
-            seeded = [(pos, row_gen[row_i]) for pos, row_i in enumerate(in_cache) if row_gen[row_i] is not None]
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
