@@ -11,6 +11,8 @@ import asyncio
 import json
 import sys
 
+from polyrl.secrets import redact, redact_tracebacks
+
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config_path", "--config", dest="config_path", help="YAML or TOML run config")
@@ -36,7 +38,7 @@ def cmd_train(args) -> None:
 
     config = _load(args, TrainConfig)
     row = train(config)
-    print(json.dumps({k: v for k, v in row.items() if "reward" in k or "success" in k}))
+    print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
 
 
 def cmd_sft(args) -> None:
@@ -51,7 +53,7 @@ def cmd_eval(args) -> None:
     from polyrl.evaluate import evaluate_checkpoint
 
     config = _load(args, TrainConfig)
-    metrics = asyncio.run(evaluate_checkpoint(config, args.checkpoint))
+    metrics = redact(asyncio.run(evaluate_checkpoint(config, args.checkpoint)), False)
     width = max(len(k) for k in metrics) if metrics else 0
     for k, v in sorted(metrics.items()):
         print(f"{k:<{width}}  {v:.4f}")
@@ -79,6 +81,7 @@ def cmd_serve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    redact_tracebacks()
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

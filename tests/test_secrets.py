@@ -116,3 +116,88 @@ def test_planted_keys_appear_in_no_output_of_a_real_run(tiny_model_dir, tmp_path
         if _leaks(body):
             found[f"OpenReward upload {i}"] = _leaks(body)
     assert not found, json.dumps(found, indent=1)
+
+
+# ---------------------------------------------------------------------------- each sink on its own
+SECRET = "tml-unit-planted-6c1f0e"
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", SECRET)
+    return SECRET
+
+
+def _captured_log(logger_name: str, emit) -> str:
+    import io
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        emit(logger)
+    finally:
+        logger.removeHandler(handler)
+    return stream.getvalue()
+
+
+def test_non_numeric_reward_warning_is_redacted(secret):
+    from polyrl.envs.module_env import RewardCoercion
+
+    metrics: dict[str, float] = {}
+    text = _captured_log("polyrl.envs.module_env",
+                         lambda _: RewardCoercion("module:x")({"why": f"key {secret}"}, metrics))
+    assert "is not a number" in text and MASK in text and secret not in text
+    assert metrics == {"non_numeric_reward": 1.0}
+
+
+def test_any_log_record_and_its_traceback_are_redacted(secret):
+    def emit(logger):
+        logger.warning("plain %s and %r", secret, {"k": secret})
+        try:
+            raise RuntimeError(f"failed with {secret}")
+        except RuntimeError:
+            logger.exception("while uploading")
+        logger.warning("nothing secret here: %d", 3)
+
+    text = _captured_log("some.library", emit)
+    assert secret not in text
+    assert "plain *** and {'k': '***'}" in text and "RuntimeError: failed with ***" in text
+    assert "nothing secret here: 3" in text
+
+
+def test_python_warnings_are_redacted(secret):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(f"deprecated option with {secret}")
+    shown = warnings.formatwarning(caught[0].message, caught[0].category, caught[0].filename, caught[0].lineno)
+    assert MASK in shown and secret not in shown
+
+
+def test_metric_rows_mask_names_but_keep_numbers_of_secret_sounding_keys(secret, tmp_path):
+    from polyrl.tracking.files import RunFiles
+
+    files = RunFiles(tmp_path / "run")
+    files.log_metrics({"step": 0, f"env/x/leak_{secret}": 1.0, "env/x/password_correct": 1.0, "note": secret})
+    files.log_checkpoint({"name": "final", "batch": 1, "cursors": {"hf_token": 3}})
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert row == {"step": 0, "env/x/leak_***": 1.0, "env/x/password_correct": 1.0, "note": MASK}
+    assert files.checkpoints()[0]["cursors"] == {"hf_token": 3}  # resume needs every cursor back
+
+
+def test_trajectory_token_text_does_not_spell_a_secret(secret, tmp_path):
+    from polyrl.secrets import redact_pieces
+    from polyrl.tracking.files import RunFiles
+
+    pieces = ["key", " is", " tml", "-unit", "-planted", "-6c", "1f0e", ".", " ok"]
+    assert redact_pieces(pieces) == ["key", " is", MASK, "", "", "", "", ".", " ok"]
+    assert redact_pieces(["a", "b"]) == ["a", "b"]
+    files = RunFiles(tmp_path / "run")
+    files.log_trajectories(0, [{"step": 0, "messages": [{"role": "user", "content": secret}],
+                                "metrics": {f"leak_{secret}": 1.0}, "token_text": pieces, "tokens": list(range(9))}])
+    text = (tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text()
+    row = json.loads(text)
+    assert secret not in text and secret not in "".join(row["token_text"])
+    assert len(row["token_text"]) == len(row["tokens"]) and row["metrics"] == {"leak_***": 1.0}
