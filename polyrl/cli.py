@@ -11,6 +11,7 @@ import asyncio
 import json
 import sys
 
+from polyrl.errors import UserInputError
 from polyrl.secrets import redact, redact_tracebacks
 
 
@@ -28,7 +29,7 @@ def _load(args, model):
         print(config_reference(model))
         sys.exit(0)
     if not args.config_path and not args.overrides:
-        raise SystemExit("error: give --config_path and/or --overrides (see --help-config)")
+        raise UserInputError("give --config_path and/or --overrides (see --help-config)")
     return load_config(args.config_path, args.overrides, model=model)
 
 
@@ -71,7 +72,9 @@ def cmd_report(args) -> None:
     try:
         print(build_report(args.log_path, force=args.force))
     except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}")
+        raise UserInputError(str(e)) from e
+    except OSError as e:  # a run directory that cannot be written to
+        raise UserInputError(f"cannot write the report under {args.log_path}: {e.strerror or e}") from e
 
 
 def cmd_serve(args) -> None:
@@ -116,8 +119,6 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_serve)
 
     args = parser.parse_args(argv)
-    from polyrl.errors import UserInputError
-
     try:
         args.fn(args)
     except UserInputError as e:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from polyrl.errors import UserInputError
 from polyrl.secrets import redact, redact_pieces, redact_text
 
 
@@ -68,14 +69,32 @@ def _jsonable(value: Any) -> Any:
     return redact_text(str(value))
 
 
+def make_run_dir(log_path: str | Path) -> Path:
+    """``log_path`` as an existing, writable directory; a one-line :class:`UserInputError` when it
+    cannot be one (a file in the way, no permission, a NUL in the name), before any work starts."""
+    shown = repr(str(log_path))
+    if "\0" in str(log_path):
+        raise UserInputError(f"log_path {shown} contains a NUL character")
+    root = Path(log_path)
+    if root.exists() and not root.is_dir():
+        raise UserInputError(f"log_path {shown} is a file, not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserInputError(f"log_path {shown}: cannot create the run directory "
+                             f"({exc.strerror or exc}: {exc.filename or root})") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserInputError(f"log_path {shown}: the run directory is not writable")
+    return root
+
+
 def step_file(step: int) -> str:
     return f"step_{step:06d}.jsonl"
 
 
 class RunFiles:
     def __init__(self, log_path: str | Path):
-        self.root = Path(log_path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = make_run_dir(log_path)
         self.trajectories = self.root / "trajectories"
         self.trajectories.mkdir(exist_ok=True)
         self.metrics_path = self.root / "metrics.jsonl"
