@@ -12,7 +12,7 @@ import json
 import sys
 
 from polyrl.errors import UserInputError
-from polyrl.secrets import redact, redact_tracebacks
+from polyrl.secrets import redact, redact_text, redact_tracebacks
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.fn(args)
     except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -201,3 +201,23 @@ def test_trajectory_token_text_does_not_spell_a_secret(secret, tmp_path):
     row = json.loads(text)
     assert secret not in text and secret not in "".join(row["token_text"])
     assert len(row["token_text"]) == len(row["tokens"]) and row["metrics"] == {"leak_***": 1.0}
+
+
+def test_uncaught_tracebacks_of_the_command_line_are_redacted(secret, monkeypatch, capsys):
+    import threading
+
+    from polyrl.secrets import redact_tracebacks
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    redact_tracebacks()
+    try:
+        raise RuntimeError(f"crashed holding {secret}")
+    except RuntimeError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    thread = threading.Thread(target=lambda: (_ for _ in ()).throw(ValueError(f"thread saw {secret}")))
+    thread.start()
+    thread.join()
+    err = capsys.readouterr().err
+    assert "RuntimeError: crashed holding ***" in err and "ValueError: thread saw ***" in err
+    assert "Traceback" in err and secret not in err

@@ -13,8 +13,8 @@ class WandbLog:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the optional extra
             raise RuntimeError("wandb_project_name is set but wandb is not installed: pip install 'polyrl[wandb]'") from e
-        self.run = wandb.init(project=project, name=name, config=redact(config), dir=directory, id=run_id,
-                              resume="allow")
+        self.run = wandb.init(project=redact_text(project), name=name and redact_text(name), config=redact(config),
+                              dir=directory, id=run_id, resume="allow")
 
     @property
     def run_id(self) -> str:
