@@ -172,5 +172,8 @@ def redact_tracebacks() -> None:
             name = args.thread.name if args.thread is not None else "?"
             sys.stderr.write(f"Exception in thread {name}:\n" + redact_text(text))
 
-    sys.excepthook = redacting_excepthook
-    threading.excepthook = redacting_thread_excepthook
+    redacting_excepthook.redacts = redacting_thread_excepthook.redacts = True  # type: ignore[attr-defined]
+    if not getattr(sys.excepthook, "redacts", False):  # installed once, however often main() runs
+        sys.excepthook = redacting_excepthook
+    if not getattr(threading.excepthook, "redacts", False):
+        threading.excepthook = redacting_thread_excepthook

@@ -221,3 +221,6 @@ def test_uncaught_tracebacks_of_the_command_line_are_redacted(secret, monkeypatc
     err = capsys.readouterr().err
     assert "RuntimeError: crashed holding ***" in err and "ValueError: thread saw ***" in err
     assert "Traceback" in err and secret not in err
+    hook = sys.excepthook
+    redact_tracebacks()  # a second main() in the same process does not wrap the hook again
+    assert sys.excepthook is hook
