@@ -16,3 +16,7 @@ try:  # transformers' per-load progress bars
     _hf_logging.disable_progress_bar()
 except ImportError:  # pragma: no cover
     pass
+
+from polyrl.secrets import redact_logs as _redact_logs
+
+_redact_logs()  # whatever any code logs or warns in a polyrl process has API keys masked

@@ -11,6 +11,9 @@ import asyncio
 import json
 import sys
 
+from polyrl.errors import UserInputError
+from polyrl.secrets import redact, redact_text, redact_tracebacks
+
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config_path", "--config", dest="config_path", help="YAML or TOML run config")
@@ -26,7 +29,7 @@ def _load(args, model):
         print(config_reference(model))
         sys.exit(0)
     if not args.config_path and not args.overrides:
-        raise SystemExit("error: give --config_path and/or --overrides (see --help-config)")
+        raise UserInputError("give --config_path and/or --overrides (see --help-config)")
     return load_config(args.config_path, args.overrides, model=model)
 
 
@@ -36,7 +39,7 @@ def cmd_train(args) -> None:
 
     config = _load(args, TrainConfig)
     row = train(config)
-    print(json.dumps({k: v for k, v in row.items() if "reward" in k or "success" in k}))
+    print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
 
 
 def cmd_sft(args) -> None:
@@ -51,7 +54,7 @@ def cmd_eval(args) -> None:
     from polyrl.evaluate import evaluate_checkpoint
 
     config = _load(args, TrainConfig)
-    metrics = asyncio.run(evaluate_checkpoint(config, args.checkpoint))
+    metrics = redact(asyncio.run(evaluate_checkpoint(config, args.checkpoint)), False)
     width = max(len(k) for k in metrics) if metrics else 0
     for k, v in sorted(metrics.items()):
         print(f"{k:<{width}}  {v:.4f}")
@@ -69,7 +72,9 @@ def cmd_report(args) -> None:
     try:
         print(build_report(args.log_path, force=args.force))
     except FileNotFoundError as e:
-        raise SystemExit(f"error: {e}")
+        raise UserInputError(str(e)) from e
+    except OSError as e:  # a run directory that cannot be written to
+        raise UserInputError(f"cannot write the report under {args.log_path}: {e.strerror or e}") from e
 
 
 def cmd_serve(args) -> None:
@@ -97,6 +102,7 @@ def cmd_play(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    redact_tracebacks()
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -150,12 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_play)
 
     args = parser.parse_args(argv)
-    from polyrl.errors import UserInputError
-
     try:
         args.fn(args)
     except UserInputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
 
 

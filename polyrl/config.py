@@ -36,6 +36,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 M = TypeVar("M", bound=BaseModel)
 
+# Episodes one step may run (batch_size x num_rollouts): 1024 groups of 64, or 4096 of 16, is beyond
+# the largest published RL batches; far larger sizes are typos (1e9) that would exhaust memory
+# before the first line of output.
+MAX_EPISODES_PER_STEP = 65_536
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 SplitName = Literal["train", "test"]
 _SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -78,7 +82,7 @@ def local_model_problems(backend: str, model_name: str) -> list[tuple[str, str]]
 class SplitConfig(BaseModel):
     """How tasks of one split (``train`` or ``test``) of an environment are drawn."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     shuffle: bool = Field(
         True, description="Visit tasks in a seeded random order (default: true for train, false for test)."
@@ -99,7 +103,7 @@ def _default_splits() -> dict[SplitName, SplitConfig]:
 class EnvConfig(BaseModel):
     """One entry of ``environments``: an environment type with its sampling and reward settings."""
 
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
     type: str | None = Field(
         None,
@@ -111,7 +115,8 @@ class EnvConfig(BaseModel):
         description="Task splits, train and test by default. A split given here is merged over that split's "
         "defaults; a split set to null is left out (e.g. test: null for no held-out evaluation).",
     )
-    num_rollouts: int = Field(8, ge=1, description="Group size: episodes sampled per task; advantages compare them.")
+    num_rollouts: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP,
+                              description="Group size: episodes sampled per task; advantages compare them.")
     max_failing_rollouts: int = Field(
         1, ge=0, description="A group with more failing episodes (errors, timeouts) than this is dropped."
     )
@@ -151,7 +156,7 @@ class EnvConfig(BaseModel):
 class TrainConfig(BaseModel):
     """Everything ``polyrl train`` needs."""
 
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
     # model and engine
     backend: Literal["local", "tinker"] = Field(
@@ -205,7 +210,8 @@ class TrainConfig(BaseModel):
     )
 
     # optimization
-    batch_size: int = Field(8, ge=1, description="Groups per training step.")
+    batch_size: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP, description="Groups per training step "
+                            f"(batch_size x num_rollouts is at most {MAX_EPISODES_PER_STEP} episodes).")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
     adam_beta1: float = Field(0.9, description="Adam beta1.")
     adam_beta2: float = Field(0.95, description="Adam beta2.")
@@ -221,7 +227,8 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(
         0, ge=0, description="Evaluate on the test splits every N steps; 0 = never during training."
     )
-    eval_num_samples: int = Field(1, ge=1, description="Samples per test task during evaluation (for pass@k).")
+    eval_num_samples: int = Field(1, ge=1, le=MAX_EPISODES_PER_STEP,
+                                  description="Samples per test task during evaluation (for pass@k).")
     log_path: str = Field("runs/polyrl", description="Directory for metrics, trajectories, checkpoints and the report.")
     report: bool = Field(True, description="Refresh the HTML report whenever a checkpoint is saved.")
     wandb_project_name: str | None = Field(None, description="Weights & Biases project; null = no W&B logging.")
@@ -254,6 +261,11 @@ class TrainConfig(BaseModel):
                 problems.append((f"loss_fn_config.{key}", f"only used by loss_fn 'dro', not {self.loss_fn!r}"))
             elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling"):
                 problems.append((f"loss_fn_config.{key}", f"not used by loss_fn {self.loss_fn!r}"))
+        widest = max((env.num_rollouts for env in self.environments.values() if "train" in env.splits), default=1)
+        if self.batch_size * widest > MAX_EPISODES_PER_STEP:
+            problems.append(("batch_size", f"{self.batch_size} groups of up to {widest} episodes is "
+                                           f"{self.batch_size * widest} episodes a step, more than "
+                                           f"{MAX_EPISODES_PER_STEP} (lower batch_size or num_rollouts)"))
         if self.gamma != 1.0 and self.advantage_estimator != "rebn":
             problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
         problems += local_model_problems(self.backend, self.model_name)
@@ -330,7 +342,24 @@ def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads exponent numbers without a dot (``2e-5``, ``1E6``) as floats."""
+    """SafeLoader that also reads exponent numbers without a dot (``2e-5``, ``1E6``) as floats and
+    refuses a key given twice in one mapping (YAML would silently keep the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+            lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -386,6 +415,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             data = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}  # noqa: S506
         else:
             raise ConfigError(f"{path}: unsupported config format {suffix!r} (use .yaml, .yml or .toml)")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          f"save the file as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {_one_line(str(exc))}") from exc
     except yaml.YAMLError as exc:

@@ -1,14 +1,20 @@
 """Keeping API keys out of logs, config dumps and trajectory files.
 
 ``redact`` / ``redact_text`` replace the *current* values of secret environment variables with
-``***`` wherever they appear inside strings, and blank the values of dict keys that name a secret.
-Call them on anything written to disk or printed.
+``***`` wherever they appear inside strings (dict keys included), and blank the values of dict keys
+that name a secret. Every sink that writes or sends run data calls them (``polyrl.tracking``, the
+report); :func:`redact_logs` covers what any code logs or warns, since an environment may put a key
+into a reward, a metric name or an error message.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import sys
+import traceback
+import warnings
 from typing import Any
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "OPENREWARD_API_KEY", "WANDB_API_KEY", "OPENAI_API_KEY")
@@ -45,22 +51,129 @@ def redact_text(text: str, _values: list[str] | None = None) -> str:
     return text
 
 
-def redact(obj: Any) -> Any:
-    """A deep copy of a JSON-like object (dicts, lists, tuples, strings) with secrets masked."""
-    return _redact(obj, secret_values())
+def redact(obj: Any, mask_sensitive_keys: bool = True) -> Any:
+    """A deep copy of a JSON-like object (dicts, lists, tuples, strings) with secrets masked.
+
+    ``mask_sensitive_keys=False`` keeps the values of keys named like a secret (for rows of numbers
+    whose keys an environment or the user chose, such as metrics: ``password_correct: 1.0``)."""
+    return _redact(obj, secret_values(), mask_sensitive_keys)
 
 
-def _redact(obj: Any, values: list[str]) -> Any:
+def _redact(obj: Any, values: list[str], mask_keys: bool = True) -> Any:
     if isinstance(obj, str):
         return redact_text(obj, values)
     if isinstance(obj, dict):
         return {
-            _redact(key, values): MASK if isinstance(key, str) and is_sensitive_key(key) and value is not None
-            else _redact(value, values)
+            _redact(key, values, mask_keys): MASK
+            if mask_keys and isinstance(key, str) and is_sensitive_key(key) and value is not None
+            else _redact(value, values, mask_keys)
             for key, value in obj.items()
         }
     if isinstance(obj, list):
-        return [_redact(item, values) for item in obj]
+        return [_redact(item, values, mask_keys) for item in obj]
     if isinstance(obj, tuple):
-        return tuple(_redact(item, values) for item in obj)
+        return tuple(_redact(item, values, mask_keys) for item in obj)
     return obj
+
+
+def redact_pieces(pieces: list[str], _values: list[str] | None = None) -> list[str]:
+    """Token texts (one string per token) with every piece that helps spell a secret masked: the
+    piece where the secret starts becomes ``***``, the rest of it ``""``. The list keeps its length,
+    so it stays aligned with the token ids."""
+    text = "".join(pieces)
+    values = secret_values() if _values is None else _values
+    spans = []
+    for value in values:
+        start = text.find(value)
+        while start != -1:
+            spans.append((start, start + len(value)))
+            start = text.find(value, start + 1)
+    if not spans:
+        return list(pieces)
+    out, pos = [], 0
+    for piece in pieces:
+        end = pos + len(piece)
+        overlapping = [(s, e) for s, e in spans if s < end and pos < e]
+        if not overlapping:
+            out.append(piece)
+        else:
+            out.append(MASK if any(pos <= s for s, _ in overlapping) else "")
+        pos = end
+    return out
+
+
+# ------------------------------------------------------------------------- logs, warnings, tracebacks
+
+_logs_redacted = False
+
+
+def redact_logs() -> None:
+    """From now on, every log record (whoever logs it, whichever handler prints it) and every Python
+    warning has current secret values masked. Records without a secret are left untouched. Idempotent."""
+    global _logs_redacted
+    if _logs_redacted:
+        return
+    _logs_redacted = True
+    make_record = logging.getLogRecordFactory()
+
+    def redacting_factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        _redact_record(record)
+        return record
+
+    logging.setLogRecordFactory(redacting_factory)
+    format_warning = warnings.formatwarning
+
+    def redacting_formatwarning(*args: Any, **kwargs: Any) -> str:
+        return redact_text(format_warning(*args, **kwargs))
+
+    warnings.formatwarning = redacting_formatwarning
+
+
+def _redact_record(record: logging.LogRecord) -> None:
+    values = secret_values()
+    if not values:
+        return
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a malformed record: logging reports it when it is emitted
+        return
+    clean = redact_text(message, values)
+    if clean != message:
+        record.msg, record.args = clean, ()
+    if record.exc_info and record.exc_info[0] is not None:
+        text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+        clean = redact_text(text, values)
+        if clean != text:  # a formatter uses exc_text, when set, instead of formatting exc_info
+            record.exc_text = clean
+
+
+def redact_tracebacks() -> None:
+    """Uncaught exceptions (of the main thread and of other threads) print their traceback with
+    secrets masked; for the command line, which owns the process."""
+    import threading
+
+    show, show_thread = sys.excepthook, threading.excepthook
+
+    def redacting_excepthook(kind, value, tb) -> None:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        if redact_text(text) == text:
+            show(kind, value, tb)
+        else:
+            sys.stderr.write(redact_text(text))
+
+    def redacting_thread_excepthook(args) -> None:
+        if args.exc_type is SystemExit:
+            return
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        if redact_text(text) == text:
+            show_thread(args)
+        else:
+            name = args.thread.name if args.thread is not None else "?"
+            sys.stderr.write(f"Exception in thread {name}:\n" + redact_text(text))
+
+    redacting_excepthook.redacts = redacting_thread_excepthook.redacts = True  # type: ignore[attr-defined]
+    if not getattr(sys.excepthook, "redacts", False):  # installed once, however often main() runs
+        sys.excepthook = redacting_excepthook
+    if not getattr(threading.excepthook, "redacts", False):
+        threading.excepthook = redacting_thread_excepthook

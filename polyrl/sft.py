@@ -26,7 +26,7 @@ from polyrl.tracking.files import RunFiles, atomic_write_text
 class SFTConfig(BaseModel):
     """Supervised fine-tuning on demonstrations (``polyrl sft``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     backend: Literal["local", "tinker"] = Field("local", description="Training service: in-process engine or Tinker.")
     base_url: str | None = Field(None, description="Tinker-compatible server URL (backend tinker).")

@@ -301,7 +301,7 @@ def test_config_reference_lists_every_field():
         assert f"\nenvironments.<name>.{name}  (" in text, name
     for name in ("shuffle", "num_samples", "seed"):
         assert f"\nenvironments.<name>.splits.<train|test>.{name}  (" in text, name
-    assert "environments.<name>.num_rollouts  (int, >= 1, default 8)" in text
+    assert "environments.<name>.num_rollouts  (int, >= 1, <= 65536, default 8)" in text
     assert "model_name  (str, required)" in text
     assert TrainConfig.model_fields["eval_every"].description in text.replace("\n    ", " ")
 

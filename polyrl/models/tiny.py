@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
+from polyrl.errors import UserInputError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Plain added tokens in the real Qwen3 tokenizer (not "special": they survive decode(skip_special_tokens)).
 ADDED_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -156,10 +158,15 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if size not in SIZES:
-        raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES)}")
+        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {', '.join(sorted(SIZES))}")
     spec = SIZES[size]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError as exc:
+        raise UserInputError(f"{out} is a file, not a directory for the model") from exc
+    except (OSError, ValueError) as exc:  # no permission, a NUL in the path, ...
+        raise UserInputError(f"cannot create the model directory {out}: {getattr(exc, 'strerror', None) or exc}") from exc
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
     vocab = len(tokenizer)
     config = Qwen3Config(

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from polyrl.report import data as D
+from polyrl.secrets import redact
 from polyrl.tracking.files import read_jsonl
 
 FORMAT = 1  # bump when the data files change shape: every step file is rewritten
@@ -46,7 +47,8 @@ def _write_if_changed(path: Path, text: str) -> bool:
 
 
 def _js_call(fn: str, *args) -> str:
-    body = ", ".join(json.dumps(a, separators=(",", ":"), allow_nan=False) for a in args)
+    """The text of a data file; secrets masked once more (the run files were written redacted)."""
+    body = ", ".join(json.dumps(redact(a), separators=(",", ":"), allow_nan=False) for a in args)
     return f"{fn}({body});\n"
 
 

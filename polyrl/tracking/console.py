@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from polyrl.secrets import redact_text
+
 COLUMNS = [
     ("step", "step", "{:d}"),
     ("reward", "reward/mean", "{:.3f}"),
@@ -47,7 +49,7 @@ class ConsoleLog:
 
     def info(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(redact_text(text))
 
 
 def _fmt(value, fmt: str) -> str:
@@ -56,4 +58,4 @@ def _fmt(value, fmt: str) -> str:
     try:
         return fmt.format(int(value) if fmt == "{:d}" else value)
     except (TypeError, ValueError):
-        return str(value)
+        return redact_text(str(value))

@@ -3,7 +3,8 @@
 
 Appends are flushed and fsynced line by line; whole files are written to a temporary name and
 renamed, so a crash never leaves a torn file. On resume, rows of steps that will be re-run are
-removed first, so no step is ever logged twice.
+removed first, so no step is ever logged twice. Every row is written with secrets masked (metric
+names and the per-token text of trajectories included): :func:`redacted_json`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from polyrl.secrets import redact
+from polyrl.errors import UserInputError
+from polyrl.secrets import redact, redact_pieces, redact_text
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -40,19 +42,50 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def redacted_json(row: Any, mask_sensitive_keys: bool = True, **dumps_args: Any) -> str:
+    """``row`` as JSON with secrets masked in keys, values, the text of objects JSON cannot hold and
+    the per-token text of a trajectory row (``token_text``); see :func:`polyrl.secrets.redact`.
+    Masking works on the objects, never on the JSON text, which a short secret that looks like a
+    number could corrupt."""
+    if isinstance(row, dict) and isinstance(row.get("token_text"), list):
+        row = {**row, "token_text": redact_pieces([str(t) for t in row["token_text"]])}
+    return json.dumps(redact(row, mask_sensitive_keys), default=_jsonable, **dumps_args)
+
+
 def append_jsonl(path: Path, row: dict) -> None:
+    """Append one row of numbers, names and paths (metrics, checkpoints): secrets masked wherever
+    they appear, but a key merely named like a secret keeps its value."""
     with open(path, "a") as f:
-        f.write(json.dumps(row, default=_jsonable) + "\n")
+        f.write(redacted_json(row, mask_sensitive_keys=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
 def _jsonable(value: Any) -> Any:
     if hasattr(value, "tolist"):
-        return value.tolist()
+        return redact(value.tolist())
     if hasattr(value, "model_dump"):
-        return value.model_dump()
-    return str(value)
+        return redact(value.model_dump())
+    return redact_text(str(value))
+
+
+def make_run_dir(log_path: str | Path) -> Path:
+    """``log_path`` as an existing, writable directory; a one-line :class:`UserInputError` when it
+    cannot be one (a file in the way, no permission, a NUL in the name), before any work starts."""
+    shown = repr(str(log_path))
+    if "\0" in str(log_path):
+        raise UserInputError(f"log_path {shown} contains a NUL character")
+    root = Path(log_path)
+    if root.exists() and not root.is_dir():
+        raise UserInputError(f"log_path {shown} is a file, not a directory")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserInputError(f"log_path {shown}: cannot create the run directory "
+                             f"({exc.strerror or exc}: {exc.filename or root})") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserInputError(f"log_path {shown}: the run directory is not writable")
+    return root
 
 
 def step_file(step: int) -> str:
@@ -61,21 +94,20 @@ def step_file(step: int) -> str:
 
 class RunFiles:
     def __init__(self, log_path: str | Path):
-        self.root = Path(log_path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = make_run_dir(log_path)
         self.trajectories = self.root / "trajectories"
         self.trajectories.mkdir(exist_ok=True)
         self.metrics_path = self.root / "metrics.jsonl"
         self.checkpoints_path = self.root / "checkpoints.jsonl"
 
     def write_config(self, config: dict) -> None:
-        atomic_write_text(self.root / "config.json", json.dumps(redact(config), indent=2))
+        atomic_write_text(self.root / "config.json", redacted_json(config, indent=2))
 
     def log_metrics(self, row: dict) -> None:
         append_jsonl(self.metrics_path, row)
 
     def log_trajectories(self, step: int, rows: Iterable[dict]) -> None:
-        text = "".join(json.dumps(redact(r), default=_jsonable) + "\n" for r in rows)
+        text = "".join(redacted_json(r) + "\n" for r in rows)
         atomic_write_text(self.trajectories / step_file(step), text)
 
     def log_checkpoint(self, row: dict) -> None:
