@@ -25,15 +25,17 @@ from polyrl.serve.protocol import RequestError
 from polyrl.serve.state import Futures, OrderedOps
 
 KEY = "tml-serve-test-key"
+OTHER_KEY = "tml-serve-test-other-key"
 
 
 # ---------------------------------------------------------------------------------------- helpers
 class Served:
-    """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port."""
+    """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port; ``http`` speaks with ``KEY``,
+    ``other`` with ``OTHER_KEY``."""
 
     def __init__(self, model_dir: str, store: Path, *extra: str):
         cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
-               "--store-dir", str(store), "--log-level", "warning", *extra]
+               "--api-key", OTHER_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         self.url = None
@@ -47,10 +49,15 @@ class Served:
         if self.url is None:
             self.proc.kill()
             raise RuntimeError(f"polyrl serve did not start: {self.proc.stderr.read()[-2000:]}")
-        self.http = httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
+        self.http = self.client(KEY)
+        self.other = self.client(OTHER_KEY)
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
 
     def stop(self) -> None:
         self.http.close()
+        self.other.close()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=15)
@@ -98,23 +105,27 @@ def _datum(tokens: list[int], loss: str) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
 
 
-def _session(served: Served) -> str:
-    return served.http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+def _session(served: Served, http: httpx.Client | None = None) -> str:
+    http = http or served.http
+    return http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
 
 
-def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0) -> str:
-    r = served.http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
-                                                "lora_config": {"rank": 4, "seed": 0}})
+def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0, http: httpx.Client | None = None) -> str:
+    http = http or served.http
+    r = http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
+                                         "lora_config": {"rank": 4, "seed": 0}})
     assert r.status_code == 200, r.text
-    result = _retrieve(served, r.json()["request_id"])
+    result = _retrieve(served, r.json()["request_id"], http=http)
     return result["model_id"]
 
 
-def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: float = 60):
+def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: float = 60,
+              http: httpx.Client | None = None):
+    http = http or served.http
     headers = {"Accept": "application/x-protobuf"} if proto else {}
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        r = served.http.post("/retrieve_future", json={"request_id": request_id}, headers=headers)
+        r = http.post("/retrieve_future", json={"request_id": request_id}, headers=headers)
         if r.status_code == 408:
             continue
         assert r.status_code == 200, r.text
@@ -312,6 +323,237 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_mo
     r = http.post("/forward_backward", content=b"not zstd", headers=zstd)
     assert r.status_code == 400 and "zstd" in r.json()["error"]
     assert served.alive()
+
+
+# ------------------------------------------------------------------- two keys, bad values, bounds
+def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, tokenizer):
+    """Everything a key makes is invisible to another key: the same 404 as for an id that never existed."""
+    mine, theirs = served.http, served.other
+    session = _session(served)
+    model_id = _create_model(served, tiny_model_dir, session)
+    tokens = _tokens(tokenizer)
+    fb = mine.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r = mine.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "private"})
+    path = _retrieve(served, r.json()["request_id"])["path"]
+    mine.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                "base_model": tiny_model_dir})
+    sampler_id = f"{session}:sample:0"
+    sample = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 1,
+              "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "sampling_params": {"max_tokens": 2}}
+    assert mine.post("/asample", json=sample).status_code == 200
+
+    ghost_session = "sess-000000000000"
+    ghost = {session: ghost_session, model_id: model_id.replace(session, ghost_session),
+             fb.json()["request_id"]: "0" * 32, sampler_id: sampler_id.replace(session, ghost_session),
+             path: path.replace(session, ghost_session)}
+
+    def swap(value):
+        if isinstance(value, str):
+            for real, fake in ghost.items():
+                value = value.replace(real, fake)
+            return value
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    def send(http, method, url, body):
+        if isinstance(body, bytes):
+            return http.request(method, url, content=body, headers=PROTO)
+        return http.request(method, url, json=body) if body is not None else http.request(method, url)
+
+    probes = [
+        ("POST", "/session_heartbeat", {"session_id": session}),
+        ("POST", "/create_model", {"session_id": session, "model_seq_id": 7, "base_model": tiny_model_dir}),
+        ("POST", "/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 7,
+                                              "base_model": tiny_model_dir}),
+        ("POST", "/get_info", {"model_id": model_id}),
+        ("POST", "/forward_backward", _fwdbwd_body(model_id, 3, [_datum(tokens, "cross_entropy")])),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}}),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": "fast"}}),
+        ("POST", "/save_weights", {"model_id": model_id, "seq_id": 3, "path": "stolen"}),
+        ("POST", "/save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 5}),
+        ("POST", "/load_weights", {"model_id": model_id, "seq_id": 3, "path": path, "optimizer": True}),
+        ("POST", "/load_weights", {"session_id": _session(served, theirs), "model_seq_id": 0, "path": path,
+                                   "optimizer": True}),
+        ("POST", "/create_sampling_session", {"session_id": _session(served, theirs), "sampling_session_seq_id": 0,
+                                              "model_path": path}),
+        ("POST", "/weights_info", {"tinker_path": path}),
+        ("POST", "/retrieve_future", {"request_id": fb.json()["request_id"]}),
+        ("POST", "/asample", {**sample, "seq_id": 1}),
+        ("GET", f"/samplers/{sampler_id}", None),
+        ("GET", f"/training_runs/{model_id}", None),
+        ("GET", f"/training_runs/{model_id}/checkpoints", None),
+        ("DELETE", f"/training_runs/{model_id}/checkpoints/weights/private", None),
+        ("POST", f"/sessions/{session}/finish", {}),
+    ]
+    for method, url, body in probes:
+        real = send(theirs, method, url, body)
+        fake = send(theirs, method, swap(url), swap(body) if not isinstance(body, bytes) else
+                    _fwdbwd_body(ghost[model_id], 3, [_datum(tokens, "cross_entropy")]))
+        assert 400 <= real.status_code < 500 and real.json()["category"] == "user", (url, body, real.text[:300])
+        # the answer is exactly the one for an id that never existed: nothing tells the other key it exists
+        assert (real.status_code, swap(real.json()["error"])) == (fake.status_code, fake.json()["error"]), (url, body)
+    listed = theirs.get("/training_runs").text + theirs.get("/checkpoints").text
+    assert session not in listed
+
+    # the owner's work is untouched: its seq_id 3 was not used up, its checkpoint and session are still there
+    r = mine.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    assert _retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"] > 0
+    assert "loss:sum" in _retrieve(served, fb.json()["request_id"])["metrics"]
+    listed = mine.get(f"/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["tinker_path"] for c in listed] == [path]
+    assert path in mine.get("/checkpoints").text and model_id in mine.get("/training_runs").text
+    assert mine.post("/session_heartbeat", json={"session_id": session}).status_code == 200
+    assert mine.get(f"/samplers/{sampler_id}").status_code == 200
+    # and through the SDK, the other key cannot load the checkpoint
+    sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+    try:
+        with pytest.raises(Exception, match="not found"):
+            sdk.create_training_client_from_state(path).result(timeout=60)
+    finally:
+        sdk.close("success").result()
+
+
+def test_a_far_seq_id_is_refused_not_queued(served, tiny_model_dir, tokenizer):
+    """A seq_id millions ahead must not make the server hold (or later fail) one entry per missing id."""
+    http = served.http
+    model_id = _create_model(served, tiny_model_dir, _session(served))
+    for body in ({"model_id": model_id, "seq_id": 3_000_000, "adam_params": {"learning_rate": 1e-2}},
+                 {"model_id": model_id, "seq_id": 3_000_000, "adam_params": {"learning_rate": "fast"}}):
+        r = http.post("/optim_step", json=body)
+        assert r.status_code == 400 and r.json()["category"] == "user", r.text
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3_000_000, "adam_params": {}})
+    assert "seq_id 3000000" in r.json()["error"] and "ahead" in r.json()["error"]
+    r = http.post("/forward_backward", headers=PROTO,
+                  content=_fwdbwd_body(model_id, 3_000_000, [_datum(_tokens(tokenizer), "cross_entropy")]))
+    assert r.status_code == 400 and "seq_id" in r.json()["error"]
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-2}})
+    assert "metrics" in _retrieve(served, r.json()["request_id"])  # nothing was queued behind a gap
+
+
+def test_ordered_ops_bound_the_gap():
+    futures = Futures()
+    ops = OrderedOps(lambda fn: Future(), futures, max_ahead=8)
+    with pytest.raises(RequestError, match="ahead"):
+        ops.submit(10, lambda: None, dict)
+    ops.refuse(3_000_000, RequestError(400, "bad body"))
+    assert not ops.waiting and len(futures) == 0
+    ops.submit(8, lambda: None, dict)
+    ops.check_gap(timeout=1, now=ops.gap_since + 2)
+    assert len(futures) <= 8 and ops.next_seq == 9
+
+
+def _raw(http: httpx.Client, url: str, text: str) -> httpx.Response:
+    return http.post(url, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
+    http = served.http
+    session = _session(served)
+    model_id = _create_model(served, tiny_model_dir, session)
+    http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                "base_model": tiny_model_dir})
+    sampler_id = f"{session}:sample:0"
+    tokens = _tokens(tokenizer)
+
+    def sample(params: str) -> str:
+        return (f'{{"sampling_session_id": "{sampler_id}", "num_samples": 1, "prompt": {{"chunks": [{{"type": '
+                f'"encoded_text", "tokens": {tokens}}}]}}, "sampling_params": {params}}}')
+
+    def optim(seq: int, params: str) -> str:
+        return f'{{"model_id": "{model_id}", "seq_id": {seq}, "adam_params": {params}}}'
+
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": ' + "9" * 5000 + "}")), "number"),
+        (_raw(http, "/create_session", '{"tags": [], "user_metadata": {"n": ' + "9" * 5000 + "}}"), "number"),
+        (_raw(http, "/create_session", '{"tags": ' + deep + "}"), "nested"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "temperature": NaN}')), "NaN"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "temperature": 1e999}')), "temperature"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "seed": 99999999999999999999999}')), "seed"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "top_k": 99999999999999999999999}')), "top_k"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": NaN}')), "NaN"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": Infinity}')), "Infinity"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": 1e999}')), "learning_rate"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": -0.01}')), "learning_rate"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": 0.01, "beta2": 1.5}')), "beta2"),
+        (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "c" * 300}), "name"),
+        (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": ".hidden"}), "name"),
+        (http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "a b"}), "name"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": 10 ** 30,
+                                          "base_model": tiny_model_dir}), "model_seq_id"),
+        (http.get("/training_runs", params={"limit": "9" * 5000}), "limit"),
+    ]
+    for r, words in cases:
+        assert 400 <= r.status_code < 500, (r.request.content[:120], r.status_code, r.text[:300])
+        body = r.json()
+        assert words in body["error"] and body["category"] == "user", (r.request.content[:120], body)
+    d = _datum(tokens, "importance_sampling")
+    d.loss_fn_inputs["advantages"] = types.TensorData(data=[float("nan")] * len(tokens), dtype="float32",
+                                                      shape=[len(tokens)])
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [d], "importance_sampling"), headers=PROTO)
+    assert r.status_code == 400 and "advantages" in r.json()["error"] and "finite" in r.json()["error"]
+    # none of it reached the model: it still trains, and its weights are finite
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    assert np.isfinite(_retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"])
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 4, "path": "fine_name-1.0"})
+    path = _retrieve(served, r.json()["request_id"])["path"]
+    assert http.post("/weights_info", json={"tinker_path": path}).status_code == 200  # a saved name loads
+    r = http.post("/asample", content=sample('{"max_tokens": 2, "temperature": 0.5, "seed": 3}').encode())
+    assert len(_retrieve(served, r.json()["request_id"])["sequences"][0]["tokens"]) >= 1
+
+
+def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tiny_model_dir, tmp_path):
+    """A session's end releases its models, samplers and results; deleting the last adapter of a base
+    model leaves that base model's own sampling working."""
+    import asyncio
+
+    from polyrl.serve import protocol as P
+    from polyrl.serve.server import ServeConfig, Server
+
+    server = Server(ServeConfig(models=[tiny_model_dir], api_keys=[KEY], store_dir=str(tmp_path), preload=False))
+    me = "owner-digest"
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+
+    async def result(rid: str) -> dict:
+        status, body = await server.retrieve(P.RetrieveFutureReq(request_id=rid), False, me)
+        assert status == 200 and "error" not in body, body
+        return body
+
+    async def sample_base(session: str, seq: int) -> dict:
+        server.create_sampling_session(P.CreateSamplingSessionReq(session_id=session, sampling_session_seq_id=seq,
+                                                                  base_model=tiny_model_dir), me)
+        rid = server.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt, num_samples=2,
+                                        sampling_params={"max_tokens": 3, "seed": 1}), me)["request_id"]
+        return await result(rid)
+
+    async def use_a_session() -> str:
+        session = server.create_session(P.CreateSessionReq(), me)["session_id"]
+        r = server.create_model(P.CreateModelReq(session_id=session, model_seq_id=0, base_model=tiny_model_dir,
+                                                 lora_config={"rank": 2, "seed": 0}), me)
+        await result(r["request_id"])
+        await sample_base(session, 0)
+        return session
+
+    async def scenario() -> None:
+        first = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        server.finish_session(await use_a_session(), me)
+        abandoned = await use_a_session()
+        server.sessions[abandoned].last_seen -= server.config.session_timeout_s + 1
+        server.tick()
+        await asyncio.to_thread(server.engine.call, lambda: None)  # the released adapters are deleted
+        again = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        assert [s["tokens"] for s in again["sequences"]] == [s["tokens"] for s in first["sequences"]]
+
+    asyncio.run(scenario())
+    live = set(server.sessions)
+    assert len(live) == 2  # the two that only sampled the base model
+    assert all(m.session_id in live for m in server.models.values()) and not server.models
+    assert all(s.session_id in live for s in server.samplers.values()) and len(server.samplers) == 2
+    assert len(server.futures) == 2  # the live sessions' two sampling results
+    base = server.engine.base(tiny_model_dir)
+    assert not [a for a in base._adapter_specs if a.startswith("train_")]
 
 
 def test_operations_run_in_seq_order_once_each(served, tiny_model_dir, tokenizer):
