@@ -765,3 +765,28 @@ def test_api_keys_from_options_file_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(KEYS_ENV, "tml-env-1, tml-env-2")
     keys, generated = api_keys(p.parse_args(["--api-key", "tml-arg", "--api-key-file", str(f)]))
     assert not generated and keys == ["tml-arg", "tml-from-file", "tml-second", "tml-env-1", "tml-env-2"]
+
+
+def test_serve_command_line_errors_are_one_line(tmp_path):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        cases = [
+            (["--port", "70000"], "--port"),
+            (["--port", str(busy.getsockname()[1])], "in use"),
+            (["--models", str(tmp_path / "no-such-model")], "no such model directory"),
+            (["--api-key-file", str(tmp_path / "no-keys")], "no-keys"),
+            (["--device", "warp-drive"], "--device"),
+        ]
+        for args, words in cases:
+            done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY, "--no-preload",
+                                   "--store-dir", str(tmp_path / "store"), *args],
+                                  capture_output=True, text=True, timeout=120)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, (args, done.returncode, done.stderr[-2000:])
+            assert lines[0].startswith("error: ") and words in lines[0], (args, lines)
+    finally:
+        busy.close()
