@@ -55,6 +55,12 @@ class Served:
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
 
+    def rss_bytes(self) -> int:
+        """The server process's resident memory."""
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss
+
     def stop(self) -> None:
         self.http.close()
         self.other.close()
@@ -790,3 +796,300 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
             assert lines[0].startswith("error: ") and words in lines[0], (args, lines)
     finally:
         busy.close()
+
+
+# ------------------------------------------------------------------------------------------ fuzzing
+class Raw(str):
+    """JSON text spliced into a request body as it is (NaN, a 5,000-digit number, deep nesting)."""
+
+
+EVIL = [Raw("9" * 5000), Raw("-1"), Raw("0"), Raw("3000000"), Raw(str(2**63)), Raw(str(10**30)), Raw("NaN"),
+        Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-0.0"), Raw("1.5"), Raw('""'), Raw(json.dumps("x" * 300)),
+        Raw('".hidden"'), Raw('"../../etc"'), Raw('"a/b"'), Raw('"tinker://../weights/x"'), Raw("null"), Raw("[]"),
+        Raw("{}"), Raw("true"), Raw(json.dumps("\u00e9\u0000\U0001f600")), Raw("[" * 3000 + "]" * 3000),
+        Raw('{"type": "dimuon"}'), Raw('[1e308, -1e308]')]
+EVIL_IDS = ["..", "%2e%2e", "a" * 300, "sess-0:train:0", "\u00e9", "-", "x" * 5000, "%00", "sess-0:sample:0"]
+
+
+def _dumps(tree) -> str:
+    raws: list[Raw] = []
+
+    def mark(x):
+        if isinstance(x, Raw):
+            raws.append(x)
+            return f"@@raw{len(raws) - 1}@@"
+        if isinstance(x, dict):
+            return {k: mark(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [mark(v) for v in x]
+        return x
+
+    text = json.dumps(mark(tree))
+    for i, r in enumerate(raws):
+        text = text.replace(f'"@@raw{i}@@"', r, 1)
+    return text
+
+
+def _slots(tree) -> list[tuple[object, object]]:
+    """(container, key) of every value in a JSON tree."""
+    out = []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    for k, v in items:
+        out.append((tree, k))
+        out.extend(_slots(v))
+    return out
+
+
+class Actor:
+    """One API key's client in the fuzz run: its own session, model, sampler and checkpoint, which it
+    uses correctly, mutates, or swaps for the other actor's."""
+
+    ID_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "path", "model_path", "tinker_path")
+
+    def __init__(self, served: Served, key: str, seed: int, model_dir: str):
+        import random
+
+        self.served, self.key, self.model_dir = served, key, model_dir
+        self.http = served.client(key)
+        self.rng = random.Random(seed)
+        self.sessions: list[str] = []
+        self.request_ids: list[str] = []
+        self.other: Actor | None = None
+        self.failures: list[str] = []
+        self.sent = 0
+        self.n = 0  # for unique names and seq ids of new models / samplers
+        self.start_session()
+
+    def start_session(self) -> None:
+        self.session = _session(self.served, self.http)
+        self.sessions.append(self.session)
+        self.request_ids = []  # a finished session's results are gone
+        self.model_id = _create_model(self.served, self.model_dir, self.session, http=self.http)
+        self.seq = 1
+        r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(), "path": "seed"})
+        self.checkpoint = _retrieve(self.served, r.json()["request_id"], http=self.http)["path"]
+        self.http.post("/create_sampling_session", json={"session_id": self.session, "sampling_session_seq_id": 0,
+                                                         "base_model": self.model_dir})
+        self.sampler = f"{self.session}:sample:0"
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def ids(self) -> dict[str, str]:
+        rid = self.rng.choice(self.request_ids) if self.request_ids else "0" * 32
+        return {"session_id": self.session, "model_id": self.model_id, "sampling_session_id": self.sampler,
+                "request_id": rid, **dict.fromkeys(("path", "model_path", "tinker_path"), self.checkpoint)}
+
+    # ---- requests, as a correct client sends them ---------------------------------------------------
+    def valid(self):
+        self.n += 1
+        n, rng = self.n, self.rng
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]}
+        kinds = [
+            ("POST", "/create_session", {"tags": ["fuzz"], "sdk_version": "fuzz", "user_metadata": {"n": str(n)}}),
+            ("POST", "/session_heartbeat", {"session_id": self.session}),
+            ("POST", "/get_info", {"model_id": self.model_id}),
+            ("POST", "/forward_backward", "fwdbwd"),
+            ("POST", "/optim_step", {"model_id": self.model_id, "seq_id": self.seq,
+                                     "adam_params": {"learning_rate": 1e-3, "grad_clip_norm": 1.0}}),
+            ("POST", "/save_weights", {"model_id": self.model_id, "seq_id": self.seq, "path": f"c{n}"}),
+            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq, "path": f"s{n}"}),
+            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq,
+                                                   "sampling_session_seq_id": 1000 + n}),
+            ("POST", "/load_weights", {"session_id": self.session, "model_seq_id": 1000 + n, "path": self.checkpoint,
+                                       "optimizer": rng.random() < 0.5}),
+            ("POST", "/create_sampling_session", {"session_id": self.session, "sampling_session_seq_id": n,
+                                                  "model_path": self.checkpoint}),
+            ("POST", "/asample", {"sampling_session_id": self.sampler, "seq_id": n, "num_samples": 2, "prompt": prompt,
+                                  "prompt_logprobs": rng.random() < 0.3,
+                                  "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "seed": n}}),
+            ("POST", "/retrieve_future", {"request_id": "?"}),
+            ("POST", "/retrieve_future", {"request_id": "?"}),
+            ("POST", "/weights_info", {"tinker_path": self.checkpoint}),
+            ("GET", f"/samplers/{self.sampler}", None),
+            ("GET", "/training_runs", None),
+            ("GET", f"/training_runs/{self.model_id}", None),
+            ("GET", f"/training_runs/{self.model_id}/checkpoints", None),
+            ("GET", "/checkpoints", None),
+            ("DELETE", f"/training_runs/{self.model_id}/checkpoints/sampler_weights/s{n - rng.randint(1, 20)}", None),
+            ("GET", "/get_server_capabilities", None),
+        ]
+        method, url, body = rng.choice(kinds)
+        if body == "fwdbwd":
+            body = self.fwdbwd()
+        elif isinstance(body, dict) and body.get("request_id") == "?":
+            body = {"request_id": self.ids()["request_id"]}
+        if isinstance(body, dict) and "seq_id" in body and body["seq_id"] == self.seq:
+            self.next_seq()
+        return method, url, body
+
+    def fwdbwd(self) -> bytes:
+        loss = self.rng.choice(["cross_entropy", "importance_sampling", "ppo"])
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(_fwdbwd_body(self.model_id, self.next_seq(), [_datum([5, 6, 7, 8, 9], loss)], loss))
+        if self.rng.random() < 0.5:  # mutate the protobuf's fields
+            choice = self.rng.randrange(6)
+            if choice == 0:
+                msg.seq_id = self.rng.choice([0, -5, 3_000_000, 2**31 - 1, self.seq + 2])
+            elif choice == 1:
+                msg.loss_fn = self.rng.choice(["", "nope", "stable_reinforce", "x" * 1000])
+            elif choice == 2:
+                t = msg.data[0].loss_fn_inputs["target_tokens"]
+                t.dense = np.array([5, 6, 10**9, -1, 7], dtype=np.int64).tobytes()
+            elif choice == 3 and "advantages" in msg.data[0].loss_fn_inputs:
+                bad = np.array([np.nan, np.inf, 1, 1, 1], np.float32)
+                msg.data[0].loss_fn_inputs["advantages"].dense = bad.tobytes()
+            elif choice == 4:
+                msg.data[0].loss_fn_inputs["target_tokens"].shape[:] = [7, 3]
+            else:
+                msg.loss_fn_config["clip_low_threshold"] = float("nan")
+        body = msg.SerializeToString()
+        if self.rng.random() < 0.1:
+            cut = self.rng.randrange(len(body))
+            body = body[:cut] + bytes([self.rng.randrange(256)]) + body[cut + 1:]
+        return body
+
+    # ---- mutations -----------------------------------------------------------------------------------
+    def request(self):
+        """(method, url, body, foreign): a valid request, often mutated; ``foreign`` when it names the other
+        actor's things."""
+        method, url, body = self.valid()
+        rng, foreign = self.rng, False
+        roll = rng.random()
+        if roll < 0.2:  # one of the other key's ids instead of ours
+            theirs = self.other.ids()
+            fields = [f for f in self.ID_FIELDS if isinstance(body, dict) and isinstance(body.get(f), str)]
+            if fields:
+                field = rng.choice(fields)
+                body[field], foreign = theirs[field], True
+            elif self.session in url:
+                url, foreign = url.replace(self.session, self.other.session), True
+            elif isinstance(body, bytes):
+                msg = pb.ForwardBackwardRequest()
+                try:
+                    msg.ParseFromString(body)
+                    msg.model_id = self.other.model_id
+                    body, foreign = msg.SerializeToString(), True
+                except Exception:  # noqa: BLE001 - a body mutated into no protobuf at all
+                    pass
+        elif roll < 0.55 and isinstance(body, dict):  # an evil value, a missing or an extra field
+            slots = _slots(body)
+            container, key = rng.choice(slots) if slots else (body, "extra")
+            what = rng.random()
+            if what < 0.75:
+                container[key] = rng.choice(EVIL)
+            elif what < 0.9 and isinstance(container, dict):
+                del container[key]
+            else:
+                body[rng.choice(["extra", "type", "seq_id"])] = rng.choice(EVIL)
+        elif roll < 0.65:  # odd ids in the URL, odd queries
+            if method == "GET" and rng.random() < 0.5:
+                limit, offset = rng.choice(["-1", "9" * 5000, "x", "0", "1000000"]), rng.choice(["-5", "9" * 30])
+                url += f"?limit={limit}&offset={offset}"
+            else:
+                parts = url.split("/")
+                parts[rng.randrange(1, len(parts))] = rng.choice(EVIL_IDS)
+                url = "/".join(parts)
+        elif roll < 0.72:  # a broken body
+            text = _dumps(body).encode() if isinstance(body, dict) else body or b""
+            body = rng.choice([text[: rng.randrange(len(text) + 1)], b"", b"[1, 2]", b"\xff\xfe" + text, text * 2,
+                               b'{"a": ' * 2000, bytes(rng.randrange(256) for _ in range(64))])
+        return method, url, body, foreign
+
+    def send(self, method: str, url: str, body) -> httpx.Response:
+        if isinstance(body, bytes):
+            ctype = PROTO["Content-Type"] if url.endswith("forward_backward") else "application/json"
+            return self.http.request(method, url, content=body, headers={"Content-Type": ctype})
+        if isinstance(body, (dict, list)):
+            return self.http.request(method, url, content=_dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return self.http.request(method, url)
+
+    def check(self, method: str, url: str, body, foreign: bool, r: httpx.Response) -> None:
+        sent = _dumps(body) if isinstance(body, dict) else repr(body)
+        what = f"{method} {url[:120]} {sent[:200]} -> {r.status_code} {r.text[:300]}"
+        if r.status_code >= 500:
+            self.failures.append(f"server error: {what}")
+            return
+        if foreign and r.status_code < 400:
+            self.failures.append(f"reached another key's resource: {what}")
+        if r.status_code < 300:
+            if any(s in r.text for s in self.other.sessions):
+                self.failures.append(f"answer shows another key's session: {what}")
+            if r.headers.get("content-type", "").startswith("application/json"):
+                payload = r.json()
+                if isinstance(payload, dict) and payload.get("category") == "server":
+                    self.failures.append(f"a server-side failure: {what}")
+                if isinstance(payload, dict) and "request_id" in payload:
+                    self.request_ids = (self.request_ids + [payload["request_id"]])[-50:]
+        elif r.status_code != 408 or url != "/retrieve_future":
+            payload = r.json()
+            if not (isinstance(payload.get("error"), str) and payload.get("category") == "user"):
+                self.failures.append(f"4xx without a user error: {what}")
+
+    def run(self, count: int, deadline: float) -> None:
+        while self.sent < count and time.monotonic() < deadline and len(self.failures) < 20:
+            if self.rng.random() < 0.01:  # end this session (its model is deleted) and start another
+                self.http.post(f"/sessions/{self.session}/finish", json={})
+                self.start_session()
+            method, url, body, foreign = self.request()
+            try:
+                r = self.send(method, url, body)
+            except httpx.HTTPError as e:
+                self.failures.append(f"{method} {url[:120]}: {type(e).__name__}: {e}")
+                return
+            self.sent += 1
+            self.check(method, url, body, foreign, r)
+
+
+@pytest.mark.slow
+def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_path):
+    """1,200 seeded, mutated requests from two keys at once: never a 5xx or a server-side failure, never
+    another key's things, memory bounded; afterwards the official SDK still trains and samples."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    served = Served(tiny_model_dir, tmp_path / "store", "--long-poll", "0.2", "--max-body-mb", "1",
+                    "--seq-gap-timeout", "1")
+    try:
+        a, b = Actor(served, KEY, 1, tiny_model_dir), Actor(served, OTHER_KEY, 2, tiny_model_dir)
+        a.other, b.other = b, a
+        rss_before = served.rss_bytes()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda actor: actor.run(600, started + 150), (a, b)))
+        elapsed = time.monotonic() - started
+        assert not a.failures + b.failures, "\n".join((a.failures + b.failures)[:20])
+        assert a.sent + b.sent >= 1000 and elapsed < 150, (a.sent, b.sent, elapsed)
+        time.sleep(2)  # the seq gap timeout (1 s) and housekeeping have run
+        grown = served.rss_bytes() - rss_before
+        assert grown < 300 << 20, f"server memory grew by {grown >> 20} MiB"
+        assert served.alive()
+        for actor in (a, b):
+            actor.http.post(f"/sessions/{actor.session}/finish", json={})
+
+        tokens = [5, 6, 7, 8, 9]
+        paths = {}
+        for key in (KEY, OTHER_KEY):
+            sdk = tinker.ServiceClient(base_url=served.url, api_key=key)
+            tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0)
+            before = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+            for _ in range(3):
+                tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            after = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+            assert after.metrics["loss:sum"] < before.metrics["loss:sum"]
+            sampler = tc.save_weights_and_get_sampling_client()
+            prompt = types.ModelInput.from_ints(tokens)
+            out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=1)).result()
+            assert len(out.sequences) == 2 and all(len(s.tokens) >= 1 for s in out.sequences)
+            base = sdk.create_sampling_client(base_model=tiny_model_dir)
+            assert len(base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+            paths[key] = tc.save_state("after-fuzz").result().path
+            sdk.close("success").result()
+        sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+        with pytest.raises(Exception, match="not found"):
+            sdk.create_training_client_from_state(paths[KEY]).result(timeout=60)
+        sdk.close("success").result()
+    finally:
+        served.stop()
