@@ -25,15 +25,17 @@ from polyrl.serve.protocol import RequestError
 from polyrl.serve.state import Futures, OrderedOps
 
 KEY = "tml-serve-test-key"
+OTHER_KEY = "tml-serve-test-other-key"
 
 
 # ---------------------------------------------------------------------------------------- helpers
 class Served:
-    """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port."""
+    """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port; ``http`` speaks with ``KEY``,
+    ``other`` with ``OTHER_KEY``."""
 
     def __init__(self, model_dir: str, store: Path, *extra: str):
         cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
-               "--store-dir", str(store), "--log-level", "warning", *extra]
+               "--api-key", OTHER_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         self.url = None
@@ -47,10 +49,21 @@ class Served:
         if self.url is None:
             self.proc.kill()
             raise RuntimeError(f"polyrl serve did not start: {self.proc.stderr.read()[-2000:]}")
-        self.http = httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
+        self.http = self.client(KEY)
+        self.other = self.client(OTHER_KEY)
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory."""
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss
 
     def stop(self) -> None:
         self.http.close()
+        self.other.close()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=15)
@@ -98,23 +111,27 @@ def _datum(tokens: list[int], loss: str) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
 
 
-def _session(served: Served) -> str:
-    return served.http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+def _session(served: Served, http: httpx.Client | None = None) -> str:
+    http = http or served.http
+    return http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
 
 
-def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0) -> str:
-    r = served.http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
-                                                "lora_config": {"rank": 4, "seed": 0}})
+def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0, http: httpx.Client | None = None) -> str:
+    http = http or served.http
+    r = http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
+                                         "lora_config": {"rank": 4, "seed": 0}})
     assert r.status_code == 200, r.text
-    result = _retrieve(served, r.json()["request_id"])
+    result = _retrieve(served, r.json()["request_id"], http=http)
     return result["model_id"]
 
 
-def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: float = 60):
+def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: float = 60,
+              http: httpx.Client | None = None):
+    http = http or served.http
     headers = {"Accept": "application/x-protobuf"} if proto else {}
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        r = served.http.post("/retrieve_future", json={"request_id": request_id}, headers=headers)
+        r = http.post("/retrieve_future", json={"request_id": request_id}, headers=headers)
         if r.status_code == 408:
             continue
         assert r.status_code == 200, r.text
@@ -312,6 +329,237 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_mo
     r = http.post("/forward_backward", content=b"not zstd", headers=zstd)
     assert r.status_code == 400 and "zstd" in r.json()["error"]
     assert served.alive()
+
+
+# ------------------------------------------------------------------- two keys, bad values, bounds
+def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, tokenizer):
+    """Everything a key makes is invisible to another key: the same 404 as for an id that never existed."""
+    mine, theirs = served.http, served.other
+    session = _session(served)
+    model_id = _create_model(served, tiny_model_dir, session)
+    tokens = _tokens(tokenizer)
+    fb = mine.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r = mine.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "private"})
+    path = _retrieve(served, r.json()["request_id"])["path"]
+    mine.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                "base_model": tiny_model_dir})
+    sampler_id = f"{session}:sample:0"
+    sample = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 1,
+              "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "sampling_params": {"max_tokens": 2}}
+    assert mine.post("/asample", json=sample).status_code == 200
+
+    ghost_session = "sess-000000000000"
+    ghost = {session: ghost_session, model_id: model_id.replace(session, ghost_session),
+             fb.json()["request_id"]: "0" * 32, sampler_id: sampler_id.replace(session, ghost_session),
+             path: path.replace(session, ghost_session)}
+
+    def swap(value):
+        if isinstance(value, str):
+            for real, fake in ghost.items():
+                value = value.replace(real, fake)
+            return value
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    def send(http, method, url, body):
+        if isinstance(body, bytes):
+            return http.request(method, url, content=body, headers=PROTO)
+        return http.request(method, url, json=body) if body is not None else http.request(method, url)
+
+    probes = [
+        ("POST", "/session_heartbeat", {"session_id": session}),
+        ("POST", "/create_model", {"session_id": session, "model_seq_id": 7, "base_model": tiny_model_dir}),
+        ("POST", "/create_sampling_session", {"session_id": session, "sampling_session_seq_id": 7,
+                                              "base_model": tiny_model_dir}),
+        ("POST", "/get_info", {"model_id": model_id}),
+        ("POST", "/forward_backward", _fwdbwd_body(model_id, 3, [_datum(tokens, "cross_entropy")])),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}}),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": "fast"}}),
+        ("POST", "/save_weights", {"model_id": model_id, "seq_id": 3, "path": "stolen"}),
+        ("POST", "/save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 5}),
+        ("POST", "/load_weights", {"model_id": model_id, "seq_id": 3, "path": path, "optimizer": True}),
+        ("POST", "/load_weights", {"session_id": _session(served, theirs), "model_seq_id": 0, "path": path,
+                                   "optimizer": True}),
+        ("POST", "/create_sampling_session", {"session_id": _session(served, theirs), "sampling_session_seq_id": 0,
+                                              "model_path": path}),
+        ("POST", "/weights_info", {"tinker_path": path}),
+        ("POST", "/retrieve_future", {"request_id": fb.json()["request_id"]}),
+        ("POST", "/asample", {**sample, "seq_id": 1}),
+        ("GET", f"/samplers/{sampler_id}", None),
+        ("GET", f"/training_runs/{model_id}", None),
+        ("GET", f"/training_runs/{model_id}/checkpoints", None),
+        ("DELETE", f"/training_runs/{model_id}/checkpoints/weights/private", None),
+        ("POST", f"/sessions/{session}/finish", {}),
+    ]
+    for method, url, body in probes:
+        real = send(theirs, method, url, body)
+        fake = send(theirs, method, swap(url), swap(body) if not isinstance(body, bytes) else
+                    _fwdbwd_body(ghost[model_id], 3, [_datum(tokens, "cross_entropy")]))
+        assert 400 <= real.status_code < 500 and real.json()["category"] == "user", (url, body, real.text[:300])
+        # the answer is exactly the one for an id that never existed: nothing tells the other key it exists
+        assert (real.status_code, swap(real.json()["error"])) == (fake.status_code, fake.json()["error"]), (url, body)
+    listed = theirs.get("/training_runs").text + theirs.get("/checkpoints").text
+    assert session not in listed
+
+    # the owner's work is untouched: its seq_id 3 was not used up, its checkpoint and session are still there
+    r = mine.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    assert _retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"] > 0
+    assert "loss:sum" in _retrieve(served, fb.json()["request_id"])["metrics"]
+    listed = mine.get(f"/training_runs/{model_id}/checkpoints").json()["checkpoints"]
+    assert [c["tinker_path"] for c in listed] == [path]
+    assert path in mine.get("/checkpoints").text and model_id in mine.get("/training_runs").text
+    assert mine.post("/session_heartbeat", json={"session_id": session}).status_code == 200
+    assert mine.get(f"/samplers/{sampler_id}").status_code == 200
+    # and through the SDK, the other key cannot load the checkpoint
+    sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+    try:
+        with pytest.raises(Exception, match="not found"):
+            sdk.create_training_client_from_state(path).result(timeout=60)
+    finally:
+        sdk.close("success").result()
+
+
+def test_a_far_seq_id_is_refused_not_queued(served, tiny_model_dir, tokenizer):
+    """A seq_id millions ahead must not make the server hold (or later fail) one entry per missing id."""
+    http = served.http
+    model_id = _create_model(served, tiny_model_dir, _session(served))
+    for body in ({"model_id": model_id, "seq_id": 3_000_000, "adam_params": {"learning_rate": 1e-2}},
+                 {"model_id": model_id, "seq_id": 3_000_000, "adam_params": {"learning_rate": "fast"}}):
+        r = http.post("/optim_step", json=body)
+        assert r.status_code == 400 and r.json()["category"] == "user", r.text
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3_000_000, "adam_params": {}})
+    assert "seq_id 3000000" in r.json()["error"] and "ahead" in r.json()["error"]
+    r = http.post("/forward_backward", headers=PROTO,
+                  content=_fwdbwd_body(model_id, 3_000_000, [_datum(_tokens(tokenizer), "cross_entropy")]))
+    assert r.status_code == 400 and "seq_id" in r.json()["error"]
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-2}})
+    assert "metrics" in _retrieve(served, r.json()["request_id"])  # nothing was queued behind a gap
+
+
+def test_ordered_ops_bound_the_gap():
+    futures = Futures()
+    ops = OrderedOps(lambda fn: Future(), futures, max_ahead=8)
+    with pytest.raises(RequestError, match="ahead"):
+        ops.submit(10, lambda: None, dict)
+    ops.refuse(3_000_000, RequestError(400, "bad body"))
+    assert not ops.waiting and len(futures) == 0
+    ops.submit(8, lambda: None, dict)
+    ops.check_gap(timeout=1, now=ops.gap_since + 2)
+    assert len(futures) <= 8 and ops.next_seq == 9
+
+
+def _raw(http: httpx.Client, url: str, text: str) -> httpx.Response:
+    return http.post(url, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
+    http = served.http
+    session = _session(served)
+    model_id = _create_model(served, tiny_model_dir, session)
+    http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                "base_model": tiny_model_dir})
+    sampler_id = f"{session}:sample:0"
+    tokens = _tokens(tokenizer)
+
+    def sample(params: str) -> str:
+        return (f'{{"sampling_session_id": "{sampler_id}", "num_samples": 1, "prompt": {{"chunks": [{{"type": '
+                f'"encoded_text", "tokens": {tokens}}}]}}, "sampling_params": {params}}}')
+
+    def optim(seq: int, params: str) -> str:
+        return f'{{"model_id": "{model_id}", "seq_id": {seq}, "adam_params": {params}}}'
+
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": ' + "9" * 5000 + "}")), "number"),
+        (_raw(http, "/create_session", '{"tags": [], "user_metadata": {"n": ' + "9" * 5000 + "}}"), "number"),
+        (_raw(http, "/create_session", '{"tags": ' + deep + "}"), "nested"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "temperature": NaN}')), "NaN"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "temperature": 1e999}')), "temperature"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "seed": 99999999999999999999999}')), "seed"),
+        (_raw(http, "/asample", sample('{"max_tokens": 2, "top_k": 99999999999999999999999}')), "top_k"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": NaN}')), "NaN"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": Infinity}')), "Infinity"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": 1e999}')), "learning_rate"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": -0.01}')), "learning_rate"),
+        (_raw(http, "/optim_step", optim(1, '{"learning_rate": 0.01, "beta2": 1.5}')), "beta2"),
+        (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "c" * 300}), "name"),
+        (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": ".hidden"}), "name"),
+        (http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "a b"}), "name"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": 10 ** 30,
+                                          "base_model": tiny_model_dir}), "model_seq_id"),
+        (http.get("/training_runs", params={"limit": "9" * 5000}), "limit"),
+    ]
+    for r, words in cases:
+        assert 400 <= r.status_code < 500, (r.request.content[:120], r.status_code, r.text[:300])
+        body = r.json()
+        assert words in body["error"] and body["category"] == "user", (r.request.content[:120], body)
+    d = _datum(tokens, "importance_sampling")
+    d.loss_fn_inputs["advantages"] = types.TensorData(data=[float("nan")] * len(tokens), dtype="float32",
+                                                      shape=[len(tokens)])
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [d], "importance_sampling"), headers=PROTO)
+    assert r.status_code == 400 and "advantages" in r.json()["error"] and "finite" in r.json()["error"]
+    # none of it reached the model: it still trains, and its weights are finite
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    assert np.isfinite(_retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"])
+    r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 4, "path": "fine_name-1.0"})
+    path = _retrieve(served, r.json()["request_id"])["path"]
+    assert http.post("/weights_info", json={"tinker_path": path}).status_code == 200  # a saved name loads
+    r = http.post("/asample", content=sample('{"max_tokens": 2, "temperature": 0.5, "seed": 3}').encode())
+    assert len(_retrieve(served, r.json()["request_id"])["sequences"][0]["tokens"]) >= 1
+
+
+def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tiny_model_dir, tmp_path):
+    """A session's end releases its models, samplers and results; deleting the last adapter of a base
+    model leaves that base model's own sampling working."""
+    import asyncio
+
+    from polyrl.serve import protocol as P
+    from polyrl.serve.server import ServeConfig, Server
+
+    server = Server(ServeConfig(models=[tiny_model_dir], api_keys=[KEY], store_dir=str(tmp_path), preload=False))
+    me = "owner-digest"
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+
+    async def result(rid: str) -> dict:
+        status, body = await server.retrieve(P.RetrieveFutureReq(request_id=rid), False, me)
+        assert status == 200 and "error" not in body, body
+        return body
+
+    async def sample_base(session: str, seq: int) -> dict:
+        server.create_sampling_session(P.CreateSamplingSessionReq(session_id=session, sampling_session_seq_id=seq,
+                                                                  base_model=tiny_model_dir), me)
+        rid = server.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt, num_samples=2,
+                                        sampling_params={"max_tokens": 3, "seed": 1}), me)["request_id"]
+        return await result(rid)
+
+    async def use_a_session() -> str:
+        session = server.create_session(P.CreateSessionReq(), me)["session_id"]
+        r = server.create_model(P.CreateModelReq(session_id=session, model_seq_id=0, base_model=tiny_model_dir,
+                                                 lora_config={"rank": 2, "seed": 0}), me)
+        await result(r["request_id"])
+        await sample_base(session, 0)
+        return session
+
+    async def scenario() -> None:
+        first = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        server.finish_session(await use_a_session(), me)
+        abandoned = await use_a_session()
+        server.sessions[abandoned].last_seen -= server.config.session_timeout_s + 1
+        server.tick()
+        await asyncio.to_thread(server.engine.call, lambda: None)  # the released adapters are deleted
+        again = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        assert [s["tokens"] for s in again["sequences"]] == [s["tokens"] for s in first["sequences"]]
+
+    asyncio.run(scenario())
+    live = set(server.sessions)
+    assert len(live) == 2  # the two that only sampled the base model
+    assert all(m.session_id in live for m in server.models.values()) and not server.models
+    assert all(s.session_id in live for s in server.samplers.values()) and len(server.samplers) == 2
+    assert len(server.futures) == 2  # the live sessions' two sampling results
+    base = server.engine.base(tiny_model_dir)
+    assert not [a for a in base._adapter_specs if a.startswith("train_")]
 
 
 def test_operations_run_in_seq_order_once_each(served, tiny_model_dir, tokenizer):
@@ -523,3 +771,325 @@ def test_api_keys_from_options_file_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(KEYS_ENV, "tml-env-1, tml-env-2")
     keys, generated = api_keys(p.parse_args(["--api-key", "tml-arg", "--api-key-file", str(f)]))
     assert not generated and keys == ["tml-arg", "tml-from-file", "tml-second", "tml-env-1", "tml-env-2"]
+
+
+def test_serve_command_line_errors_are_one_line(tmp_path):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        cases = [
+            (["--port", "70000"], "--port"),
+            (["--port", str(busy.getsockname()[1])], "in use"),
+            (["--models", str(tmp_path / "no-such-model")], "no such model directory"),
+            (["--api-key-file", str(tmp_path / "no-keys")], "no-keys"),
+            (["--device", "warp-drive"], "--device"),
+        ]
+        for args, words in cases:
+            done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY, "--no-preload",
+                                   "--store-dir", str(tmp_path / "store"), *args],
+                                  capture_output=True, text=True, timeout=120)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, (args, done.returncode, done.stderr[-2000:])
+            assert lines[0].startswith("error: ") and words in lines[0], (args, lines)
+    finally:
+        busy.close()
+
+
+# ------------------------------------------------------------------------------------------ fuzzing
+class Raw(str):
+    """JSON text spliced into a request body as it is (NaN, a 5,000-digit number, deep nesting)."""
+
+
+EVIL = [Raw("9" * 5000), Raw("-1"), Raw("0"), Raw("3000000"), Raw(str(2**63)), Raw(str(10**30)), Raw("NaN"),
+        Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-0.0"), Raw("1.5"), Raw('""'), Raw(json.dumps("x" * 300)),
+        Raw('".hidden"'), Raw('"../../etc"'), Raw('"a/b"'), Raw('"tinker://../weights/x"'), Raw("null"), Raw("[]"),
+        Raw("{}"), Raw("true"), Raw(json.dumps("\u00e9\u0000\U0001f600")), Raw("[" * 3000 + "]" * 3000),
+        Raw('{"type": "dimuon"}'), Raw('[1e308, -1e308]')]
+EVIL_IDS = ["..", "%2e%2e", "a" * 300, "sess-0:train:0", "\u00e9", "-", "x" * 5000, "%00", "sess-0:sample:0"]
+
+
+def _dumps(tree) -> str:
+    raws: list[Raw] = []
+
+    def mark(x):
+        if isinstance(x, Raw):
+            raws.append(x)
+            return f"@@raw{len(raws) - 1}@@"
+        if isinstance(x, dict):
+            return {k: mark(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [mark(v) for v in x]
+        return x
+
+    text = json.dumps(mark(tree))
+    for i, r in enumerate(raws):
+        text = text.replace(f'"@@raw{i}@@"', r, 1)
+    return text
+
+
+def _slots(tree) -> list[tuple[object, object]]:
+    """(container, key) of every value in a JSON tree."""
+    out = []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    for k, v in items:
+        out.append((tree, k))
+        out.extend(_slots(v))
+    return out
+
+
+class Actor:
+    """One API key's client in the fuzz run: its own session, model, sampler and checkpoint, which it
+    uses correctly, mutates, or swaps for the other actor's."""
+
+    ID_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "path", "model_path", "tinker_path")
+
+    def __init__(self, served: Served, key: str, seed: int, model_dir: str):
+        import random
+
+        self.served, self.key, self.model_dir = served, key, model_dir
+        self.http = served.client(key)
+        self.rng = random.Random(seed)
+        self.sessions: list[str] = []
+        self.request_ids: list[str] = []
+        self.other: Actor | None = None
+        self.failures: list[str] = []
+        self.sent = 0
+        self.n = 0  # for unique names and seq ids of new models / samplers
+        self.start_session()
+
+    def start_session(self) -> None:
+        self.session = _session(self.served, self.http)
+        self.sessions.append(self.session)
+        self.request_ids = []  # a finished session's results are gone
+        self.model_id = _create_model(self.served, self.model_dir, self.session, http=self.http)
+        self.seq = 1
+        r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(), "path": "seed"})
+        self.checkpoint = _retrieve(self.served, r.json()["request_id"], http=self.http)["path"]
+        self.http.post("/create_sampling_session", json={"session_id": self.session, "sampling_session_seq_id": 0,
+                                                         "base_model": self.model_dir})
+        self.sampler = f"{self.session}:sample:0"
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def ids(self) -> dict[str, str]:
+        rid = self.rng.choice(self.request_ids) if self.request_ids else "0" * 32
+        return {"session_id": self.session, "model_id": self.model_id, "sampling_session_id": self.sampler,
+                "request_id": rid, **dict.fromkeys(("path", "model_path", "tinker_path"), self.checkpoint)}
+
+    # ---- requests, as a correct client sends them ---------------------------------------------------
+    def valid(self):
+        self.n += 1
+        n, rng = self.n, self.rng
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]}
+        kinds = [
+            ("POST", "/create_session", {"tags": ["fuzz"], "sdk_version": "fuzz", "user_metadata": {"n": str(n)}}),
+            ("POST", "/session_heartbeat", {"session_id": self.session}),
+            ("POST", "/get_info", {"model_id": self.model_id}),
+            ("POST", "/forward_backward", "fwdbwd"),
+            ("POST", "/optim_step", {"model_id": self.model_id, "seq_id": self.seq,
+                                     "adam_params": {"learning_rate": 1e-3, "grad_clip_norm": 1.0}}),
+            ("POST", "/save_weights", {"model_id": self.model_id, "seq_id": self.seq, "path": f"c{n}"}),
+            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq, "path": f"s{n}"}),
+            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq,
+                                                   "sampling_session_seq_id": 1000 + n}),
+            ("POST", "/load_weights", {"session_id": self.session, "model_seq_id": 1000 + n, "path": self.checkpoint,
+                                       "optimizer": rng.random() < 0.5}),
+            ("POST", "/create_sampling_session", {"session_id": self.session, "sampling_session_seq_id": n,
+                                                  "model_path": self.checkpoint}),
+            ("POST", "/asample", {"sampling_session_id": self.sampler, "seq_id": n, "num_samples": 2, "prompt": prompt,
+                                  "prompt_logprobs": rng.random() < 0.3,
+                                  "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "seed": n}}),
+            ("POST", "/retrieve_future", {"request_id": "?"}),
+            ("POST", "/retrieve_future", {"request_id": "?"}),
+            ("POST", "/weights_info", {"tinker_path": self.checkpoint}),
+            ("GET", f"/samplers/{self.sampler}", None),
+            ("GET", "/training_runs", None),
+            ("GET", f"/training_runs/{self.model_id}", None),
+            ("GET", f"/training_runs/{self.model_id}/checkpoints", None),
+            ("GET", "/checkpoints", None),
+            ("DELETE", f"/training_runs/{self.model_id}/checkpoints/sampler_weights/s{n - rng.randint(1, 20)}", None),
+            ("GET", "/get_server_capabilities", None),
+        ]
+        method, url, body = rng.choice(kinds)
+        if body == "fwdbwd":
+            body = self.fwdbwd()
+        elif isinstance(body, dict) and body.get("request_id") == "?":
+            body = {"request_id": self.ids()["request_id"]}
+        if isinstance(body, dict) and "seq_id" in body and body["seq_id"] == self.seq:
+            self.next_seq()
+        return method, url, body
+
+    def fwdbwd(self) -> bytes:
+        loss = self.rng.choice(["cross_entropy", "importance_sampling", "ppo"])
+        msg = pb.ForwardBackwardRequest()
+        msg.ParseFromString(_fwdbwd_body(self.model_id, self.next_seq(), [_datum([5, 6, 7, 8, 9], loss)], loss))
+        if self.rng.random() < 0.5:  # mutate the protobuf's fields
+            choice = self.rng.randrange(6)
+            if choice == 0:
+                msg.seq_id = self.rng.choice([0, -5, 3_000_000, 2**31 - 1, self.seq + 2])
+            elif choice == 1:
+                msg.loss_fn = self.rng.choice(["", "nope", "stable_reinforce", "x" * 1000])
+            elif choice == 2:
+                t = msg.data[0].loss_fn_inputs["target_tokens"]
+                t.dense = np.array([5, 6, 10**9, -1, 7], dtype=np.int64).tobytes()
+            elif choice == 3 and "advantages" in msg.data[0].loss_fn_inputs:
+                bad = np.array([np.nan, np.inf, 1, 1, 1], np.float32)
+                msg.data[0].loss_fn_inputs["advantages"].dense = bad.tobytes()
+            elif choice == 4:
+                msg.data[0].loss_fn_inputs["target_tokens"].shape[:] = [7, 3]
+            else:
+                msg.loss_fn_config["clip_low_threshold"] = float("nan")
+        body = msg.SerializeToString()
+        if self.rng.random() < 0.1:
+            cut = self.rng.randrange(len(body))
+            body = body[:cut] + bytes([self.rng.randrange(256)]) + body[cut + 1:]
+        return body
+
+    # ---- mutations -----------------------------------------------------------------------------------
+    def request(self):
+        """(method, url, body, foreign): a valid request, often mutated; ``foreign`` when it names the other
+        actor's things."""
+        method, url, body = self.valid()
+        rng, foreign = self.rng, False
+        roll = rng.random()
+        if roll < 0.2:  # one of the other key's ids instead of ours
+            theirs = self.other.ids()
+            fields = [f for f in self.ID_FIELDS if isinstance(body, dict) and isinstance(body.get(f), str)]
+            if fields:
+                field = rng.choice(fields)
+                body[field], foreign = theirs[field], True
+            elif self.session in url:
+                url, foreign = url.replace(self.session, self.other.session), True
+            elif isinstance(body, bytes):
+                msg = pb.ForwardBackwardRequest()
+                try:
+                    msg.ParseFromString(body)
+                    msg.model_id = self.other.model_id
+                    body, foreign = msg.SerializeToString(), True
+                except Exception:  # noqa: BLE001 - a body mutated into no protobuf at all
+                    pass
+        elif roll < 0.55 and isinstance(body, dict):  # an evil value, a missing or an extra field
+            slots = _slots(body)
+            container, key = rng.choice(slots) if slots else (body, "extra")
+            what = rng.random()
+            if what < 0.75:
+                container[key] = rng.choice(EVIL)
+            elif what < 0.9 and isinstance(container, dict):
+                del container[key]
+            else:
+                body[rng.choice(["extra", "type", "seq_id"])] = rng.choice(EVIL)
+        elif roll < 0.65:  # odd ids in the URL, odd queries
+            if method == "GET" and rng.random() < 0.5:
+                limit, offset = rng.choice(["-1", "9" * 5000, "x", "0", "1000000"]), rng.choice(["-5", "9" * 30])
+                url += f"?limit={limit}&offset={offset}"
+            else:
+                parts = url.split("/")
+                parts[rng.randrange(1, len(parts))] = rng.choice(EVIL_IDS)
+                url = "/".join(parts)
+        elif roll < 0.72:  # a broken body
+            text = _dumps(body).encode() if isinstance(body, dict) else body or b""
+            body = rng.choice([text[: rng.randrange(len(text) + 1)], b"", b"[1, 2]", b"\xff\xfe" + text, text * 2,
+                               b'{"a": ' * 2000, bytes(rng.randrange(256) for _ in range(64))])
+        return method, url, body, foreign
+
+    def send(self, method: str, url: str, body) -> httpx.Response:
+        if isinstance(body, bytes):
+            ctype = PROTO["Content-Type"] if url.endswith("forward_backward") else "application/json"
+            return self.http.request(method, url, content=body, headers={"Content-Type": ctype})
+        if isinstance(body, (dict, list)):
+            return self.http.request(method, url, content=_dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return self.http.request(method, url)
+
+    def check(self, method: str, url: str, body, foreign: bool, r: httpx.Response) -> None:
+        sent = _dumps(body) if isinstance(body, dict) else repr(body)
+        what = f"{method} {url[:120]} {sent[:200]} -> {r.status_code} {r.text[:300]}"
+        if r.status_code >= 500:
+            self.failures.append(f"server error: {what}")
+            return
+        if foreign and r.status_code < 400:
+            self.failures.append(f"reached another key's resource: {what}")
+        if r.status_code < 300:
+            if any(s in r.text for s in self.other.sessions):
+                self.failures.append(f"answer shows another key's session: {what}")
+            if r.headers.get("content-type", "").startswith("application/json"):
+                payload = r.json()
+                if isinstance(payload, dict) and payload.get("category") == "server":
+                    self.failures.append(f"a server-side failure: {what}")
+                if isinstance(payload, dict) and "request_id" in payload:
+                    self.request_ids = (self.request_ids + [payload["request_id"]])[-50:]
+        elif r.status_code != 408 or url != "/retrieve_future":
+            payload = r.json()
+            if not (isinstance(payload.get("error"), str) and payload.get("category") == "user"):
+                self.failures.append(f"4xx without a user error: {what}")
+
+    def run(self, count: int, deadline: float) -> None:
+        while self.sent < count and time.monotonic() < deadline and len(self.failures) < 20:
+            if self.rng.random() < 0.01:  # end this session (its model is deleted) and start another
+                self.http.post(f"/sessions/{self.session}/finish", json={})
+                self.start_session()
+            method, url, body, foreign = self.request()
+            try:
+                r = self.send(method, url, body)
+            except httpx.HTTPError as e:
+                self.failures.append(f"{method} {url[:120]}: {type(e).__name__}: {e}")
+                return
+            self.sent += 1
+            self.check(method, url, body, foreign, r)
+
+
+@pytest.mark.slow
+def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_path):
+    """1,200 seeded, mutated requests from two keys at once: never a 5xx or a server-side failure, never
+    another key's things, memory bounded; afterwards the official SDK still trains and samples."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    served = Served(tiny_model_dir, tmp_path / "store", "--long-poll", "0.2", "--max-body-mb", "1",
+                    "--seq-gap-timeout", "1")
+    try:
+        a, b = Actor(served, KEY, 1, tiny_model_dir), Actor(served, OTHER_KEY, 2, tiny_model_dir)
+        a.other, b.other = b, a
+        rss_before = served.rss_bytes()
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda actor: actor.run(600, started + 150), (a, b)))
+        elapsed = time.monotonic() - started
+        assert not a.failures + b.failures, "\n".join((a.failures + b.failures)[:20])
+        assert a.sent + b.sent >= 1000 and elapsed < 150, (a.sent, b.sent, elapsed)
+        time.sleep(2)  # the seq gap timeout (1 s) and housekeeping have run
+        grown = served.rss_bytes() - rss_before
+        assert grown < 300 << 20, f"server memory grew by {grown >> 20} MiB"
+        assert served.alive()
+        for actor in (a, b):
+            actor.http.post(f"/sessions/{actor.session}/finish", json={})
+
+        tokens = [5, 6, 7, 8, 9]
+        paths = {}
+        for key in (KEY, OTHER_KEY):
+            sdk = tinker.ServiceClient(base_url=served.url, api_key=key)
+            tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0)
+            before = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+            for _ in range(3):
+                tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            after = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
+            assert after.metrics["loss:sum"] < before.metrics["loss:sum"]
+            sampler = tc.save_weights_and_get_sampling_client()
+            prompt = types.ModelInput.from_ints(tokens)
+            out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=1)).result()
+            assert len(out.sequences) == 2 and all(len(s.tokens) >= 1 for s in out.sequences)
+            base = sdk.create_sampling_client(base_model=tiny_model_dir)
+            assert len(base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
+            paths[key] = tc.save_state("after-fuzz").result().path
+            sdk.close("success").result()
+        sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+        with pytest.raises(Exception, match="not found"):
+            sdk.create_training_client_from_state(paths[KEY]).result(timeout=60)
+        sdk.close("success").result()
+    finally:
+        served.stop()

@@ -251,9 +251,14 @@ class BaseModel:
     def use(self, adapter: str | None, train: bool = False) -> Iterator[torch.nn.Module]:
         """The model with ``adapter`` active (``None``: the bare base model)."""
         if adapter is None:
-            ctx = self.peft_model.disable_adapter() if self.peft_model is not None else contextlib.nullcontext()
-            with ctx:
-                yield self.peft_model if self.peft_model is not None else self.hf_model
+            if self.peft_model is None or not self._adapter_specs:  # no adapter (left)
+                yield self.hf_model
+                return
+            if self.peft_model.active_adapter not in self._adapter_specs:
+                # once the last adapter is deleted PEFT keeps naming it active, and disable_adapter() looks it up
+                self.peft_model.set_adapter(next(iter(self._adapter_specs)))
+            with self.peft_model.disable_adapter():
+                yield self.peft_model
             return
         # through PeftModel, so its own ``active_adapter`` follows too (it otherwise keeps naming the first
         # adapter ever added, which breaks forward once that one is deleted, e.g. after load_sampler)

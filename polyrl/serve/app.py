@@ -1,19 +1,21 @@
 """HTTP routes: Tinker's ``/api/v1`` endpoints over :class:`~polyrl.serve.server.Server`.
 
-Every route needs a valid ``X-API-Key``; bodies are capped at ``max_body_bytes`` (413); refused
-requests get a 4xx with ``{"error": ..., "category": "user"}`` and the server keeps serving.
+Every route needs a valid ``X-API-Key``, whose digest is the caller's ``owner``; bodies are capped
+at ``max_body_bytes`` (413); refused requests get a 4xx with ``{"error": ..., "category": "user"}``
+and the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import io
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,8 +36,14 @@ CLIENT_CONFIG = {
 }
 
 
+def key_owner(key: bytes) -> str:
+    """Who owns what a key makes: a digest of the key, so the key itself is never stored."""
+    return hashlib.sha256(b"polyrl-serve-owner:" + key).hexdigest()[:32]
+
+
 class ApiKeyMiddleware:
-    """Answers 401 to any request without one of ``keys`` in its ``X-API-Key`` header."""
+    """Answers 401 to any request without one of ``keys`` in its ``X-API-Key`` header, and tells the
+    routes whose request it is (``request.state.owner``)."""
 
     def __init__(self, app, keys: list[str]):
         self.app = app
@@ -48,6 +56,7 @@ class ApiKeyMiddleware:
                 msg = "missing or invalid X-API-Key" if given else "this server needs an X-API-Key header"
                 await JSONResponse({"error": msg, "category": "user"}, 401)(scope, receive, send)
                 return
+            scope.setdefault("state", {})["owner"] = key_owner(given)
         await self.app(scope, receive, send)
 
 
@@ -126,6 +135,9 @@ def create_app(server: Server) -> FastAPI:
     async def parse(request: Request, model: type[P.R]) -> P.R:
         return P.parse_json(model, await body(request))
 
+    def owner(request: Request) -> str:
+        return request.state.owner
+
     def ok(payload: Any, status: int = 200) -> Response:
         if isinstance(payload, bytes):
             return Response(payload, status, media_type=PROTOBUF)
@@ -152,16 +164,16 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post(f"{api}/create_session")
     async def create_session(request: Request):
-        return ok(server.create_session(await parse(request, P.CreateSessionReq)))
+        return ok(server.create_session(await parse(request, P.CreateSessionReq), owner(request)))
 
     @app.post(f"{api}/session_heartbeat")
     async def heartbeat(request: Request):
-        return ok(server.heartbeat(await parse(request, P.SessionReq)))
+        return ok(server.heartbeat(await parse(request, P.SessionReq), owner(request)))
 
     @app.post(api + "/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
         await body(request)
-        return ok(server.finish_session(session_id))
+        return ok(server.finish_session(session_id, owner(request)))
 
     @app.post(f"{api}/telemetry")
     async def telemetry(request: Request):
@@ -171,15 +183,15 @@ def create_app(server: Server) -> FastAPI:
     # ---- training ----------------------------------------------------------------------------------
     @app.post(f"{api}/create_model")
     async def create_model(request: Request):
-        return ok(server.create_model(await parse(request, P.CreateModelReq)))
+        return ok(server.create_model(await parse(request, P.CreateModelReq), owner(request)))
 
     @app.post(f"{api}/get_info")
     async def get_info(request: Request):
-        return ok(await server.get_info(await parse(request, P.ModelReq)))
+        return ok(await server.get_info(await parse(request, P.ModelReq), owner(request)))
 
     @app.post(f"{api}/load_weights")
     async def load_weights(request: Request):
-        return ok(server.load_weights(await parse(request, P.LoadWeightsReq)))
+        return ok(server.load_weights(await parse(request, P.LoadWeightsReq), owner(request)))
 
     @app.post(f"{api}/forward_backward")
     async def forward_backward(request: Request):
@@ -190,21 +202,21 @@ def create_app(server: Server) -> FastAPI:
         except RequestError as e:
             ids = P.peek_forward_backward_ids(data)
             if ids is not None and ids[1] >= 1:
-                server.refuse_op(ids[0], ids[1], e)
+                server.refuse_op(ids[0], ids[1], e, owner(request))
             raise
-        return ok(server.forward_backward(fb))
+        return ok(server.forward_backward(fb, owner(request)))
 
     @app.post(f"{api}/optim_step")
     async def optim_step(request: Request):
-        return ok(server.optim_step(await parse_op(request, P.OptimStepReq)))
+        return ok(server.optim_step(await parse_op(request, P.OptimStepReq), owner(request)))
 
     @app.post(f"{api}/save_weights")
     async def save_weights(request: Request):
-        return ok(server.save_weights(await parse_op(request, P.SaveWeightsReq)))
+        return ok(server.save_weights(await parse_op(request, P.SaveWeightsReq), owner(request)))
 
     @app.post(f"{api}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
-        return ok(server.save_for_sampler(await parse_op(request, P.SaveForSamplerReq)))
+        return ok(server.save_for_sampler(await parse_op(request, P.SaveForSamplerReq), owner(request)))
 
     async def parse_op(request: Request, model: type[P.R]) -> P.R:
         """Like ``parse``, but a malformed body that names its model and seq_id still uses up that seq_id."""
@@ -214,52 +226,54 @@ def create_app(server: Server) -> FastAPI:
         except RequestError as e:
             ids = P.peek_json_ids(data)
             if ids is not None:
-                server.refuse_op(ids[0], ids[1], e)
+                server.refuse_op(ids[0], ids[1], e, owner(request))
             raise
 
     # ---- sampling ----------------------------------------------------------------------------------
     @app.post(f"{api}/create_sampling_session")
     async def create_sampling_session(request: Request):
-        return ok(server.create_sampling_session(await parse(request, P.CreateSamplingSessionReq)))
+        return ok(server.create_sampling_session(await parse(request, P.CreateSamplingSessionReq), owner(request)))
 
     @app.get(api + "/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str):
-        return ok(server.get_sampler(sampler_id))
+    async def get_sampler(sampler_id: str, request: Request):
+        return ok(server.get_sampler(sampler_id, owner(request)))
 
     @app.post(f"{api}/asample")
     async def asample(request: Request):
-        return ok(server.sample(await parse(request, P.SampleReq)))
+        return ok(server.sample(await parse(request, P.SampleReq), owner(request)))
 
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request):
         req = await parse(request, P.RetrieveFutureReq)
-        status, payload = await server.retrieve(req, PROTOBUF in request.headers.get("accept", ""))
+        status, payload = await server.retrieve(req, PROTOBUF in request.headers.get("accept", ""), owner(request))
         return ok(payload, status)
 
     # ---- training runs and checkpoints (REST) --------------------------------------------------------
+    page = {"ge": 0, "lt": 2**31}
+
     @app.get(f"{api}/training_runs")
-    async def training_runs(limit: int = 20, offset: int = 0):
-        return ok(server.training_runs(limit, offset))
+    async def training_runs(request: Request, limit: int = Query(20, **page), offset: int = Query(0, **page)):
+        return ok(server.training_runs(limit, offset, owner(request)))
 
     @app.get(api + "/training_runs/{run_id}")
-    async def training_run(run_id: str):
-        return ok(server.training_run(run_id))
+    async def training_run(run_id: str, request: Request):
+        return ok(server.training_run(run_id, owner(request)))
 
     @app.get(api + "/training_runs/{run_id}/checkpoints")
-    async def checkpoints(run_id: str):
-        return ok(server.checkpoints(run_id))
+    async def checkpoints(run_id: str, request: Request):
+        return ok(server.checkpoints(run_id, owner(request)))
 
     @app.delete(api + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(run_id: str, checkpoint_id: str):
-        server.runs.delete_checkpoint(run_id, checkpoint_id)
+    async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):
+        server.delete_checkpoint(run_id, checkpoint_id, owner(request))
         return ok({})
 
     @app.get(f"{api}/checkpoints")
-    async def user_checkpoints(limit: int = 100, offset: int = 0):
-        return ok(server.user_checkpoints(limit, offset))
+    async def user_checkpoints(request: Request, limit: int = Query(100, **page), offset: int = Query(0, **page)):
+        return ok(server.user_checkpoints(limit, offset, owner(request)))
 
     @app.post(f"{api}/weights_info")
     async def weights_info(request: Request):
-        return ok(server.weights_info(await parse(request, P.WeightsInfoReq)))
+        return ok(server.weights_info(await parse(request, P.WeightsInfoReq), owner(request)))
 
     return app

@@ -1,8 +1,13 @@
-"""``polyrl serve``: command-line options, API keys, and the uvicorn server."""
+"""``polyrl serve``: command-line options, API keys, and the uvicorn server.
+
+Problems with the options (a port out of range or in use, a missing model directory or key file)
+are :class:`~polyrl.errors.UserInputError`: one ``error: ...`` line and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
@@ -11,6 +16,8 @@ import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from polyrl.errors import UserInputError
 
 if TYPE_CHECKING:
     from polyrl.serve.server import ServeConfig
@@ -29,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", metavar="PATH", help="file of accepted keys, one per line ('#' comments)")
     p.add_argument("--store-dir", help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                    help="tokens per forward/backward pass (default 4096); lower it if training runs out of memory")
     p.add_argument("--gradient-checkpointing", choices=["auto", "true", "false"], default="auto",
@@ -50,7 +57,12 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
     """Accepted keys from the options, the key file and the environment; (keys, generated)."""
     keys = list(args.api_key)
     if args.api_key_file:
-        for line in Path(args.api_key_file).expanduser().read_text().splitlines():
+        try:
+            text = Path(args.api_key_file).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not a text file"
+            raise UserInputError(f"--api-key-file {args.api_key_file}: {why}") from None
+        for line in text.splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
                 keys.append(line)
@@ -61,18 +73,18 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 
 def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
-    from polyrl.serve.server import ServeConfig
-
-    from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS
     from polyrl.errors import UserInputError
+    from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS
+    from polyrl.serve.server import ServeConfig
 
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
         raise UserInputError(f"--micro-batch-tokens must be a positive integer, got {args.micro_batch_tokens}")
     checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
     return ServeConfig(models=list(args.models), api_keys=keys, store_dir=args.store_dir, device=args.device,
                        dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
-                       gradient_checkpointing=checkpointing, max_body_bytes=int(args.max_body_mb * (1 << 20)), long_poll_s=args.long_poll,
-                       gap_timeout_s=args.seq_gap_timeout,                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload)
+                       gradient_checkpointing=checkpointing, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                       long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,
+                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload)
 
 
 def _is_loopback(host: str) -> bool:
@@ -82,32 +94,65 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run(args: argparse.Namespace) -> None:
-    import uvicorn
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse options that cannot work, before anything heavy is loaded."""
+    from polyrl.models import resolve_model_path
 
-    from polyrl.serve.app import create_app
-    from polyrl.serve.server import Server
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not 0 <= args.port <= 65535:
+        raise UserInputError(f"--port {args.port} is not a port number (0 to 65535; 0: any free port)")
     if not 0 < args.long_poll < 45:
-        print("error: --long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a poll at 45)",
-              file=sys.stderr)
-        sys.exit(2)
+        raise UserInputError("--long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a poll at 45)")
+    if not args.max_body_mb > 0 or not args.seq_gap_timeout > 0:
+        raise UserInputError("--max-body-mb and --seq-gap-timeout must be positive")
+    for name in args.models:
+        resolve_model_path(name)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = "is in use by another program" if e.errno == errno.EADDRINUSE else f"cannot be used: {e.strerror or e}"
+        raise UserInputError(f"{host}:{port} {why} (pick another --port, or 0 for any free one)") from None
+    return sock
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_args(args)
     keys, generated = api_keys(args)
     for k in keys:
         if not k.startswith("tml-"):
             print(f"warning: key {k[:6]}... does not start with 'tml-'; the tinker SDK refuses to send such keys",
                   file=sys.stderr)
+    sock = listen(args.host, args.port)
+
+    import torch
+    import uvicorn
+
+    from polyrl.serve.app import create_app
+    from polyrl.serve.server import Server
+
+    try:
+        torch.device(args.device if args.device != "auto" else "cpu")
+    except (RuntimeError, ValueError):
+        raise UserInputError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:N or mps)") from None
     server = Server(config_from_args(args, keys))
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    if server.config.preload:
+        try:
+            server.preload()
+        except ValueError as e:  # a model directory that holds no model
+            raise UserInputError(str(e)) from None
+    family = sock.family
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if family == socket.AF_INET6 else host}:{port}"
     if not _is_loopback(host):
-        print(f"warning: listening on {host}, reachable from other machines; anyone with a key can train, "
-              "sample and read checkpoints", file=sys.stderr)
+        print(f"warning: listening on {host}, reachable from other machines; anyone with a key can train "
+              "and sample here", file=sys.stderr)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -125,7 +170,11 @@ def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="polyrl serve", description="Serve polyrl's local engine over Tinker's HTTP protocol.")
     add_arguments(p)
-    run(p.parse_args(argv))
+    try:
+        run(p.parse_args(argv))
+    except UserInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

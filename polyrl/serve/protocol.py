@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -31,8 +31,16 @@ class RequestError(Exception):
 
 
 # ---- JSON requests ---------------------------------------------------------------------------------
+Seq = Annotated[int, Field(ge=0, lt=2**63)]  # the SDK's counters; protobuf's int64 bounds them too
+
+
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _check(ok: bool, field: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {rule}, got {value!r}")
 
 
 class CreateSessionReq(_Req):
@@ -49,7 +57,7 @@ class SessionReq(_Req):
 
 class CreateModelReq(_Req):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: Seq
     base_model: str
     user_metadata: dict[str, Any] | None = None
     lora_config: types.LoraConfig | None = None
@@ -65,25 +73,39 @@ class LoadWeightsReq(_Req):
     optimizer: bool = False
     # create a training client from a checkpoint ...
     session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: Seq | None = None
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
     # ... or load into an existing one (legacy load_state)
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Seq | None = None
 
 
 class OptimStepReq(_Req):
     model_id: str
-    seq_id: int
+    seq_id: Seq
     adam_params: types.AdamParams | None = None
     optimizer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _sane(self) -> "OptimStepReq":
+        """A NaN, infinite or negative step poisons the adapter for good: refuse it here."""
+        p = self.adam_params
+        if p is not None:
+            for name in ("learning_rate", "eps", "weight_decay"):
+                value = getattr(p, name)
+                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0", value)
+            for name in ("beta1", "beta2"):
+                _check(0 <= getattr(p, name) < 1, f"adam_params.{name}", "in [0, 1)", getattr(p, name))
+            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm", "finite (<= 0: no clipping)",
+                   p.grad_clip_norm)
+        return self
 
 
 class SaveWeightsReq(_Req):
     model_id: str
-    seq_id: int
+    seq_id: Seq
     path: str | None = None
     ttl_seconds: int | None = None
     overwrite: bool = False
@@ -92,9 +114,9 @@ class SaveWeightsReq(_Req):
 
 class SaveForSamplerReq(_Req):
     model_id: str
-    seq_id: int
+    seq_id: Seq
     path: str | None = None
-    sampling_session_seq_id: int | None = Field(None, ge=0)
+    sampling_session_seq_id: Seq | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
@@ -102,14 +124,14 @@ class SaveForSamplerReq(_Req):
 
 class CreateSamplingSessionReq(_Req):
     session_id: str
-    sampling_session_seq_id: int = Field(ge=0)
+    sampling_session_seq_id: Seq
     base_model: str | None = None
     model_path: str | None = None
 
 
 class SampleReq(_Req):
     sampling_session_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Seq | None = None
     base_model: str | None = None
     model_path: str | None = None
     num_samples: int = Field(1, ge=1, le=4096)
@@ -121,6 +143,18 @@ class SampleReq(_Req):
     target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
+
+    @model_validator(mode="after")
+    def _sane(self) -> "SampleReq":
+        p = self.sampling_params
+        _check(math.isfinite(p.temperature) and p.temperature >= 0, "sampling_params.temperature",
+               "a finite number >= 0", p.temperature)
+        _check(0 < p.top_p <= 1, "sampling_params.top_p", "in (0, 1]", p.top_p)
+        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count", p.top_k)
+        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens", "a positive count",
+               p.max_tokens)
+        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer", p.seed)
+        return self
 
 
 class RetrieveFutureReq(_Req):
@@ -135,18 +169,34 @@ class WeightsInfoReq(_Req):
 R = TypeVar("R", bound=BaseModel)
 
 
+class _NotANumber(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NotANumber(f"request body holds {name}, which is not a JSON number; send finite numbers")
+
+
 def parse_json(model: type[R], body: bytes) -> R:
     """Validate a JSON body; any problem is a 400 naming the offending fields."""
     try:
-        data = json.loads(body or b"null")
+        data = json.loads(body or b"null", parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RequestError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply") from None
+    except _NotANumber as e:
+        raise RequestError(400, str(e)) from None
+    except ValueError:  # an integer of thousands of digits
+        raise RequestError(400, "request body holds a number too large to read") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise RequestError(400, f"invalid request body: {_summarize(e)}") from None
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply") from None
 
 
 def peek_json_ids(body: bytes) -> tuple[str, int] | None:
@@ -162,7 +212,7 @@ def peek_json_ids(body: bytes) -> tuple[str, int] | None:
 
 def _summarize(e: ValidationError, limit: int = 3) -> str:
     errors = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}" for err in errors[:limit]]
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}" for err in errors[:limit]]
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
@@ -207,6 +257,9 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardReq:
         config = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
     else:
         config = dict(msg.loss_fn_config)
+    for k, v in config.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RequestError(400, f"loss_fn_config[{k!r}] is {v}; it must be a finite number")
     data = []
     for i, d in enumerate(msg.data):
         try:
@@ -234,14 +287,19 @@ def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
     shape = list(t.shape) or None
     if t.HasField("sparse_csr"):
         csr = t.sparse_csr
+        values = np.frombuffer(csr.values, dtype=np_dtype)
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise ValueError(f"loss_fn_inputs[{name!r}] holds values that are not finite (NaN or infinity)")
         return types.TensorData(
-            data=np.frombuffer(csr.values, dtype=np_dtype), dtype=dtype, shape=shape,
+            data=values, dtype=dtype, shape=shape,
             sparse_crow_indices=np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
             sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
         )
     arr = np.frombuffer(t.dense, dtype=np_dtype)
     if shape is not None and math.prod(shape) != arr.size:
         raise ValueError(f"loss_fn_inputs[{name!r}] has {arr.size} values but shape {shape}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # one NaN would poison the adapter's weights
+        raise ValueError(f"loss_fn_inputs[{name!r}] holds values that are not finite (NaN or infinity)")
     return types.TensorData(data=arr, dtype=dtype, shape=shape)
 
 

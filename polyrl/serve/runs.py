@@ -2,8 +2,10 @@
 
 A run is a model id (``{session_id}:train:{n}``); its checkpoints live in the engine's store under
 that id, so they outlive the server. ``run.json`` beside them records what the checkpoints do
-not: the run's base model, LoRA settings and ``user_metadata`` (the cookbook reads
-``renderer_name`` from it when resuming), written when the run starts.
+not: the run's owner (a digest of the API key that made it, never the key), base model, LoRA
+settings and ``user_metadata`` (the cookbook reads ``renderer_name`` from it when resuming),
+written when the run starts. Runs without an owner were put in the store by other means (an
+in-process ``polyrl train``); every key may load them by path, none sees them listed or deletes them.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from polyrl.serve.protocol import RequestError
 
 _ID = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:\-]*$")
 RUN_FILE = "run.json"
+UNREADABLE = "<run.json unreadable>"  # the owner of a run whose record cannot be read: no key's digest
 
 
 def check_id(value: str, what: str) -> str:
-    """Run ids and checkpoint names become directory names: refuse anything path-like."""
+    """Run ids and checkpoint names become directory names: refuse anything path-like (or hidden)."""
     if not isinstance(value, str) or not _ID.match(value) or len(value) > 200:
-        raise RequestError(400, f"invalid {what} {value!r}")
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:60]}... ({len(value)} characters)"
+        raise RequestError(400, f"invalid {what} {shown}: use 1 to 200 letters, digits, '_', '-', '.' or ':', "
+                                "not starting with '.' or ':'")
     return value
 
 
-def check_tinker_path(path: str) -> str:
+def check_tinker_path(path: str) -> CheckpointPath:
     """A ``tinker://<run>/<weights|sampler_weights>/<name>`` path with safe components."""
     try:
         cp = CheckpointPath.parse(path)
@@ -37,7 +42,7 @@ def check_tinker_path(path: str) -> str:
         raise RequestError(400, str(exc)) from exc
     check_id(cp.run_id, "run id")
     check_id(cp.name, "checkpoint name")
-    return path
+    return cp
 
 
 def _iso(ts: float) -> str:
@@ -49,13 +54,22 @@ class Runs:
         self.store = store
 
     # ---- run.json ---------------------------------------------------------------------------------
-    def record(self, run_id: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
+    def record(self, run_id: str, owner: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
         d = self.store.run_directory(run_id)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"training_run_id": run_id, "base_model": base_model, "lora": lora,
+        tmp.write_text(json.dumps({"training_run_id": run_id, "owner": owner, "base_model": base_model, "lora": lora,
                                    "user_metadata": _str_dict(user_metadata), "created": _iso(time.time())}, indent=2))
         os.replace(tmp, d / RUN_FILE)
+
+    def forget(self, run_id: str) -> None:
+        """Remove the record of a run that never started (its model could not be created)."""
+        d = self.store.run_directory(run_id)
+        (d / RUN_FILE).unlink(missing_ok=True)
+        try:
+            d.rmdir()
+        except OSError:  # it holds checkpoints after all
+            pass
 
     def info(self, run_id: str) -> dict | None:
         f = self.store.run_directory(run_id) / RUN_FILE
@@ -64,10 +78,18 @@ class Runs:
         except (OSError, ValueError):
             return None
 
+    def owner(self, run_id: str) -> str | None:
+        """The owner of a run in the store: a key digest, ``""`` for a run no key owns, None if there is no run."""
+        d = self.store.run_directory(run_id)
+        if not (d / RUN_FILE).exists():
+            return "" if d.is_dir() else None
+        info = self.info(run_id)
+        return str(info.get("owner") or "") if info is not None else UNREADABLE
+
     # ---- REST views ---------------------------------------------------------------------------------
     def checkpoints(self, run_id: str) -> list[dict]:
         check_id(run_id, "training run id")
-        return self.store.list(run_id)
+        return self.store.list(run_id) if self.store.run_directory(run_id).is_dir() else []
 
     def training_run(self, run_id: str, live: dict | None = None) -> dict:
         """Tinker's ``TrainingRun``; ``live`` holds what the server knows of a run it is serving."""
@@ -106,21 +128,27 @@ class Runs:
         except (ValueError, OSError):
             return {}
 
-    def run_ids(self, live: list[str]) -> list[str]:
-        on_disk = [r for r in self.store.runs() if _ID.match(r)]
+    def run_ids(self, live: list[str], owner: str) -> list[str]:
+        """``live`` (runs being served) and the runs in the store that ``owner`` made."""
+        on_disk = [r for r in self.store.runs() if _ID.match(r) and r not in live and self.owner(r) == owner]
         return list(dict.fromkeys([*live, *on_disk]))
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+    @staticmethod
+    def checkpoint_path(run_id: str, checkpoint_id: str) -> str:
+        """``tinker://<run_id>/<checkpoint_id>`` of a REST route's ``weights/<name>`` (checked)."""
         check_id(run_id, "training run id")
         kind, _, name = checkpoint_id.partition("/")
         if kind not in KINDS or not name:
             raise RequestError(400, f"checkpoint id {checkpoint_id!r} must look like weights/<name> or "
                                     "sampler_weights/<name>")
         check_id(name, "checkpoint name")
+        return f"tinker://{run_id}/{kind}/{name}"
+
+    def delete_checkpoint(self, path: str) -> None:
         try:
-            self.store.delete(f"tinker://{run_id}/{kind}/{name}")
-        except ValueError as e:
-            raise RequestError(404, str(e)) from None
+            self.store.delete(path)
+        except ValueError:
+            raise RequestError(404, f"checkpoint {path} not found") from None
 
 
 def _str_dict(d: dict | None) -> dict[str, str] | None:

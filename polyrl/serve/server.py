@@ -2,6 +2,9 @@
 
 Every method runs on the server's event loop and returns what the route sends back: a future
 (``{"request_id", ...}``) whose result ``retrieve_future`` fetches later, or a direct answer.
+Each takes the caller's ``owner`` (a digest of its API key): sessions, models, samplers, futures
+and checkpoints belong to the key that made them, and any other key gets the same "not found"
+as for an id that never existed.
 Training operations are closures the engine's worker thread runs in each model's ``seq_id``
 order (:class:`~polyrl.serve.state.OrderedOps`); sampling bypasses that order and is gathered
 into the engine's sampling batches (:class:`~polyrl.serve.state.SampleGate`).
@@ -14,6 +17,7 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +30,7 @@ from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.service import check_sample_options, make_sample_job
 from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
-from polyrl.serve.runs import Runs, check_tinker_path, paginate
+from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
 from polyrl.serve.state import (
     Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, error_body, wait_done,
 )
@@ -51,6 +55,7 @@ class ServeConfig:
     result_ttl_s: float = 900.0
     session_timeout_s: float = 1800.0
     max_samplers_per_session: int = 64
+    max_seq_ahead: int = 1024  # how far past a model's next seq_id an operation may arrive (and wait)
     preload: bool = True
 
 
@@ -66,6 +71,7 @@ class Server:
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
+        self.finished: OrderedDict[str, str] = OrderedDict()  # recently finished session id -> owner (for 410s)
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, SamplerRecord] = {}
         self.outstanding = Outstanding()
@@ -117,38 +123,44 @@ class Server:
         }
 
     # ---- sessions ------------------------------------------------------------------------------
-    def create_session(self, req: P.CreateSessionReq) -> dict:
+    def create_session(self, req: P.CreateSessionReq, owner: str) -> dict:
         sid = f"sess-{uuid.uuid4().hex[:12]}"
-        self.sessions[sid] = Session(sid, req.tags, req.user_metadata)
+        self.sessions[sid] = Session(sid, owner, req.tags, req.user_metadata)
         return {"session_id": sid, "type": "create_session"}
 
-    def _session(self, session_id: str) -> Session:
+    def _session(self, session_id: str, owner: str) -> Session:
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or s.owner != owner:
+            if self.finished.get(session_id) == owner:
+                raise RequestError(410, f"session {session_id} has finished")
             raise RequestError(404, f"unknown session_id {session_id!r} (sessions do not survive a server restart)")
-        if s.finished:
-            raise RequestError(410, f"session {session_id} has finished")
         s.last_seen = time.monotonic()
         return s
 
-    def heartbeat(self, req: P.SessionReq) -> dict:
+    def heartbeat(self, req: P.SessionReq, owner: str) -> dict:
         s = self.sessions.get(req.session_id)
-        if s is None or s.finished:
+        if s is None or s.owner != owner:
             raise RequestError(410, f"session {req.session_id!r} is not active")
         s.last_seen = time.monotonic()
         return {"type": "session_heartbeat"}
 
-    def finish_session(self, session_id: str, reason: str = "finished") -> dict:
+    def finish_session(self, session_id: str, owner: str, reason: str = "finished") -> dict:
+        """End a session and free everything in it: models (and their adapters), samplers, results."""
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or s.owner != owner:
+            if self.finished.get(session_id) == owner:
+                return {}
             raise RequestError(404, f"unknown session_id {session_id!r}")
-        if not s.finished:
-            s.finished = True
-            for mid in s.models:
-                if mid in self.models:
-                    self._release_model(self.models.pop(mid), f"model {mid} was released: its session {reason}")
-            for sid in s.samplers:
-                self.samplers.pop(sid, None)
+        del self.sessions[session_id]
+        self.finished[session_id] = owner
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
+        for mid in s.models:
+            if mid in self.models:
+                self._release_model(self.models.pop(mid), f"model {mid} was released: its session {reason}")
+        for sid in s.samplers:
+            self.samplers.pop(sid, None)
+        self.futures.drop_session(session_id)
         return {}
 
     def _release_model(self, rec: ModelRecord, reason: str) -> None:
@@ -163,24 +175,26 @@ class Server:
 
     # ---- training clients ----------------------------------------------------------------------
     def _new_model(self, session: Session, model_seq_id: int, base_model: str, lora: dict,
-                   user_metadata: dict | None, ready: Future) -> str:
+                   user_metadata: dict | None, start) -> str:
+        """Record the run (and its owner) in the store, then have the engine ``start()`` the model."""
         model_id = f"{session.session_id}:train:{model_seq_id}"
-        rid = self.futures.add(ready, lambda st: {"model_id": st.model_id, "type": "create_model"})
-        rec = ModelRecord(model_id, session.session_id, base_model, lora, user_metadata, ready,
-                          OrderedOps(self._submit, self.futures), rid)
+        try:
+            self.runs.record(model_id, session.owner, base_model, lora, user_metadata)
+        except OSError as e:
+            raise RequestError(503, f"could not record training run {model_id}: {e}", "server") from None
+        ready = self._submit(start)
+        rid = self.futures.add(ready, lambda st: {"model_id": st.model_id, "type": "create_model"},
+                               owner=session.owner, session_id=session.session_id)
+        ops = OrderedOps(self._submit, self.futures, max_ahead=self.config.max_seq_ahead, owner=session.owner,
+                         session_id=session.session_id)
+        rec = ModelRecord(model_id, session.session_id, session.owner, base_model, lora, user_metadata, ready, ops, rid)
         self.models[model_id] = rec
         session.models.append(model_id)
-
-        def started(f: Future) -> None:
-            if f.exception() is None:
-                st: TrainerState = f.result()
-                self.runs.record(model_id, st.base.name, st.spec.to_dict(), user_metadata)
-
-        ready.add_done_callback(started)
+        ready.add_done_callback(lambda f: self.runs.forget(model_id) if f.exception() is not None else None)
         return rid
 
-    def create_model(self, req: P.CreateModelReq) -> dict:
-        session = self._session(req.session_id)
+    def create_model(self, req: P.CreateModelReq, owner: str) -> dict:
+        session = self._session(req.session_id, owner)
         model_id = f"{session.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:  # a retried POST
             return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
@@ -194,20 +208,20 @@ class Server:
         if not (lc.train_mlp or lc.train_attn or lc.train_unembed):
             raise RequestError(400, "at least one of train_mlp, train_attn, train_unembed must be true")
         spec = LoraSpec(lc.rank, lc.train_mlp, lc.train_attn, lc.train_unembed, lc.seed)
-        ready = self._submit(lambda: self.engine.create_trainer(model_id, base, spec))
-        rid = self._new_model(session, req.model_seq_id, base, spec.to_dict(), req.user_metadata, ready)
+        rid = self._new_model(session, req.model_seq_id, base, spec.to_dict(), req.user_metadata,
+                              lambda: self.engine.create_trainer(model_id, base, spec))
         return {"request_id": rid, "model_id": model_id}
 
-    def _model(self, model_id: str) -> ModelRecord:
+    def _model(self, model_id: str, owner: str) -> ModelRecord:
         rec = self.models.get(model_id)
-        if rec is None:
+        if rec is None or rec.owner != owner:
             raise RequestError(404, f"unknown model_id {model_id!r} (models do not survive a server restart; "
                                     "load a checkpoint instead)")
         rec.last_request = time.time()
         return rec
 
-    async def get_info(self, req: P.ModelReq) -> dict:
-        rec = self._model(req.model_id)
+    async def get_info(self, req: P.ModelReq, owner: str) -> dict:
+        rec = self._model(req.model_id, owner)
         if not await wait_done(rec.ready, self.config.long_poll_s):
             raise RequestError(503, f"model {req.model_id} is still being created", "server")
         if rec.ready.exception() is not None:
@@ -223,20 +237,31 @@ class Server:
             "optimizer_config": {"type": "adamw"},
         }
 
-    def _checkpoint_meta(self, path: str) -> dict:
-        check_tinker_path(path)
+    def _run_owner(self, run_id: str) -> str | None:
+        """Who owns a run: a key digest, ``""`` for a run no key owns, None if there is no such run."""
+        rec = self.models.get(run_id)
+        return rec.owner if rec is not None else self.runs.owner(run_id)
+
+    def _readable(self, run_id: str, owner: str) -> bool:
+        return self._run_owner(run_id) in (owner, "")
+
+    def _checkpoint_meta(self, path: str, owner: str) -> dict:
+        """A checkpoint's metadata, if ``owner`` may load it; otherwise the same 404 as for a missing one."""
+        run_id = check_tinker_path(path).run_id
         try:
+            if not self._readable(run_id, owner):
+                raise ValueError(path)
             _, directory = self.engine.store.resolve(path)
             return self.engine.store.meta(directory)
-        except ValueError as e:
-            raise RequestError(404, str(e)) from None
+        except (ValueError, OSError):
+            raise RequestError(404, f"checkpoint {path} not found") from None
 
-    def load_weights(self, req: P.LoadWeightsReq) -> dict:
-        meta = self._checkpoint_meta(req.path)
+    def load_weights(self, req: P.LoadWeightsReq, owner: str) -> dict:
+        meta = self._checkpoint_meta(req.path, owner)
         self.base_model_name(meta["base_model"])
         path = req.path
         if req.model_id is not None:  # load_state into an existing training client
-            rec = self._model(req.model_id)
+            rec = self._model(req.model_id, owner)
             if req.seq_id is None:
                 raise RequestError(400, "load_weights into a model needs its seq_id")
 
@@ -252,19 +277,19 @@ class Server:
             return {"request_id": rec.ops.submit(req.seq_id, load, dict), "model_id": rec.model_id}
         if req.session_id is None or req.model_seq_id is None:
             raise RequestError(400, "load_weights needs either model_id and seq_id, or session_id and model_seq_id")
-        session = self._session(req.session_id)
+        session = self._session(req.session_id, owner)
         model_id = f"{session.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:
             return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
         source_run = path[len("tinker://"):].split("/")[0]
         user_metadata = req.user_metadata if req.user_metadata is not None else (self.runs.info(source_run) or {}).get("user_metadata")
-        ready = self._submit(lambda: self.engine.load_trainer(model_id, path, req.optimizer))
-        rid = self._new_model(session, req.model_seq_id, meta["base_model"], meta["lora"], user_metadata, ready)
+        rid = self._new_model(session, req.model_seq_id, meta["base_model"], meta["lora"], user_metadata,
+                              lambda: self.engine.load_trainer(model_id, path, req.optimizer))
         self.futures.get(rid).to_json = lambda st: {"path": path, "model_id": st.model_id, "type": "load_weights"}
         return {"request_id": rid, "model_id": model_id}
 
-    def forward_backward(self, fb: P.ForwardBackwardReq) -> dict:
-        rec = self._model(fb.model_id)
+    def forward_backward(self, fb: P.ForwardBackwardReq, owner: str) -> dict:
+        rec = self._model(fb.model_id, owner)
         loss_fn, config, data, backward = fb.loss_fn, dict(fb.loss_fn_config), fb.data, not fb.forward_only
 
         def run() -> types.ForwardBackwardOutput:
@@ -279,14 +304,14 @@ class Server:
         rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
         return {"request_id": rid, "model_id": rec.model_id}
 
-    def refuse_op(self, model_id: str, seq_id: int, error: RequestError) -> None:
+    def refuse_op(self, model_id: str, seq_id: int, error: RequestError, owner: str) -> None:
         """A malformed operation still uses up its seq_id, so the model's later operations need not wait."""
         rec = self.models.get(model_id)
-        if rec is not None:
+        if rec is not None and rec.owner == owner:
             rec.ops.refuse(seq_id, error)
 
-    def optim_step(self, req: P.OptimStepReq) -> dict:
-        rec = self._model(req.model_id)
+    def optim_step(self, req: P.OptimStepReq, owner: str) -> dict:
+        rec = self._model(req.model_id, owner)
         params = req.adam_params
         if params is None:
             kind = (req.optimizer_params or {}).get("type", "none given")
@@ -299,9 +324,17 @@ class Server:
 
         return {"request_id": rec.ops.submit(req.seq_id, run, _json), "model_id": rec.model_id}
 
-    def save_weights(self, req: P.SaveWeightsReq) -> dict:
-        rec = self._model(req.model_id)
-        name = req.path or f"ckpt-{int(time.time() * 1000)}"
+    def _checkpoint_name(self, rec: ModelRecord, seq_id: int, name: str) -> str:
+        """A name the store accepts and a later load can name again; a bad one uses up ``seq_id``."""
+        try:
+            return check_id(name, "checkpoint name")
+        except RequestError as e:
+            rec.ops.refuse(seq_id, e)
+            raise
+
+    def save_weights(self, req: P.SaveWeightsReq, owner: str) -> dict:
+        rec = self._model(req.model_id, owner)
+        name = self._checkpoint_name(rec, req.seq_id, req.path or f"ckpt-{int(time.time() * 1000)}")
 
         def run() -> dict:
             path = self.engine.save_state(rec.ready.result(), name, req.overwrite, req.user_metadata)
@@ -309,10 +342,10 @@ class Server:
 
         return {"request_id": rec.ops.submit(req.seq_id, run, dict), "model_id": rec.model_id}
 
-    def save_for_sampler(self, req: P.SaveForSamplerReq) -> dict:
-        rec = self._model(req.model_id)
+    def save_for_sampler(self, req: P.SaveForSamplerReq, owner: str) -> dict:
+        rec = self._model(req.model_id, owner)
         if req.path is not None:
-            name = req.path
+            name = self._checkpoint_name(rec, req.seq_id, req.path)
 
             def run() -> dict:
                 path = self.engine.save_for_sampler(rec.ready.result(), name, req.user_metadata)
@@ -323,7 +356,7 @@ class Server:
             raise RequestError(400, "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
         if req.seq_id in rec.ops.seen:
             return {"request_id": rec.ops.seen[req.seq_id], "model_id": rec.model_id}
-        session = self._session(rec.session_id)
+        session = self._session(rec.session_id, owner)
         sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
         snapshot: Future = Future()
 
@@ -335,27 +368,28 @@ class Server:
         rid = rec.ops.submit(req.seq_id, run, dict)
         self.futures.get(rid).future.add_done_callback(
             lambda f: None if snapshot.done() else snapshot.set_exception(f.exception() or RuntimeError("no snapshot")))
-        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, rec.base_model, None, snapshot, True))
+        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, rec.base_model, None, snapshot,
+                                                 True))
         return {"request_id": rid, "model_id": rec.model_id}
 
     # ---- sampling ----------------------------------------------------------------------------------
     def _add_sampler(self, session: Session, rec: SamplerRecord) -> None:
         self.samplers[rec.sampler_id] = rec
         session.samplers.append(rec.sampler_id)
-        ephemeral = [s for s in session.samplers if s in self.samplers and self.samplers[s].ephemeral]
-        excess = len(ephemeral) - self.config.max_samplers_per_session
-        if excess > 0:  # drop the least recently used snapshots
-            for sid in sorted(ephemeral, key=lambda s: self.samplers[s].last_used)[:excess]:
+        session.samplers = [s for s in session.samplers if s in self.samplers]
+        excess = len(session.samplers) - self.config.max_samplers_per_session
+        if excess > 0:  # drop the least recently used
+            for sid in sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]:
                 del self.samplers[sid]
                 session.samplers.remove(sid)
 
-    def create_sampling_session(self, req: P.CreateSamplingSessionReq) -> dict:
-        session = self._session(req.session_id)
+    def create_sampling_session(self, req: P.CreateSamplingSessionReq, owner: str) -> dict:
+        session = self._session(req.session_id, owner)
         sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
         if sampler_id in self.samplers:
             return {"sampling_session_id": sampler_id}
         if req.model_path is not None:
-            meta = self._checkpoint_meta(req.model_path)
+            meta = self._checkpoint_meta(req.model_path, owner)
             base = self.base_model_name(meta["base_model"])
             path = req.model_path
             ready = self._submit(lambda: self.engine.load_sampler(path))
@@ -364,23 +398,24 @@ class Server:
             ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None))
         else:
             raise RequestError(400, "create_sampling_session needs model_path or base_model")
-        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, base, req.model_path, ready, False))
+        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path, ready,
+                                                 False))
         return {"sampling_session_id": sampler_id}
 
-    def get_sampler(self, sampler_id: str) -> dict:
+    def get_sampler(self, sampler_id: str, owner: str) -> dict:
         rec = self.samplers.get(sampler_id)
-        if rec is None:
+        if rec is None or rec.owner != owner:
             raise RequestError(404, f"unknown sampler {sampler_id!r}")
         out = {"sampler_id": sampler_id, "base_model": rec.base_model}
         if rec.model_path:
             out["model_path"] = rec.model_path
         return out
 
-    def sample(self, req: P.SampleReq) -> dict:
+    def sample(self, req: P.SampleReq, owner: str) -> dict:
         if req.sampling_session_id is None:
             raise RequestError(400, "asample needs a sampling_session_id (create one with create_sampling_session)")
         rec = self.samplers.get(req.sampling_session_id)
-        if rec is None:
+        if rec is None or rec.owner != owner:
             raise RequestError(404, f"unknown sampling_session_id {req.sampling_session_id!r} (it expired, its "
                                     "session finished, or the server restarted)")
         rec.last_used = time.monotonic()
@@ -391,7 +426,7 @@ class Server:
         last_n = req.prompt_logprobs_last_n
         out: Future = Future()
         rid = self.futures.add(out, lambda r: P.sample_response_json(r, ids, last_n),
-                               lambda r: P.encode_sample_response(r, last_n))
+                               lambda r: P.encode_sample_response(r, last_n), owner=owner, session_id=rec.session_id)
         if req.seq_id is not None:
             rec.seen[req.seq_id] = (rid, ids)
             if len(rec.seen) > 8192:  # retries only ever repeat recent requests
@@ -433,9 +468,9 @@ class Server:
         return {"request_id": rid, "sample_sequence_ids": ids}
 
     # ---- futures -----------------------------------------------------------------------------------
-    async def retrieve(self, req: P.RetrieveFutureReq, accept_proto: bool) -> tuple[int, Any]:
+    async def retrieve(self, req: P.RetrieveFutureReq, accept_proto: bool, owner: str) -> tuple[int, Any]:
         """(HTTP status, body): bytes for protobuf, a dict for JSON."""
-        pending = self.futures.get(req.request_id)
+        pending = self.futures.owned(req.request_id, owner)
         if pending is None:
             raise RequestError(404, f"unknown or expired request_id {req.request_id!r}")
         if not await wait_done(pending.future, self.config.long_poll_s):
@@ -459,31 +494,46 @@ class Server:
         return {"base_model": rec.base_model, "lora": rec.lora, "user_metadata": rec.user_metadata,
                 "last_request": rec.last_request}
 
-    def training_run(self, run_id: str) -> dict:
-        return self.runs.training_run(run_id, self._live_run(run_id))
+    def _visible_run(self, run_id: str, owner: str) -> str:
+        check_id(run_id, "training run id")
+        if not self._readable(run_id, owner):
+            raise RequestError(404, f"training run {run_id!r} not found")
+        return run_id
 
-    def training_runs(self, limit: int, offset: int) -> dict:
+    def training_run(self, run_id: str, owner: str) -> dict:
+        return self.runs.training_run(self._visible_run(run_id, owner), self._live_run(run_id))
+
+    def _own_runs(self, owner: str) -> list[str]:
+        return self.runs.run_ids([m for m, rec in self.models.items() if rec.owner == owner], owner)
+
+    def training_runs(self, limit: int, offset: int, owner: str) -> dict:
         rows = []
-        for run_id in self.runs.run_ids(list(self.models)):
+        for run_id in self._own_runs(owner):
             try:
-                rows.append(self.training_run(run_id))
+                rows.append(self.runs.training_run(run_id, self._live_run(run_id)))
             except RequestError:
                 continue
         rows.sort(key=lambda r: r["last_request_time"], reverse=True)
         page, cursor = paginate(rows, limit, offset)
         return {"training_runs": page, "cursor": cursor}
 
-    def checkpoints(self, run_id: str) -> dict:
-        return {"checkpoints": self.runs.checkpoints(run_id)}
+    def checkpoints(self, run_id: str, owner: str) -> dict:
+        return {"checkpoints": self.runs.checkpoints(self._visible_run(run_id, owner))}
 
-    def user_checkpoints(self, limit: int, offset: int) -> dict:
-        rows = [c for run_id in self.runs.run_ids([]) for c in self.runs.checkpoints(run_id)]
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, owner: str) -> None:
+        path = self.runs.checkpoint_path(run_id, checkpoint_id)
+        if self._run_owner(run_id) != owner:  # only the owner deletes; nobody deletes what no key owns
+            raise RequestError(404, f"checkpoint {path} not found")
+        self.runs.delete_checkpoint(path)
+
+    def user_checkpoints(self, limit: int, offset: int, owner: str) -> dict:
+        rows = [c for run_id in self._own_runs(owner) for c in self.runs.checkpoints(run_id)]
         rows.sort(key=lambda c: c.get("time") or "", reverse=True)
         page, cursor = paginate(rows, limit, offset)
         return {"checkpoints": page, "cursor": cursor}
 
-    def weights_info(self, req: P.WeightsInfoReq) -> dict:
-        meta = self._checkpoint_meta(req.tinker_path)
+    def weights_info(self, req: P.WeightsInfoReq, owner: str) -> dict:
+        meta = self._checkpoint_meta(req.tinker_path, owner)
         lora = meta.get("lora", {})
         return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora.get("rank"),
                 "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
@@ -498,8 +548,8 @@ class Server:
             rec.ops.forget_old()
         self.futures.expire(self.config.result_ttl_s, now)
         for s in list(self.sessions.values()):
-            if not s.finished and now - s.last_seen > self.config.session_timeout_s:
+            if now - s.last_seen > self.config.session_timeout_s:
                 log.warning("session %s sent no heartbeat for %.0f s; releasing its models", s.session_id,
                             now - s.last_seen)
-                self.finish_session(s.session_id, "timed out")
+                self.finish_session(s.session_id, s.owner, "timed out")
 

@@ -1,5 +1,7 @@
 """Server-side bookkeeping: futures by request id, per-model operation order, sessions, samplers.
 
+Every record carries its ``owner`` (a digest of the API key that made it) and its session, so a
+lookup can refuse another key's ids and a finished session can take its records with it.
 Everything here is touched from the server's event loop only; the engine's worker thread only
 completes ``concurrent.futures.Future`` objects, which are thread-safe.
 """
@@ -58,19 +60,31 @@ class Pending:
     to_json: Callable[[Any], dict]
     to_proto: Callable[[Any], bytes] | None = None  # results the SDK decodes from protobuf
     done_at: float | None = None
+    owner: str = ""
+    session_id: str = ""
 
 
 class Futures:
     def __init__(self) -> None:
         self._items: dict[str, Pending] = {}
 
-    def add(self, future: Future, to_json: Callable[[Any], dict], to_proto: Callable[[Any], bytes] | None = None) -> str:
+    def add(self, future: Future, to_json: Callable[[Any], dict], to_proto: Callable[[Any], bytes] | None = None,
+            owner: str = "", session_id: str = "") -> str:
         request_id = uuid.uuid4().hex
-        self._items[request_id] = Pending(future, to_json, to_proto)
+        self._items[request_id] = Pending(future, to_json, to_proto, owner=owner, session_id=session_id)
         return request_id
 
     def get(self, request_id: str) -> Pending | None:
         return self._items.get(request_id)
+
+    def owned(self, request_id: str, owner: str) -> Pending | None:
+        """The result ``request_id`` if ``owner`` asked for it; another key's is as unknown as a made-up id."""
+        p = self._items.get(request_id)
+        return p if p is not None and p.owner == owner else None
+
+    def drop_session(self, session_id: str) -> None:
+        for rid in [rid for rid, p in self._items.items() if p.session_id == session_id]:
+            del self._items[rid]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -116,11 +130,16 @@ class OrderedOps:
     until every lower ``seq_id`` has been handed to the engine; a repeated ``seq_id`` gets the
     original request id back. A ``seq_id`` that never arrives (its POST was refused) holds up the
     ones after it for at most ``gap_timeout`` seconds; then those are failed, not run out of context.
+    A ``seq_id`` more than ``max_ahead`` past the next one is refused outright, so a gap (and what
+    it holds and later fails) stays bounded.
     """
 
-    def __init__(self, submit: Callable[[Callable[[], Any]], Future], futures: Futures, first_seq: int = 1):
+    def __init__(self, submit: Callable[[Callable[[], Any]], Future], futures: Futures, first_seq: int = 1,
+                 max_ahead: int = 1024, owner: str = "", session_id: str = ""):
         self._submit = submit
         self._futures = futures
+        self._tags = {"owner": owner, "session_id": session_id}
+        self.max_ahead = max_ahead
         self.next_seq = first_seq
         self.seen: dict[int, str] = {}
         self.waiting: dict[int, tuple[Callable[[], Any], Future]] = {}
@@ -135,8 +154,11 @@ class OrderedOps:
             raise RequestError(400, f"seq_id {seq} was already used by this model (next is {self.next_seq})")
         if self.closed:
             raise RequestError(404, self.closed)
+        if seq >= self.next_seq + self.max_ahead:
+            raise RequestError(400, f"seq_id {seq} is {seq - self.next_seq} ahead of this model's next operation "
+                                    f"(seq_id {self.next_seq}); at most {self.max_ahead} may wait for earlier ones")
         fut: Future = Future()
-        rid = self._futures.add(fut, to_json, to_proto)
+        rid = self._futures.add(fut, to_json, to_proto, **self._tags)
         self.seen[seq] = rid
         self.waiting[seq] = (fn, fut)
         self._drain()
@@ -144,9 +166,9 @@ class OrderedOps:
 
     def refuse(self, seq: int, error: RequestError) -> None:
         """Record ``seq`` as failed (its POST was malformed) so later operations need not wait for it."""
-        if seq in self.seen or seq < self.next_seq:
+        if seq in self.seen or seq < self.next_seq or seq >= self.next_seq + self.max_ahead or self.closed:
             return
-        self.seen[seq] = self._futures.add(failed(error), dict)
+        self.seen[seq] = self._futures.add(failed(error), dict, **self._tags)
         self.waiting[seq] = (None, None)  # type: ignore[assignment]
         self._drain()
 
@@ -167,12 +189,14 @@ class OrderedOps:
         if not self.waiting or self.gap_since is None or now - self.gap_since < timeout:
             return
         first = min(self.waiting)
-        missing = list(range(self.next_seq, first))
+        missing = list(range(self.next_seq, first))  # at most max_ahead
+        named = missing if len(missing) <= 8 else f"{missing[0]}..{missing[-1]}"
         log.warning("seq_id %s never arrived within %.0f s; failing the %d operations queued after it",
-                    missing, timeout, len(self.waiting))
+                    named, timeout, len(self.waiting))
         for seq in missing:
-            self.seen[seq] = self._futures.add(failed(RequestError(408, f"seq_id {seq} never arrived")), dict)
-        err = RequestError(409, f"not run: seq_id(s) {missing} of this model never reached the server "
+            self.seen[seq] = self._futures.add(failed(RequestError(408, f"seq_id {seq} never arrived")), dict,
+                                               **self._tags)
+        err = RequestError(409, f"not run: seq_id(s) {named} of this model never reached the server "
                                 f"(waited {timeout:.0f} s)")
         for _, fut in self.waiting.values():
             if fut is not None:
@@ -197,11 +221,11 @@ class OrderedOps:
 @dataclass
 class Session:
     session_id: str
+    owner: str
     tags: list[str] = field(default_factory=list)
     user_metadata: dict | None = None
     created: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
-    finished: bool = False
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
 
@@ -210,6 +234,7 @@ class Session:
 class ModelRecord:
     model_id: str
     session_id: str
+    owner: str
     base_model: str
     lora: dict
     user_metadata: dict | None
@@ -223,6 +248,7 @@ class ModelRecord:
 class SamplerRecord:
     sampler_id: str
     session_id: str
+    owner: str
     base_model: str
     model_path: str | None
     ready: Future  # of the engine's SamplerState
