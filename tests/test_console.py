@@ -63,7 +63,8 @@ def test_rows_are_one_clean_line_each_when_stderr_is_a_pipe():
     header, *rows, info = lines
     assert header.split() == ["step", "reward", "success", "kl", "entropy", "loss", "grad", "tokens", "fail",
                               "s/step"]  # every column, none cut off at 80 characters
-    assert [row.split() for row in rows] == [[str(s), f"{0.25 * s:.3f}", *["-"] * 6, "0", "12.5"] for s in range(3)]
+    expected = [[str(s), f"{0.25 * s:.3f}", *["-"] * 6, "0", "12.5"] for s in range(3)]
+    assert [row.split() for row in rows] == expected
     assert info == "checkpoint final: tinker://run/weights/final"
 
 

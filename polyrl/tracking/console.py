@@ -60,8 +60,8 @@ class ConsoleLog:
     def progress(self, description: str, total: int, **fields: Any) -> Progress:
         """A transient progress bar; keyword ``fields`` (e.g. ``loss="-"``) are shown after it and
         updated with ``progress.update(task_id, loss=...)``. Silent when stderr is not a terminal."""
-        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
-        columns += [TextColumn(f"{name} {{task.fields[{name}]}}") for name in fields]
+        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), *(TextColumn(f"{name} {{task.fields[{name}]}}") for name in fields)]
         progress = Progress(*columns, console=self.console, transient=True,
                             disable=not (self.enabled and self.is_terminal))
         progress.add_task(description, total=total, **fields)
