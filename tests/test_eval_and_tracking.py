@@ -90,9 +90,9 @@ def test_wandb_resume_continues_the_same_run_after_a_relaunch(tiny_model_dir, tm
     rows = (run / "checkpoints.jsonl").read_text().splitlines()
     checkpoint_ids = {json.loads(line)["wandb_run_id"] for line in rows}
     assert checkpoint_ids == {first["id"]}
-    # every launch's offline directory (one per launch, unless both started within the same second)
-    launches = sorted((run / "wandb").glob("offline-run-*"))
-    assert launches and {path.name.rsplit("-", 1)[1] for path in launches} == {first["id"]}
-    assert second["dir"] == str(launches[-1])
+    # one offline directory per launch: offline-run-<time>-<id>[-<n> when two start in the same second]
+    launches = list((run / "wandb").glob("offline-run-*"))
+    assert len(launches) == 2 and all(f"-{first['id']}" in path.name for path in launches)
+    assert second["dir"] in map(str, launches) and first["dir"] != second["dir"]
     index = (run / "report" / "data" / "index.js").read_text()
     assert f'"id":"{first["id"]}"' in index

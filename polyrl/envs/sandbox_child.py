@@ -69,12 +69,14 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 
 
-def enter_namespaces(workdir: str, disk_mb: int) -> bool:
-    """New user + network + mount namespaces and a tmpfs working directory; False where the kernel
-    refuses unprivileged user namespaces (the other layers still apply)."""
+def enter_namespaces(workdir: str, disk_mb: int) -> str:
+    """New user + network + mount namespaces and a tmpfs working directory; what was set up ("none"
+    where the kernel refuses unprivileged user namespaces: the other layers still apply). The
+    working directory is the current directory afterwards."""
     uid, gid = os.getuid(), os.getgid()
     if LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS) != 0:
-        return False
+        os.chdir(workdir)
+        return "none"
     try:
         for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
@@ -83,12 +85,12 @@ def enter_namespaces(workdir: str, disk_mb: int) -> bool:
         options = f"size={disk_mb}m,mode=0700,uid={uid},gid={gid}".encode()
         _check(LIBC.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), "mount tmpfs")
     except (OSError, SandboxSetupError):
-        # a half-usable namespace (e.g. AppArmor's restriction of unprivileged user namespaces) is
-        # still a namespace without network; the working directory stays the parent's
+        # no mounts in this user namespace (e.g. AppArmor's restriction of unprivileged user
+        # namespaces): still a network namespace; the working directory stays the parent's
         os.chdir(workdir)
-        return True
+        return "user, network"
     os.chdir(workdir)  # the tmpfs now mounted over it
-    return True
+    return "user, network, mount (tmpfs working directory)"
 
 
 # -------------------------------------------------------------------------------- 2. capabilities
@@ -249,10 +251,11 @@ def apply_seccomp() -> None:
 def confine(config: dict) -> dict:
     layers = {"uid": os.getuid()}
     workdir = config["workdir"]
-    in_namespaces = config["namespaces"] and enter_namespaces(workdir, config["disk_mb"])
-    if not in_namespaces:
+    if config["namespaces"]:
+        layers["namespaces"] = enter_namespaces(workdir, config["disk_mb"])
+    else:
         os.chdir(workdir)
-    layers["namespaces"] = "user, network, mount (tmpfs working directory)" if in_namespaces else "none"
+        layers["namespaces"] = "none"
     drop_capabilities()
     layers["capabilities"] = "none"
     layers["landlock_abi"] = apply_landlock(config["read_paths"], [workdir], config["device_paths"])
