@@ -31,7 +31,9 @@ def _load(args, model):
     translation = None
     if model is TrainConfig:  # other harnesses' configs and command lines (polyrl.compat)
         from polyrl.compat import translate_run
+        from polyrl.config import load_dotenv_file
 
+        load_dotenv_file()  # a translation looks for API keys, which may be in .env
         translation = translate_run(args.config_path, getattr(args, "arguments", []))
     if not args.config_path and not args.overrides and translation is None:
         raise SystemExit("error: give --config_path and/or --overrides (see --help-config)")

@@ -175,3 +175,10 @@ def test_print_config_of_a_native_config(tmp_path, tiny_model_dir, monkeypatch):
     config = yaml.safe_load(out.stdout)
     assert config["batch_size"] == 3 and config["environments"]["arithmetic"]["type"] == "arithmetic"
     assert not out.stdout.startswith("#")
+
+
+def test_minds_api_key_from_dotenv(minds_repo):
+    (minds_repo / ".env").write_text("MINDS_TEST_TINKER_KEY=tml-dotenv-secret-789\n")
+    out = run_cli("train", "--config_path", "configs/train.toml", "--print-config")
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["backend"] == "tinker" and "secret" not in out.stdout
