@@ -20,17 +20,50 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="dotted overrides, e.g. batch_size=64 environments.arithmetic.num_rollouts=8")
     p.add_argument("--help-config", action="store_true", help="print every config field and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config the run would use (YAML, secrets masked; translated configs "
+                        "too) and exit")
 
 
 def _load(args, model):
-    from polyrl.config import config_reference, load_config
+    from polyrl.config import TrainConfig, config_reference, load_config
 
     if args.help_config:
         print(config_reference(model))
         sys.exit(0)
-    if not args.config_path and not args.overrides:
+    translation = None
+    if model is TrainConfig:  # other harnesses' configs and command lines (polyrl.compat)
+        from polyrl.compat import translate_run
+        from polyrl.config import load_dotenv_file
+
+        load_dotenv_file()  # a translation looks for API keys, which may be in .env
+        translation = translate_run(args.config_path, getattr(args, "arguments", []))
+    if not args.config_path and not args.overrides and translation is None:
         raise UserInputError("give --config_path and/or --overrides (see --help-config)")
-    return load_config(args.config_path, args.overrides, model=model)
+    if translation is not None:
+        config = load_config(None, args.overrides, model=model, base=translation.data)
+    else:
+        config = load_config(args.config_path, args.overrides, model=model)
+    if args.print_config:
+        print(_config_yaml(config, translation), end="")
+        sys.exit(0)
+    for note in translation.notes if translation else []:
+        print(f"note: {note}", file=sys.stderr)
+    return config
+
+
+def _config_yaml(config, translation) -> str:
+    """The validated config as YAML that ``--config_path`` reads back, with what it was translated
+    from (and the notes on the translation) as comments."""
+    import yaml
+
+    from polyrl.secrets import redact
+
+    header = []
+    if translation is not None:
+        header = [f"# translated from {translation.source}", *(f"# note: {n}" for n in translation.notes)]
+    body = yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False, allow_unicode=True)
+    return "".join(line + "\n" for line in header) + body
 
 
 def cmd_train(args) -> None:
@@ -108,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("train", help="RL training on the configured environments")
     _config_args(p)
+    p.add_argument("arguments", nargs="*", metavar="KEY=VALUE",
+                   help="GEM trainer style arguments instead of a config, e.g. "
+                        "env_id=game:GuessTheNumber-v0-easy max_steps=20 gamma=0.9 use_rebn=true "
+                        "template=qwen3_game (before any --overrides)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("sft", help="supervised warm start on environment demonstrations")

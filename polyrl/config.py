@@ -231,6 +231,10 @@ class TrainConfig(BaseModel):
                                   description="Samples per test task during evaluation (for pass@k).")
     log_path: str = Field("runs/polyrl", description="Directory for metrics, trajectories, checkpoints and the report.")
     report: bool = Field(True, description="Refresh the HTML report whenever a checkpoint is saved.")
+    metrics_json: bool = Field(
+        False, description="Also write log_path/metrics.json, a JSON list of {reward, loss, step} per step "
+        "(the file Minds RL's harness wrote; on for translated Minds RL configs)."
+    )
     wandb_project_name: str | None = Field(None, description="Weights & Biases project; null = no W&B logging.")
     wandb_run_name: str | None = Field(None, description="Weights & Biases run name; null = W&B's default.")
     openreward_run_name: str | None = Field(

@@ -122,7 +122,7 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     say(f"warm start: {sft_steps} SFT steps on {demos} demonstrations of {', '.join(ENVIRONMENTS)}")
     sft_config = SFTConfig(**common, **SFT, max_steps=sft_steps, log_path=str(workdir / "sft"),
                            environments=env_configs("train", demos=True))
-    sft_state = await sft_async(sft_config, ConsoleLog(enabled=False))
+    sft_state = await sft_async(sft_config, console)
     sft_sampler = json.loads((workdir / "sft" / "sft.json").read_text())["sampler_path"]
     lap("sft")
 

@@ -93,24 +93,27 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
     datums = demonstration_datums(config, renderer)
     rng = random.Random(config.seed)
     order: list[int] = []
-    for step in range(config.max_steps):
-        t0 = time.monotonic()
-        batch = []
-        while len(batch) < config.batch_size:
-            if not order:
-                order = list(range(len(datums)))
-                rng.shuffle(order)
-            batch.append(datums[order.pop()])
-        frac = 1.0 - step / config.max_steps if config.lr_schedule == "linear" else 1.0
-        fwd = training.forward_backward(batch, "cross_entropy")
-        opt = training.optim_step(types.AdamParams(learning_rate=config.learning_rate * frac))
-        result, _ = await fwd, await opt
-        n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
-        row = {"step": step, "optim/loss": result.metrics["loss:sum"] / max(n_tokens, 1.0),
-               "optim/lr": config.learning_rate * frac, "time/total": time.monotonic() - t0}
-        files.log_metrics(row)
-        if step % 10 == 0 or step + 1 == config.max_steps:
-            console.info(f"sft step {step}: loss/token {row['optim/loss']:.4f}")
+    log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
+    with console.progress("sft", config.max_steps, loss="-") as progress:
+        for step in range(config.max_steps):
+            t0 = time.monotonic()
+            batch = []
+            while len(batch) < config.batch_size:
+                if not order:
+                    order = list(range(len(datums)))
+                    rng.shuffle(order)
+                batch.append(datums[order.pop()])
+            frac = 1.0 - step / config.max_steps if config.lr_schedule == "linear" else 1.0
+            fwd = training.forward_backward(batch, "cross_entropy")
+            opt = training.optim_step(types.AdamParams(learning_rate=config.learning_rate * frac))
+            result, _ = await fwd, await opt
+            n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
+            row = {"step": step, "optim/loss": result.metrics["loss:sum"] / max(n_tokens, 1.0),
+                   "optim/lr": config.learning_rate * frac, "time/total": time.monotonic() - t0}
+            files.log_metrics(row)
+            progress.update(progress.task_ids[0], advance=1, loss=f"{row['optim/loss']:.4f}")
+            if not console.is_terminal and (step % log_every == 0 or step + 1 == config.max_steps):
+                console.info(f"sft step {step}: loss/token {row['optim/loss']:.4f}")
     state = await training.save_state(config.save_name)
     sampler = await training.save_weights_for_sampler(config.save_name)
     atomic_write_text(files.root / "sft.json", json.dumps({"state_path": state.path, "sampler_path": sampler.path}))

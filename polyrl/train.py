@@ -225,7 +225,7 @@ def kl_metrics(datums: list[types.Datum], outputs: list[dict]) -> dict[str, floa
 
 async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
     console = console or ConsoleLog()
-    files = RunFiles(config.log_path)
+    files = RunFiles(config.log_path, metrics_json=config.metrics_json)
     files.write_config(config.dump())
     runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens)
                 for name, cfg in config.environments.items()}

@@ -177,3 +177,41 @@ def test_step_module_with_build_gets_the_rollouts_sampler(tmp_path, tokenizer):
     ctx = RolloutContext("m", "train", 0, 0, policy, renderer, _settings(), None)
     [ep] = asyncio.run(builder.rollout(ctx))
     assert ep.reward == 1.0 and ep.done_by_env and ep.metrics["n"] >= 2  # step got the whole message
+
+
+# ---------------------------------------------------------------------------- package directories
+def test_package_directories_load_as_packages(tmp_path, monkeypatch):
+    """``module:./environments/my_task`` (Minds RL's layout: relative imports inside the package) and
+    a project directory holding ``name/__init__.py`` both load; a directory without either is a
+    one-line error."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(REPO / "tests/fixtures/minds/environments", tmp_path / "environments")
+    project = tmp_path / "environments" / "proj_task" / "proj_task"
+    project.mkdir(parents=True)
+    (project.parent / "pyproject.toml").write_text("[project]\nname = 'proj-task'\n")
+    (project / "__init__.py").write_text("from .game import load_environment\n")
+    (project / "game.py").write_text("from .rules import REWARD\n\nclass G:\n"
+                                     "    def initial_observation(self):\n        return 'go'\n"
+                                     "    def step(self, text):\n        return REWARD\n\n"
+                                     "def load_environment():\n    return G()\n")
+    (project / "rules.py").write_text("REWARD = 0.5\n")
+
+    builder = make_env_builder("module:./environments/my_task", {"word": "z"}, seed=0)
+    env = builder.make("train", 0)
+    obs = asyncio.run(env.reset())
+    assert obs.messages == [{"role": "user", "content": "Reply with the letter z."}]
+    assert asyncio.run(env.step({"role": "assistant", "content": "z!"})).reward == 1.0
+    unfixed = make_env_builder("module:environments/my_task/", {}, seed=0).make("train", 2)
+    assert asyncio.run(unfixed.reset()).messages[0]["content"] == "Reply with the letter c."
+
+    env = make_env_builder("module:./environments/proj_task", {}, seed=0).make("train", 0)
+    asyncio.run(env.reset())
+    assert asyncio.run(env.step({"role": "assistant", "content": "x"})).reward == 0.5
+
+    (tmp_path / "environments" / "empty").mkdir()
+    (tmp_path / "run.yaml").write_text(json.dumps(
+        {"model_name": "m", "environments": {"e": {"type": "module:./environments/empty"}}}))
+    with pytest.raises(ConfigError, match="environment directory ./environments/empty has no __init__.py"):
+        load_config(tmp_path / "run.yaml")

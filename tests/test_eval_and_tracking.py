@@ -70,3 +70,29 @@ def test_wandb_offline_run_gets_the_metrics(tiny_model_dir, tmp_path, monkeypatc
     while b"env/arithmetic/reward/mean" not in record_log.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert b"env/arithmetic/reward/mean" in record_log.read_bytes()
+
+
+@pytest.mark.slow
+def test_wandb_resume_continues_the_same_run_after_a_relaunch(tiny_model_dir, tmp_path, monkeypatch):
+    """A run stopped after its checkpoint and relaunched with more steps logs into the same W&B run
+    (offline mode: each launch writes an offline-run-<time>-<id> directory; the ids agree), and its
+    report names that run."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    common = dict(eval_every=0, save_every=1, wandb_project_name="polyrl-test", wandb_run_name="resume")
+    run = tmp_path / "run"
+    train(_config(tiny_model_dir, tmp_path, max_steps=1, **common), ConsoleLog(enabled=False))
+    first = json.loads((run / "wandb.json").read_text())
+    train(_config(tiny_model_dir, tmp_path, max_steps=2, **common), ConsoleLog(enabled=False))
+    second = json.loads((run / "wandb.json").read_text())
+    assert second["id"] == first["id"] and second["offline"] is True and second["url"] is None
+    rows = (run / "checkpoints.jsonl").read_text().splitlines()
+    checkpoint_ids = {json.loads(line)["wandb_run_id"] for line in rows}
+    assert checkpoint_ids == {first["id"]}
+    # one offline directory per launch: offline-run-<time>-<id>[-<n> when two start in the same second]
+    launches = list((run / "wandb").glob("offline-run-*"))
+    assert len(launches) == 2 and all(f"-{first['id']}" in path.name for path in launches)
+    assert second["dir"] in map(str, launches) and first["dir"] != second["dir"]
+    index = (run / "report" / "data" / "index.js").read_text()
+    assert f'"id":"{first["id"]}"' in index

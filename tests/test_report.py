@@ -489,3 +489,41 @@ def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, t
         assert not errors, errors
     assert shot.stat().st_size > 10_000
     print(f"screenshots: {shot}, {tmp_path / 'report_tokens.png'}")
+
+
+# ---------------------------------------------------------------------------------------- W&B link
+def test_the_report_links_the_wandb_run(tmp_path):
+    run = write_synthetic_run(tmp_path / "run", steps=2, episodes_per_step=2, think_words=3)
+    build_report(run)
+    assert _index(run)["run"]["wandb"] is None  # no W&B run, no link
+    url = "https://wandb.ai/team/polyrl/runs/abc123"
+    (run / "wandb.json").write_text(json.dumps({"id": "abc123", "project": "polyrl", "name": "sweep-1",
+                                                "url": url, "offline": False}))
+    build_report(run)  # a new wandb.json alone refreshes the index
+    assert _index(run)["run"]["wandb"] == {"id": "abc123", "project": "polyrl", "name": "sweep-1", "url": url,
+                                           "offline": False, "dir": None}
+    (run / "wandb.json").write_text(json.dumps({"id": "abc123", "url": "javascript:alert(1)"}))
+    build_report(run)
+    assert _index(run)["run"]["wandb"]["url"] is None  # only https links are made links
+
+    _ensure_chromium()
+    offline = tmp_path / "offline"
+    shutil.copytree(run, offline)
+    record = {"id": "xyz9", "project": "polyrl", "name": "local", "url": None, "offline": True,
+              "dir": "/runs/wandb/offline-run-xyz9"}
+    (offline / "wandb.json").write_text(json.dumps(record))
+    build_report(offline)
+    record = {"id": "abc123", "project": "polyrl", "name": "sweep-1", "url": url}
+    (run / "wandb.json").write_text(json.dumps(record))
+    build_report(run)
+    with _browser() as driver:
+        driver.get((run / "report" / "index.html").as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        link = driver.find_element("css selector", "#run-meta a#wandb-link")
+        assert link.get_attribute("href") == url and link.text == "W&B polyrl/sweep-1"
+        driver.get((offline / "report" / "index.html").as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        assert not driver.find_elements("css selector", "#run-meta a#wandb-link")
+        note = driver.find_element("css selector", "#run-meta span#wandb-link")
+        assert note.text == "W&B polyrl/local (offline run xyz9)"
+        assert note.get_attribute("title") == "upload with: wandb sync /runs/wandb/offline-run-xyz9"

@@ -191,7 +191,7 @@ _ADAPTER_MODULES = ("polyrl.envs.openreward_env", "polyrl.envs.module_env", "pol
 def _load_builtins() -> None:
     import importlib
 
-    from polyrl.envs import builtin  # noqa: F401 - registers the built-in environments
+    from polyrl.envs import builtin, python_tool  # noqa: F401 - registers the built-in environments
 
     for module in _ADAPTER_MODULES:
         try:

@@ -1,6 +1,8 @@
 """``module:<path/or.module>``: environments written as a plain Python module.
 
-The module (a dotted name, or a ``.py`` file path relative to the working directory) defines
+The module (a dotted name, a ``.py`` file path relative to the working directory, or a package
+directory such as ``./environments/my_task`` holding an ``__init__.py`` -- or, in a project layout,
+``my_task/__init__.py`` -- as Minds RL lays environments out) defines
 ``load_environment(**args)``; the entry's ``args`` are passed to it. The object it returns is one of:
 
 **Step-based**: ``initial_observation()`` and ``step(text)``, sync or async. ``load_environment`` is
@@ -78,29 +80,21 @@ def check_load_environment(target: str, args: dict[str, Any], what: str = "envir
 
 
 def load_module(target: str, what: str = "environment") -> ModuleType:
-    """A module by dotted name, or by ``.py`` file path (``.py`` may be left out); one-line
-    ``ValueError`` when it cannot be imported."""
+    """A module by dotted name, by ``.py`` file path (``.py`` may be left out), or a package directory
+    (see :func:`package_init`); one-line ``ValueError`` when it cannot be imported."""
     if _looks_like_path(target):
         path = Path(target).expanduser()
+        if path.is_dir():
+            return _load_package(path, target, what)
         if not path.is_file() and path.suffix != ".py" and path.with_suffix(".py").is_file():
             path = path.with_suffix(".py")
         if not path.is_file():
             raise ValueError(f"{what} file not found: {target} (from {Path.cwd()})")
         path = path.resolve()
-        name = "polyrl_user_" + re.sub(r"\W", "_", str(path.with_suffix("")))
+        name = _private_name(path.with_suffix(""))
         if name in sys.modules:
             return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"cannot load {what} file {target}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[name]
-            raise ValueError(f"importing {what} file {target} failed: {type(exc).__name__}: {exc}") from exc
-        return module
+        return _exec_module(importlib.util.spec_from_file_location(name, path), target, what)
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as exc:
@@ -109,6 +103,55 @@ def load_module(target: str, what: str = "environment") -> ModuleType:
         raise ValueError(f"importing {what} module {target!r} failed: {exc}") from exc
     except Exception as exc:
         raise ValueError(f"importing {what} module {target!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def package_init(directory: Path) -> Path | None:
+    """The ``__init__.py`` of a package directory: its own, or that of the same-named package inside
+    it (a project directory with a ``pyproject.toml`` beside ``name/__init__.py``)."""
+    for init in (directory / "__init__.py", directory / directory.name / "__init__.py"):
+        if init.is_file():
+            return init
+    return None
+
+
+def _load_package(directory: Path, target: str, what: str) -> ModuleType:
+    """Import a package directory as a package, so its relative imports work. It is named after the
+    directory (as harnesses that load ``./environments/<name>`` do) unless another module already has
+    that name, and its directory is added to ``sys.path`` for its imports of sibling modules."""
+    init = package_init(directory)
+    if init is None:
+        raise ValueError(f"{what} directory {target} has no __init__.py (nor {directory.name}/__init__.py)")
+    init = init.resolve()
+    package_dir = init.parent
+    name = package_dir.name
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(init):
+        return loaded
+    if loaded is not None or not name.isidentifier():
+        name = _private_name(package_dir)
+        if name in sys.modules:
+            return sys.modules[name]
+    if str(package_dir) not in sys.path:
+        sys.path.append(str(package_dir))
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(package_dir)])
+    return _exec_module(spec, target, what)
+
+
+def _private_name(path: Path) -> str:
+    return "polyrl_user_" + re.sub(r"\W", "_", str(path))
+
+
+def _exec_module(spec, target: str, what: str) -> ModuleType:
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot load {what} file {target}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[spec.name]
+        raise ValueError(f"importing {what} {target} failed: {type(exc).__name__}: {exc}") from exc
+    return module
 
 
 import_target = load_module

@@ -90,7 +90,8 @@ def build_report(log_path: str | Path, force: bool = False) -> Path:
     manifest["steps"] = steps
 
     static = {name: _static(name) for name in (*STATIC_FILES, "index.html")}
-    inputs = {name: _stat_key(root / name) for name in ("metrics.jsonl", "checkpoints.jsonl", "config.json")}
+    inputs = {name: _stat_key(root / name)
+              for name in ("metrics.jsonl", "checkpoints.jsonl", "config.json", "wandb.json")}
     inputs["steps"] = _digest(sorted((name, s["v"]) for name, s in steps.items()))
     inputs["static"] = _digest(static)
     missing = not (data_dir / "index.js").exists() or not (out / "index.html").exists()
@@ -155,6 +156,7 @@ def build_index(root: Path, steps: dict[str, dict]) -> dict:
             "model": config.get("model_name"),
             "max_steps": config.get("max_steps"),
             "last_step": table["steps"][-1] if table["steps"] else None,
+            "wandb": D.read_wandb(root),
         },
         "envs": envs,
         "charts": D.chart_specs(table["series"], envs),

@@ -51,6 +51,21 @@ def read_metrics(root: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def read_wandb(root: Path) -> dict | None:
+    """The run's W&B run (``wandb.json``, written by the W&B logger): id, project, name, the URL
+    when it was logged online, the local directory when offline; None when there is none."""
+    try:
+        record = json.loads((root / "wandb.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not record.get("id"):
+        return None
+    url = record.get("url")
+    return {"id": str(record["id"]), "project": record.get("project"), "name": record.get("name"),
+            "url": url if isinstance(url, str) and url.startswith("https://") else None,
+            "offline": bool(record.get("offline")), "dir": record.get("dir")}
+
+
 def read_checkpoints(root: Path) -> list[dict]:
     keep = ("name", "batch", "final", "state_path", "sampler_path")
     return [

@@ -1,5 +1,6 @@
 """The run directory: ``config.json``, ``metrics.jsonl``, ``trajectories/step_NNNNNN.jsonl`` and
-``checkpoints.jsonl`` (tinker-cookbook's row format).
+``checkpoints.jsonl`` (tinker-cookbook's row format); ``metrics.json`` too when asked for
+(:mod:`polyrl.tracking.metrics_json`).
 
 Appends are flushed and fsynced line by line; whole files are written to a temporary name and
 renamed, so a crash never leaves a torn file. On resume, rows of steps that will be re-run are
@@ -93,18 +94,25 @@ def step_file(step: int) -> str:
 
 
 class RunFiles:
-    def __init__(self, log_path: str | Path):
+    def __init__(self, log_path: str | Path, metrics_json: bool = False):
         self.root = make_run_dir(log_path)
         self.trajectories = self.root / "trajectories"
         self.trajectories.mkdir(exist_ok=True)
         self.metrics_path = self.root / "metrics.jsonl"
         self.checkpoints_path = self.root / "checkpoints.jsonl"
+        self.metrics_json = None
+        if metrics_json:
+            from polyrl.tracking.metrics_json import MetricsJson
+
+            self.metrics_json = MetricsJson(self.root / "metrics.json")
 
     def write_config(self, config: dict) -> None:
         atomic_write_text(self.root / "config.json", redacted_json(config, indent=2))
 
     def log_metrics(self, row: dict) -> None:
         append_jsonl(self.metrics_path, row)
+        if self.metrics_json is not None:
+            self.metrics_json.log(row)
 
     def log_trajectories(self, step: int, rows: Iterable[dict]) -> None:
         text = "".join(redacted_json(r) + "\n" for r in rows)
@@ -126,6 +134,8 @@ class RunFiles:
         kept = [r for r in rows if r.get("step", -1) < step]
         if len(kept) != len(rows) or self.metrics_path.exists():
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        if self.metrics_json is not None:
+            self.metrics_json.truncate_from(step)
         for f in self.trajectories.glob("step_*.jsonl"):
             if int(f.stem.split("_")[1]) >= step:
                 f.unlink()

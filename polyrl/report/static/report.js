@@ -101,7 +101,8 @@
       el("span", {}, run.model || ""),
       el("span", {}, `step ${done}${run.max_steps ? " / " + run.max_steps : ""}`),
       el("span", { class: finished ? "badge ok" : "badge" }, finished ? "finished" : "in progress"),
-      el("span", { class: "muted", title: run.path }, `updated ${run.generated}`));
+      el("span", { class: "muted", title: run.path }, `updated ${run.generated}`),
+      ...wandbLink(run.wandb));
     for (const a of document.querySelectorAll("nav a")) {
       a.addEventListener("click", (ev) => {
         ev.preventDefault();
@@ -118,6 +119,16 @@
     window.polyrlReady = performance.now(); // charts drawn: what the load benchmark waits for
     document.body.dataset.ready = "charts";
     initBrowser();
+  }
+
+  // the run's W&B run: a link when it was logged online, its id and how to upload it when offline
+  function wandbLink(w) {
+    if (!w) return [];
+    const label = `W&B ${w.project ? w.project + "/" : ""}${w.name || w.id}`;
+    if (w.url) return [el("a", { id: "wandb-link", href: w.url, target: "_blank", rel: "noopener" }, label)];
+    const how = w.dir ? `wandb sync ${w.dir}` : "wandb sync";
+    return [el("span", { id: "wandb-link", class: "muted", title: `upload with: ${how}` },
+      `${label} (offline run ${w.id})`)];
   }
 
   function renderCheckpoints() {
