@@ -1,12 +1,15 @@
 """Training throughput: ``forward_backward(importance_sampling)`` + ``optim_step`` on a batch of
-mixed-length datums, against a naive baseline in the same run.
+mixed-length datums, against a naive baseline in the same run; and a GRPO-shaped batch whose
+groups share their prompts, against the same lengths with distinct prompts.
 
 The batch is ``--datums`` datums with lengths spread uniformly over ``[--min-len, --max-len]``
 (RL episodes: a prompt with zero advantage, then sampled tokens with an advantage), on a tiny
-model (``base`` by default, ~3.4M parameters, built in a temporary directory), LoRA rank 32.
+model (``base`` by default, ~3.4M parameters, built in a temporary directory) or ``--model DIR``,
+LoRA rank 32.
 
-* polyrl: ``TrainingClient.forward_backward`` then ``optim_step`` (the engine sorts datums by
-  length and packs them into micro-batches of at most ``micro_batch_tokens`` padded tokens).
+* polyrl: ``TrainingClient.forward_backward`` then ``optim_step`` (the engine packs datums into
+  rows without padding between them, sharing common prefixes, in micro-batches of at most
+  ``micro_batch_tokens`` tokens).
 * naive: the same LoRA (a Hugging Face model + PEFT loaded from the same checkpoint), the whole
   batch right-padded to the longest datum in one forward/backward, the importance-sampling loss
   written out by hand, ``torch.optim.AdamW``.
@@ -20,8 +23,13 @@ torch work (both sides, and building the model) runs on the engine's worker thre
 libgomp, once two threads each own an OpenMP pool, the pools' workers stop spinning between
 parallel regions and tiny-op CPU workloads slow down ~2x, which would blur the comparison.
 
-Run: ``.venv/bin/python benchmarks/train_step.py [--repeats 5] [--threads 1] [--datums 64 --min-len 32 --max-len 256]``.
-The last line is ``train_step_vs_naive: X.XXx`` (polyrl tokens/s / naive tokens/s).
+The shared-prefix case (``--groups`` x ``--group`` datums, ``--prompt-len``-token prompts shared
+within a group, ``--completion-len``-token completions) times polyrl on that batch and on a batch of
+the same lengths whose prompts all differ; the engine computes each shared prompt once.
+
+Run: ``.venv/bin/python benchmarks/train_step.py [--model DIR] [--repeats 5] [--threads 1] [--datums 64 --min-len 32 --max-len 256]``.
+The last two lines are ``shared_prefix_vs_distinct: X.XXx`` (distinct-prompt step time / shared-prompt
+step time) and ``train_step_vs_naive: X.XXx`` (polyrl tokens/s / naive tokens/s).
 """
 
 from __future__ import annotations
@@ -40,6 +48,12 @@ from _models import local_service, randomize_lora  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="base", help="tiny model size: unit | small | quickstart | base")
+    ap.add_argument("--model", help="a model directory instead of a tiny model (e.g. SmolLM2-135M-Instruct)")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--completion-len", type=int, default=24)
+    ap.add_argument("--case", choices=["all", "mixed", "shared"], default="all")
     ap.add_argument("--datums", type=int, default=64)
     ap.add_argument("--min-len", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=256)
@@ -51,12 +65,12 @@ def main() -> None:
     import torch
     from tinker import types
 
-    from polyrl.local.engine import _micro_batches
+    from polyrl.local.packing import micro_batches
     from polyrl.models.tiny import build_tiny_model
 
     root, service = local_service(args.threads)
     engine = service.engine
-    model_dir = str(engine.call(lambda: build_tiny_model(root / "model", args.size, seed=0)))
+    model_dir = args.model or str(engine.call(lambda: build_tiny_model(root / "model", args.size, seed=0)))
 
     tc = service.create_lora_training_client(model_dir, rank=args.rank, seed=0).result()
     vocab = tc._state.base.vocab_size
@@ -83,9 +97,70 @@ def main() -> None:
                             "logprobs": types.TensorData.from_torch(old),
                             "advantages": types.TensorData.from_torch(adv)}))
     real = sum(lengths)
-    micro = _micro_batches(lengths, engine.micro_batch_tokens)
-    engine_padded = sum(max(lengths[i] for i in b) * len(b) for b in micro)
+    per_pair = tc._state.base.linear_per_pair
+    micro = micro_batches([d.model_input.to_ints() for d in data], engine.micro_batch_tokens, per_pair)
+    engine_padded = sum(mb.tokens for mb in micro)
     naive_padded = max(lengths) * len(lengths)
+    n_params = sum(p.numel() for n, p in tc._state.base.hf_model.named_parameters() if "lora_" not in n)
+    model_name = args.model or f"tiny {args.size!r}"
+    print(f"model: {model_name} ({n_params / 1e6:.2f}M params), LoRA rank {args.rank}, torch {torch.__version__}, "
+          f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
+
+    def polyrl_step(batch) -> float:
+        fb = tc.forward_backward(batch, "importance_sampling")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+        loss = fb.result().metrics["loss:sum"]
+        opt.result()
+        return loss
+
+    def interleaved(cases: dict) -> tuple[dict, dict, dict]:
+        first = {key: fn() for key, fn in cases.items()}  # warm-up
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        cpu: dict[str, list[float]] = {k: [] for k in cases}
+        for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+            for key, fn in cases.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
+        return first, times, cpu
+
+    # ---- shared prompts vs distinct prompts --------------------------------------------------
+    shared_ratio = None
+    if args.case in ("all", "shared"):
+        def grpo_batch(shared: bool) -> list:
+            out = []
+            n = args.prompt_len + args.completion_len
+            for _ in range(args.groups):
+                prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen)
+                for _ in range(args.group):
+                    p = prompt if shared else torch.randint(0, vocab, (args.prompt_len,), generator=gen)
+                    ids = torch.cat([p, torch.randint(0, vocab, (args.completion_len,), generator=gen)])
+                    adv = torch.zeros(n - 1)
+                    adv[args.prompt_len - 1:] = float(torch.randn(1, generator=gen))
+                    out.append(types.Datum(
+                        model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
+                        loss_fn_inputs={"target_tokens": types.TensorData.from_torch(ids[1:]),
+                                        "logprobs": types.TensorData.from_torch(-torch.rand(n - 1, generator=gen) * 8),
+                                        "advantages": types.TensorData.from_torch(adv)}))
+            return out
+
+        shared_batch, distinct_batch = grpo_batch(True), grpo_batch(False)
+        packed = sum(int(mb.input_ids.numel()) for mb in micro_batches(
+            [d.model_input.to_ints() for d in shared_batch], engine.micro_batch_tokens, per_pair))
+        _, times, cpu = interleaved({"shared prompts": lambda: polyrl_step(shared_batch),
+                                     "distinct prompts": lambda: polyrl_step(distinct_batch)})
+        tokens = sum(d.model_input.length for d in shared_batch)
+        print(f"shared-prefix batch: {args.groups} groups x {args.group} samples, {args.prompt_len}-token prompts, "
+              f"{args.completion_len}-token completions = {tokens} datum tokens; packed into {packed} positions "
+              f"({tokens / packed:.2f}x fewer), {args.repeats} interleaved runs")
+        print(f"{'case':<36} {'median s':>9} {'best s':>8} {'CPU s':>7}")
+        for key, ts in times.items():
+            print(f"{key:<36} {statistics.median(ts):9.3f} {min(ts):8.3f} {statistics.median(cpu[key]):7.3f}")
+        shared_ratio = min(times["distinct prompts"]) / min(times["shared prompts"])
+        if args.case == "shared":
+            print(f"shared_prefix_vs_distinct: {shared_ratio:.2f}x")
+            return
 
     # ---- naive baseline: one padded batch through HF + PEFT, loss by hand ------------------
     def build_naive():
@@ -118,34 +193,15 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    def polyrl_step() -> float:
-        fb = tc.forward_backward(data, "importance_sampling")
-        opt = tc.optim_step(types.AdamParams(learning_rate=1e-4))
-        loss = fb.result().metrics["loss:sum"]
-        opt.result()
-        return loss
-
-    cases = {"polyrl forward_backward+optim_step": polyrl_step,
+    cases = {"polyrl forward_backward+optim_step": lambda: polyrl_step(data),
              "naive padded HF+PEFT step": lambda: engine.call(naive_step)}
-    # warm-up; both sides start from the same weights and run the same math, so their losses agree
-    first = {key: fn() for key, fn in cases.items()}
+    # both sides start from the same weights and run the same math, so their first losses agree
+    first, times, cpu = interleaved(cases)
     a, b = first.values()
     assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), f"the two sides disagree on the loss: {first}"
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    cpu: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
-        for key, fn in cases.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            times[key].append(time.perf_counter() - t0)
-            cpu[key].append(time.process_time() - c0)
-
-    n_params = sum(p.numel() for n, p in tc._state.base.hf_model.named_parameters() if "lora_" not in n)
-    print(f"model: tiny {args.size!r} ({n_params / 1e6:.2f}M params), LoRA rank {args.rank}, torch {torch.__version__}, "
-          f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
     print(f"batch: {args.datums} datums, lengths {args.min_len}..{args.max_len}, {real} real tokens, "
           f"importance_sampling, {args.repeats} interleaved runs")
-    print(f"padding: engine micro-batching ({len(micro)} micro-batches of <= {engine.micro_batch_tokens} tokens) "
+    print(f"padding: engine packing ({len(micro)} micro-batches of <= {engine.micro_batch_tokens} tokens) "
           f"{engine_padded - real} padded positions = {(engine_padded - real) / real:.1%} of real tokens; "
           f"naive pad-to-max {naive_padded - real} = {(naive_padded - real) / real:.1%}")
     print(f"loss on the first step: polyrl {a:.4f}, naive {b:.4f}")
@@ -156,6 +212,8 @@ def main() -> None:
         rate[key] = real / min(ts)
         print(f"{key:<36} {t:9.3f} {real / t:9.0f} {min(ts):8.3f} {rate[key]:9.0f} "
               f"{statistics.median(cpu[key]):7.3f}")
+    if shared_ratio is not None:
+        print(f"shared_prefix_vs_distinct: {shared_ratio:.2f}x")
     print(f"train_step_vs_naive: {rate['polyrl forward_backward+optim_step'] / rate['naive padded HF+PEFT step']:.2f}x")
 
 

@@ -17,7 +17,7 @@ from tinker import types
 
 from polyrl.local import ServiceClient
 from polyrl.local.compute import packed_logprobs
-from polyrl.local.packing import micro_batches, pack_rows
+from polyrl.local.packing import _tensors, group_rows, micro_batches, pack_rows
 from test_local_engine import (
     adam,
     assert_grads_close,
@@ -125,14 +125,58 @@ def test_grpo_batch_packs_each_prompt_once():
 
 
 def test_attention_mask_is_each_datums_own_causal_prefix():
-    seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [8, 9]]
-    (mb,) = micro_batches(seqs, budget=64)
-    (row,) = pack_rows(seqs, 64)
-    attend = mb.attend[0, 0]
-    for d, path in row.paths.items():
-        for k, q in enumerate(path):
-            allowed = set(path[: k + 1])
-            assert {j for j in range(len(row)) if attend[q, j]} == allowed
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4, 6], [8, 9], [7]]
+    rows = pack_rows(seqs, 64)
+    assert [sorted(r.paths) for r in rows] == [[0, 1, 2], [3, 4]]  # the unrelated short ones share a row
+    mb = _tensors(rows, "cpu")
+    for r, row in enumerate(rows):
+        attend = mb.attend[r, 0]
+        for d, path in row.paths.items():
+            for k, q in enumerate(path):
+                assert {j for j in range(mb.input_ids.shape[1]) if attend[q, j]} == set(path[: k + 1])
+        for q in range(len(row), mb.input_ids.shape[1]):  # padding sees only itself (no empty softmax row)
+            assert {j for j in range(mb.input_ids.shape[1]) if attend[q, j]} == {q}
+
+
+def test_rows_are_only_as_long_as_they_pay_for():
+    """Unrelated datums share a row only up to the longest datum's length (attention over a longer row
+    costs every token more than padding would); a shared prefix pays for a longer row, up to the point
+    where the longer row's attention costs more than recomputing the prefix."""
+    distinct = [[i] + [1000 + i] * 99 for i in range(8)]  # eight unrelated 100-token datums
+    assert [len(r) for r in pack_rows(distinct, 4096)] == [100] * 8
+    short = [[i, i] for i in range(30)] + [[99] * 20]
+    assert max(len(r) for r in pack_rows(short, 4096)) == 20
+    group = [[5] * 192 + [k] * 24 for k in range(8)]
+    assert [len(r) for r in pack_rows(group, 4096, linear_per_pair=1000)] == [192 + 8 * 24]
+    # a short shared prefix does not pay for a long row: each 208-token datum keeps its own
+    few_shared = [[5] * 8 + [k] * 200 for k in range(8)]
+    assert [len(r) for r in pack_rows(few_shared, 4096, linear_per_pair=1000)] == [208] * 8
+    assert all(len(r) <= 64 for r in pack_rows(group, 64, linear_per_pair=1000) if len(r.paths) > 1)
+
+
+def test_micro_batches_are_fewest_then_least_padded():
+    """Against every way of cutting the length-sorted rows into runs, on small random batches."""
+    import itertools
+
+    def cost(batches, lengths):
+        return len(batches), sum(max(lengths[i] for i in b) * len(b) for b in batches)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
+        budget = rng.randint(30, 200)
+        got = group_rows(lengths, budget)
+        assert sorted(i for b in got for i in b) == list(range(len(lengths)))
+        assert all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in got)
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = None
+        for r in range(len(order)):
+            for cuts in itertools.combinations(range(1, len(order)), r):
+                edges = [0, *cuts, len(order)]
+                runs = [order[a:b] for a, b in zip(edges, edges[1:])]
+                if all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in runs):
+                    best = min(best or cost(runs, lengths), cost(runs, lengths))
+        assert cost(got, lengths) == best, (lengths, budget)
 
 
 # ---- exactness ---------------------------------------------------------------------------------
@@ -141,7 +185,7 @@ def test_shared_prefix_packing_matches_separate_computation(service, warm, loss_
     tc = from_state(service, warm["path"])
     gen = torch.Generator().manual_seed(7)
     data = rl_inputs(tc, shared_prefix_batch(gen), gen)
-    rows = pack_rows([d.model_input.to_ints() for d in data])
+    rows = pack_rows([d.model_input.to_ints() for d in data], 4096)
     assert sum(len(r) for r in rows) < 0.7 * sum(d.model_input.length for d in data)  # sharing happened
 
     out = tc.forward_backward(data, loss_fn).result()

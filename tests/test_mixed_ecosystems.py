@@ -75,7 +75,10 @@ def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_
     for r in rows:
         assert r["rollouts/failed"] == 0 and r["rollouts/dropped_groups"] == 0
         assert {f"env/{name}/reward/mean" for name in ENVS} <= set(r)
-    assert sum(r["optim/datums"] for r in rows) > 0  # some groups had reward differences: the policy was updated
+    for step, r in enumerate(rows):  # every kept episode with an advantage became a datum of the update
+        trained = [t for t in _trajectories(tmp_path / "a", step)
+                   if not t["dropped"] and any(a != 0 for a in t["advantages"]) and sum(t["action_mask"]) > 0]
+        assert r["optim/datums"] == len(trained)
     final = rows[-1]
     for name in ENVS:
         assert {f"test/{name}/reward", f"test/{name}/pass@1", f"test/{name}/pass@2"} <= set(final)

@@ -237,7 +237,7 @@ class Engine:
         )
 
     def _micro_batches(self, base: BaseModel, prepared: list["_Datum"]) -> list[MicroBatch]:
-        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, device=base.device)
+        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
         for group in st.optimizer.param_groups:

@@ -16,12 +16,14 @@ from typing import Iterator
 
 import torch
 
+from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.models import resolve_model_path
 
 LORA_ALPHA = 32
 # ``gradient_checkpointing: auto`` turns it on from this many base-model parameters: below it,
 # activations are small next to the weights and recomputing them would only cost time.
 CHECKPOINTING_AUTO_PARAMS = 300_000_000
+MASKED_ATTENTION_SLOWDOWN = 2.0
 
 
 def select_device(device: str = "auto") -> torch.device:
@@ -100,6 +102,7 @@ class BaseModel:
         self.gradient_checkpointing = bool(gradient_checkpointing)
         self._wrap_layers_for_checkpointing()
         self._split_head: bool | None = None  # whether decoder + unembedding reproduce the model's logits
+        self.linear_per_pair = self._linear_per_pair()
 
     @property
     def tokenizer(self):
@@ -141,6 +144,19 @@ class BaseModel:
                 return _inner(*args, **kwargs)
 
             layer.forward = forward
+
+    def _linear_per_pair(self) -> float:
+        """A token's cost in the linear layers in units of one query-key pair of attention (for packing:
+        see :mod:`polyrl.local.packing`): ``2 * params per block`` over ``4 * heads * head_dim``, halved
+        because masked attention runs at about half the speed of the matrix multiplies."""
+        layers = self._decoder_layers()
+        heads = getattr(self.config, "num_attention_heads", None)
+        hidden = getattr(self.config, "hidden_size", None)
+        head_dim = getattr(self.config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        if not layers or not heads or not head_dim:
+            return DEFAULT_LINEAR_PER_PAIR
+        per_block = sum(p.numel() for p in layers[0].parameters())
+        return 2 * per_block / (4 * heads * head_dim) / MASKED_ATTENTION_SLOWDOWN
 
     def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                        attend: torch.Tensor) -> tuple[torch.Tensor, bool]:

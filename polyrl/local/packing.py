@@ -6,11 +6,14 @@ are sorted by their input tokens, so datums with common prefixes sit next to eac
 into rows left to right: a datum placed after another reuses the packed tokens of their longest
 common prefix and appends only the rest. Each packed token attends to exactly the tokens of its
 own datum's prefix (a tree-shaped causal mask) and carries its position in that datum, so every
-hidden state is the one the datum computed alone would have (tested to 1e-5). Unrelated short
-datums share a row the same way, without padding between them.
+hidden state is the one the datum computed alone would have (tested to 1e-5).
 
-Rows hold at most ``row_tokens`` packed tokens (a datum longer than that gets a row of its own);
-rows are grouped into micro-batches of at most ``budget`` padded tokens.
+Attention over a row costs in proportion to the row's length for every token in it, whatever the
+mask, so rows are not made longer than they pay for: a datum that shares a prefix joins the row
+when computing it there (its new tokens, attending over the longer row) costs less than a row of
+its own; unrelated datums share a row, without padding between them, up to the length of the
+longest datum (which padding would cost anyway). Rows are then grouped, sorted by length, into
+micro-batches of at most ``budget`` padded tokens: the fewest micro-batches, then the least padding.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Packed-row length. Attention over a packed row costs in proportion to its length for every token,
-# as padding to the longest datum does; past this the cost outgrows what sharing saves.
-ROW_TOKENS = 2048
+# Cost of a token in the linear layers, in units of one query-key pair of attention, when a model
+# does not say (see BaseModel.attention_cost_ratio).
+DEFAULT_LINEAR_PER_PAIR = 1000.0
 
 
 @dataclass
@@ -58,45 +61,71 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def pack_rows(sequences: list[list[int]], row_tokens: int = ROW_TOKENS) -> list[Row]:
-    """Rows holding every sequence, sharing common prefixes of sequences adjacent in sorted order."""
+def pack_rows(sequences: list[list[int]], max_row: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
+    """Rows holding every sequence, sharing common prefixes of sequences adjacent in sorted order.
+
+    Cost of a row of length ``L`` with ``T`` packed tokens: ``linear_per_pair * T + L**2``. A sequence
+    of ``n`` tokens sharing ``s`` with the previous one joins the current row (length ``L``) when
+    ``linear_per_pair * (n - s) + (L + n - s)**2 - L**2 <= linear_per_pair * n + n**2`` and the row
+    stays within ``max_row``; an unrelated one joins while the row stays within the longest sequence."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
-    capacity = max([row_tokens, *(len(s) for s in sequences)])
+    longest = max((len(s) for s in sequences), default=0)
     rows: list[Row] = []
     row, prev = Row(), None
     for i in order:
         seq = sequences[i]
-        shared = _common_prefix(sequences[prev], seq) if prev is not None else 0
-        if row.tokens and len(row) + len(seq) - shared > capacity:
+        n, shared = len(seq), (_common_prefix(sequences[prev], seq) if prev is not None and row.tokens else 0)
+        grown = len(row) + n - shared
+        if shared:
+            fits = grown <= max(max_row, n) and (
+                linear_per_pair * (n - shared) + grown**2 - len(row) ** 2 <= linear_per_pair * n + n**2)
+        else:
+            fits = grown <= longest
+        if row.tokens and not fits:
             rows.append(row)
             row, shared = Row(), 0
-        path = row.paths[prev][:shared] if shared else []
         start = len(row)
         row.tokens.extend(seq[shared:])
-        row.positions.extend(range(shared, len(seq)))
-        path = path + list(range(start, len(row)))
-        row.paths[i] = path
+        row.positions.extend(range(shared, n))
+        row.paths[i] = (row.paths[prev][:shared] if shared else []) + list(range(start, len(row)))
         prev = i
     if row.tokens:
         rows.append(row)
     return rows
 
 
-def micro_batches(sequences: list[list[int]], budget: int, row_tokens: int = ROW_TOKENS,
+def group_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices grouped into micro-batches of at most ``budget`` padded tokens (a row longer than
+    that goes alone): the fewest micro-batches, and among those the least padding. Rows are sorted by
+    length, so each micro-batch is a run of that order; a dynamic program over the runs picks the cuts
+    (a greedy fill can pad a short row to a long one where a different cut would not)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    sizes = [lengths[i] for i in order]
+    n = len(sizes)
+    # best[j]: (micro-batches, padded tokens) for the first j sorted rows; cut[j]: where the last starts
+    best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, 0)] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = sizes[j - 1]
+        for i in range(j - 1, -1, -1):
+            padded = longest * (j - i)
+            if i < j - 1 and padded > budget:
+                break
+            cand = (best[i][0] + 1, best[i][1] + padded)
+            if cand < best[j]:
+                best[j], cut[j] = cand, i
+    batches, j = [], n
+    while j > 0:
+        batches.append(order[cut[j]:j])
+        j = cut[j]
+    return batches[::-1]
+
+
+def micro_batches(sequences: list[list[int]], budget: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR,
                   device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """Packed rows of ``sequences`` grouped into micro-batches of at most ``budget`` padded tokens
-    (a row longer than that goes alone). Rows are cut no longer than ``min(row_tokens, budget)``."""
-    rows = pack_rows(sequences, max(1, min(row_tokens, budget)))
-    rows.sort(key=len)
-    out, group = [], []
-    for row in rows:
-        if group and len(row) * (len(group) + 1) > budget:
-            out.append(_tensors(group, device))
-            group = []
-        group.append(row)
-    if group:
-        out.append(_tensors(group, device))
-    return out
+    """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens."""
+    rows = pack_rows(sequences, budget, linear_per_pair)
+    return [_tensors([rows[i] for i in idx], device) for idx in group_rows([len(r) for r in rows], budget)]
 
 
 def _tensors(rows: list[Row], device) -> MicroBatch:
