@@ -298,13 +298,13 @@ def _installed(package: str) -> bool:
 
 def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
     try:
-        from polyrl.envs.base import get_env_builder
+        from polyrl.envs import registry
     except ImportError:
         return []
     problems = []
     for name, env in envs.items():
         try:
-            builder = get_env_builder(env.type or name)
+            builder = registry.get_env_builder(env.type or name)
         except KeyError as exc:
             problems.append((f"environments.{name}.type", str(exc.args[0] if exc.args else exc)))
             continue

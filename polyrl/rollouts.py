@@ -16,7 +16,7 @@ from typing import Any
 
 from tinker import types
 
-from polyrl.envs.base import Env, maybe_await
+from polyrl.envs.base import Env, call_env
 from polyrl.renderers.base import Message, Renderer
 
 
@@ -123,13 +123,13 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
     ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id, sampler, renderer,
                          settings, seed)
     try:
-        obs = await maybe_await(env.reset())
+        obs = await call_env(env.reset)
         episode.messages = list(obs.messages)
         episode.tools = list(obs.tools)
         episode.append(renderer.initial_prompt(obs.messages, obs.tools or None))
         for turn in range(settings.max_turns):
             message = await ctx.sample(episode)
-            result = await maybe_await(env.step(message))
+            result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
             episode.messages.extend(result.messages)
@@ -140,7 +140,7 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                 finished = episode.stop_reasons[-1] == "stop"
                 episode.append(renderer.continuation(result.messages, assistant_finished=finished))
     finally:
-        await maybe_await(env.close())
+        await call_env(env.close)
         episode.duration_s = time.monotonic() - start
     finalize_reward(episode, settings)
     return episode

@@ -21,7 +21,8 @@ from tinker import types
 from polyrl import advantages as adv_lib
 from polyrl.backend import make_service_client
 from polyrl.config import EnvConfig, TrainConfig
-from polyrl.envs.base import EnvBuilder, make_env_builder
+from polyrl.envs.base import EnvBuilder
+from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollouts import Episode, RolloutSettings, run_group, split_roles

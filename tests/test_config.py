@@ -36,11 +36,11 @@ def isolated(monkeypatch, tmp_path):
             raise KeyError(f"unknown environment type {type_name!r}; known: arithmetic, wordle")
         return object
 
-    import polyrl.envs.base
+    import polyrl.envs.registry
     import polyrl.renderers
     import polyrl.renderers.base
 
-    monkeypatch.setattr(polyrl.envs.base, "get_env_builder", get_env_builder)
+    monkeypatch.setattr(polyrl.envs.registry, "get_env_builder", get_env_builder)
     for module in (polyrl.renderers, polyrl.renderers.base):
         monkeypatch.setattr(module, "renderer_names", lambda: ["qwen3", "role_colon"], raising=False)
 
