@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 COLUMNS = [
     ("step", "step", "{:d}"),
@@ -48,6 +49,10 @@ class ConsoleLog:
     def info(self, text: str) -> None:
         if self.enabled:
             self.console.print(text)
+
+    def warn(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(Text(f"warning: {text}", style="yellow"))
 
 
 def _fmt(value, fmt: str) -> str:
