@@ -172,7 +172,9 @@ class TrainConfig(BaseModel):
         None, description="Chat format used to turn messages into tokens; null = inferred from the model."
     )
     resume_from: str | None = Field(
-        None, description="Checkpoint to start from, a 'tinker://.../weights/<name>' path."
+        None,
+        description="Weights to start from, a 'tinker://.../weights/<name>' path. Only for a log_path without "
+        "checkpoints: a relaunch always continues its own run from its last checkpoint.",
     )
     device: str = Field("auto", description="Local engine only: torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
