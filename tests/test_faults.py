@@ -234,6 +234,70 @@ def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------- remote services
+class _Health:
+    """A real HTTP health endpoint on a fixed port that can go away and come back."""
+
+    def __init__(self, port: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"status": "ok"}')
+
+            def log_message(self, *args):
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
+    from polyrl.backend import ServiceGuard
+    from polyrl.errors import RunStoppedError
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    warnings: list[str] = []
+    restarted: list[_Health] = []
+
+    async def short_outage() -> str:
+        _Health(port).stop()  # gone when the operation starts...
+        guard = ServiceGuard(url, timeout=3, warn=warnings.append)
+
+        async def come_back() -> None:
+            await asyncio.sleep(0.5)  # ...and back well within the bound
+            restarted.append(_Health(port))
+
+        async def slow_operation() -> str:
+            await asyncio.sleep(2.5)
+            return "done"
+
+        back = asyncio.create_task(come_back())
+        result = await guard.watch("a slow operation", slow_operation())
+        await back
+        return result
+
+    assert asyncio.run(short_outage()) == "done"
+    restarted[0].stop()
+    assert any("does not answer" in w for w in warnings) and any("answers again" in w for w in warnings), warnings
+
+    async def long_outage() -> None:
+        guard = ServiceGuard(f"http://127.0.0.1:{_free_port()}", timeout=1)
+        await guard.watch("waiting forever", asyncio.sleep(3600))
+
+    start = time.monotonic()
+    with pytest.raises(RunStoppedError, match=r"did not answer for 1s .* while waiting forever"):
+        asyncio.run(long_outage())
+    assert time.monotonic() - start < 5
+
+
 def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path):
     port = _free_port()
     cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=f"http://127.0.0.1:{port}",
