@@ -168,7 +168,7 @@ class Trainer:
                                              base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
         files.truncate_from(self.state.step)
         self.state.no_update_steps = sum(r.get("optim/datums") == 0 for r in files.metrics())
-        await self.remove_unlogged_checkpoints()
+        await self.remove_unlogged_checkpoints(resuming=row is not None)
         files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
         self.tokenizer = self.training.get_tokenizer()
         self.renderer = get_renderer(config.renderer or infer_renderer(config.model_name, self.tokenizer), self.tokenizer)
@@ -186,30 +186,37 @@ class Trainer:
             self.uploader = OpenRewardUploader(config, self.runtimes, self.state.step)
         return self.state
 
-    async def remove_unlogged_checkpoints(self) -> None:
-        """Delete what earlier launches of this run saved but never logged (a kill between saving a
-        checkpoint and writing its row): no row refers to it, so nothing would ever resume from it."""
+    async def remove_unlogged_checkpoints(self, resuming: bool) -> None:
+        """What earlier launches of this run saved but never logged (a kill between saving a
+        checkpoint and writing its row): no row refers to it, so nothing would ever resume from it.
+        Deleted when the run resumes from a row; only reported when the run has no row to resume
+        from (``checkpoints.jsonl`` gone or never written), as the weights may still be wanted."""
         attempts = self.files.attempts()
         if not attempts:
             return
         logged = {row.get(key) for row in self.files.checkpoints() for key in ("state_path", "sampler_path")}
         rest = await self.guard("connecting", make_rest_client, self.config, self.service)
-        removed = 0
+        unlogged = []
         for attempt in attempts:
             run_id = attempt["training_run_id"]
             try:
                 listing = await self.guard("listing checkpoints", rest.list_checkpoints, run_id)
                 for checkpoint in listing.checkpoints:
-                    if checkpoint.tinker_path not in logged:
+                    if checkpoint.tinker_path in logged:
+                        continue
+                    if resuming:
                         await self.guard("deleting a checkpoint", rest.delete_checkpoint_from_tinker_path,
                                          checkpoint.tinker_path)
-                        removed += 1
+                    unlogged.append(checkpoint.tinker_path)
             except RunStoppedError:
                 raise
             except Exception as exc:  # noqa: BLE001 - tidying up must not keep the run from resuming
                 self.console.warn(f"could not check the checkpoints of an interrupted launch ({run_id}): {exc}")
-        if removed:
-            self.console.info(f"removed {removed} checkpoints that interrupted launches saved but never logged")
+        if unlogged and resuming:
+            self.console.info(f"removed {len(unlogged)} checkpoints that interrupted launches saved but never logged")
+        elif unlogged:
+            self.console.warn(f"{len(unlogged)} checkpoints of earlier launches of this run are named by no row of "
+                              f"checkpoints.jsonl and stay in the store, e.g. {unlogged[0]}")
 
     # ---- one step ---------------------------------------------------------------------------------
     def plan(self, step: int, cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:

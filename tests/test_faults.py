@@ -396,3 +396,10 @@ def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_d
     in_store = {c["tinker_path"] for run in store.runs() for c in store.list(run)}
     assert in_store == logged and not set(unlogged) & in_store
     assert any("removed 2" in line for line in console.lines), console.lines
+
+    # without a row to resume from (checkpoints.jsonl deleted), earlier checkpoints are reported, not deleted
+    (tmp_path / "run" / "checkpoints.jsonl").unlink()
+    console = RecordingConsole()
+    train(cfg, console)
+    assert in_store <= {c["tinker_path"] for run in store.runs() for c in store.list(run)}
+    assert any(line.startswith("warning:") and "stay in the store" in line for line in console.lines), console.lines
