@@ -15,7 +15,9 @@ an error message instead of crashing.
 
 Sync implementations are accepted: ``reset``/``step``/``close`` may be plain functions. The rollout
 code calls them through :func:`call_env`, which runs plain functions on a thread of their own, so a
-blocking step stalls only its episode (its timeout still fires) and blocking episodes overlap.
+blocking step stalls only its episode (its timeout still fires) and blocking episodes overlap. Code
+that only works on the main thread (``signal.alarm`` timeouts, such as math-verify's default
+``parsing_timeout``) must be async or do without them (math-verify: ``parsing_timeout=None``).
 
 Environments are built by an :class:`EnvBuilder` registered under a type name (``@register_env``;
 :mod:`polyrl.envs.registry` finds them by name): the trainer asks it for the environment of task

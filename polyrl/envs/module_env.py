@@ -33,6 +33,9 @@ Reward functions (sync or async) are called with the keyword arguments they acce
 before it is used (each new sampler, for a dataset environment; each episode's fresh object, for a
 step-based one).
 
+Sync functions run on a thread of their own (see :func:`polyrl.envs.base.call_env`): a blocking one
+stalls only its episode, and the episode ``timeout`` still applies.
+
 Rewards that are not numbers (or are NaN) count as 0, with a logged warning and the episode metric
 ``non_numeric_reward`` (how many there were). Problems with the module or the object's shape are
 errors when the config is loaded or, for the object itself, when the run starts.
