@@ -171,7 +171,8 @@ class Trainer:
         await self.remove_unlogged_checkpoints(resuming=row is not None)
         files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
         self.tokenizer = self.training.get_tokenizer()
-        self.renderer = get_renderer(config.renderer or infer_renderer(config.model_name, self.tokenizer), self.tokenizer)
+        renderer = config.renderer or infer_renderer(config.model_name, self.tokenizer)
+        self.renderer = get_renderer(renderer, self.tokenizer)
         self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
         self.sampler_step = self.state.step
         if config.wandb_project_name:
