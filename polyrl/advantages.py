@@ -59,16 +59,24 @@ def rebn(groups: list[list[Episode]], normalize_by_std: bool = True, gamma: floa
     per_episode = []
     for group in groups:
         for ep in group:
-            rewards = list(ep.step_rewards[: ep.num_turns]) + [0.0] * max(0, ep.num_turns - len(ep.step_rewards))
-            if rewards and not ep.done_by_env and ep.reward != sum(rewards):
-                rewards[-1] += ep.reward - sum(rewards)  # nonterminal_reward / mean reduction land on the last turn
-            per_episode.append((ep, discounted_returns(rewards, gamma)))
+            per_episode.append((ep, discounted_returns(turn_rewards(ep), gamma)))
     flat = [g for _, rets in per_episode for g in rets]
     if not flat:
         return
     mean, std = sum(flat) / len(flat), _std(flat)
     for ep, rets in per_episode:
         ep.turn_advantages = [(g - mean) / (std + 1e-6) for g in rets]
+
+
+def turn_rewards(ep: Episode) -> list[float]:
+    """One reward per sampled turn, adding up to ``ep.reward``: the rollout's ``turn_rewards`` (see
+    :func:`polyrl.rollouts.finalize_reward`), else the step rewards; whatever the episode's reward
+    adds beyond them (a workflow that sets the reward itself) lands on the last turn."""
+    source = ep.turn_rewards if ep.turn_rewards is not None else ep.step_rewards
+    rewards = list(source[: ep.num_turns]) + [0.0] * max(0, ep.num_turns - len(source))
+    if rewards and abs(ep.reward - sum(rewards)) > 1e-9:
+        rewards[-1] += ep.reward - sum(rewards)
+    return rewards
 
 
 def compute_advantages(groups: list[list[Episode]], estimator: str = "grpo", normalize_by_std: bool = False,
@@ -90,15 +98,23 @@ def token_advantages(ep: Episode) -> list[float]:
     return adv
 
 
-def to_datum(ep: Episode) -> types.Datum:
+#: Losses that must be told which tokens were sampled, and the ``loss_fn_inputs`` key that says it:
+#: DRO's quadratic penalty and GSPO's sequence ratio would otherwise also cover prompt and
+#: environment tokens, whose sampler logprob is a 0.0 placeholder.
+ACTION_MASK_INPUTS = {"dro": "mask", "gspo": "sequence_ratio_mask"}
+
+
+def to_datum(ep: Episode, loss_fn: str = "importance_sampling") -> types.Datum:
     """The training example for an episode: input ``tokens[:-1]`` predicts ``tokens[1:]``; sampler
-    logprobs and advantages are shifted the same way, zero outside the sampled tokens."""
+    logprobs and advantages are shifted the same way, zero outside the sampled tokens; losses in
+    :data:`ACTION_MASK_INPUTS` also get the action mask."""
     adv = token_advantages(ep)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(ep.tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": types.TensorData(data=ep.tokens[1:], dtype="int64"),
-            "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),
-            "advantages": types.TensorData(data=adv[1:], dtype="float32"),
-        },
-    )
+    inputs = {
+        "target_tokens": types.TensorData(data=ep.tokens[1:], dtype="int64"),
+        "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),
+        "advantages": types.TensorData(data=adv[1:], dtype="float32"),
+    }
+    if loss_fn in ACTION_MASK_INPUTS:
+        inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]],
+                                                               dtype="float32")
+    return types.Datum(model_input=types.ModelInput.from_ints(ep.tokens[:-1]), loss_fn_inputs=inputs)

@@ -1,13 +1,21 @@
 """The training service behind the Tinker client interface: polyrl's local engine or Tinker's.
 
 The trainer only ever sees a ``ServiceClient`` with the official SDK's methods; which one is one
-config field (``backend``).
+config field (``backend``). :class:`ServiceGuard` bounds how long it waits on a remote one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
-from typing import Any
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+from polyrl.aio import in_daemon_thread
+from polyrl.errors import RunStoppedError
+
+T = TypeVar("T")
 
 
 def make_service_client(config: Any) -> Any:
@@ -21,7 +29,132 @@ def make_service_client(config: Any) -> Any:
                              gradient_checkpointing=config.gradient_checkpointing)
     import tinker
 
+    return tinker.ServiceClient(**_sdk_credentials(config))
+
+
+def make_rest_client(config: Any, service: Any) -> Any:
+    """A ``RestClient`` (checkpoint listing and deletion) for the same service."""
+    if config.backend == "local":
+        return service.create_rest_client()
+    import tinker
+
+    return tinker.RestClient(**_sdk_credentials(config))
+
+
+def _sdk_credentials(config: Any) -> dict[str, str]:
     kwargs = {"api_key": os.environ.get("TINKER_API_KEY") or ("tml-local" if config.base_url else None)}
     if config.base_url:
         kwargs["base_url"] = config.base_url
-    return tinker.ServiceClient(**kwargs)
+    return kwargs
+
+
+def service_url(config: Any) -> str | None:
+    """Where the remote training service lives; ``None`` for the in-process engine."""
+    if config.backend == "local":
+        return None
+    from tinker.lib.base_url import resolve_base_url
+
+    return resolve_base_url(config.base_url)
+
+
+class ServiceGuard:
+    """Bounds how long the trainer waits on a remote training service that stopped answering.
+
+    The Tinker SDK retries failed requests itself, with backoff, but never gives up on a service
+    that is gone: its futures poll forever. While an operation is awaited, the guard probes the
+    service's health endpoint, backing off from 1 s to 10 s between probes while it does not answer;
+    once it has not answered for ``timeout`` seconds, the operation is abandoned and the run stops
+    with :class:`RunStoppedError` naming the service. Any HTTP answer counts as alive (busy is not
+    dead). Errors the SDK itself gives up on become one line naming the service and the operation.
+    With no ``url`` (the in-process engine) operations are awaited as they are.
+    """
+
+    HEALTHY_PROBE_S = 5.0
+    MAX_BACKOFF_S = 10.0
+
+    def __init__(self, url: str | None, timeout: float, warn: Callable[[str], None] = lambda _: None):
+        self.url, self.timeout, self.warn = url, timeout, warn
+        self.name = f"the Tinker service at {url}"
+
+    async def __call__(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``await fn(*args, **kwargs)`` (``fn`` may return a value, an awaitable or a future) while
+        watching the service; ``what`` names the operation in errors ("saving checkpoint 000004")."""
+        if self.url is None:
+            result = fn(*args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        async def operation() -> Any:
+            # SDK calls may block before they return a future (opening a session retries
+            # forever against a dead server), so they run where blocking holds nothing up
+            result = await in_daemon_thread(fn, *args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+
+        return await self.watch(what, operation())
+
+    async def watch(self, what: str, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` (a whole phase, e.g. every rollout of a step) while watching the service."""
+        if self.url is None:
+            return await awaitable
+        work = asyncio.ensure_future(awaitable)
+        probe = asyncio.ensure_future(self._until_unreachable())
+        try:
+            await asyncio.wait({work, probe}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            probe.cancel()
+            raise
+        if work.done():
+            probe.cancel()
+            try:
+                return work.result()
+            except Exception as exc:
+                if _is_service_error(exc):
+                    raise RunStoppedError(f"{self.name} failed while {what}: {_one_line(exc)}") from None
+                raise
+        work.cancel()
+        try:
+            reason = probe.result()
+        except Exception as exc:  # noqa: BLE001 - a probe that cannot even be sent (a malformed URL)
+            reason = _one_line(exc)
+        raise RunStoppedError(f"{self.name} did not answer for {self.timeout:g}s ({reason}) while {what}")
+
+    async def _until_unreachable(self) -> str:
+        """Probe until the service has not answered for ``timeout`` seconds; return the last error."""
+        import httpx
+
+        down_since: float | None = None
+        backoff = 1.0
+        async with httpx.AsyncClient(timeout=min(10.0, self.timeout)) as http:
+            while True:
+                try:
+                    await http.get(f"{self.url}/api/v1/healthz")
+                except httpx.TransportError as exc:
+                    now = time.monotonic()
+                    if down_since is None:
+                        down_since = now
+                        self.warn(f"{self.name} does not answer ({_one_line(exc)}); "
+                                  f"retrying for up to {self.timeout:g}s")
+                    if now - down_since >= self.timeout:
+                        return _one_line(exc)
+                    await asyncio.sleep(min(backoff, self.timeout - (now - down_since)))
+                    backoff = min(2 * backoff, self.MAX_BACKOFF_S)
+                    continue
+                if down_since is not None:
+                    self.warn(f"{self.name} answers again")
+                down_since, backoff = None, 1.0
+                await asyncio.sleep(self.HEALTHY_PROBE_S)
+
+
+def _is_service_error(exc: BaseException) -> bool:
+    """Errors the Tinker SDK raises once it gave up on a request."""
+    try:
+        import tinker
+        from tinker.lib.retryable_exception import RetryableException
+    except ImportError:  # pragma: no cover - the SDK is a dependency
+        return False
+    return isinstance(exc, (tinker.TinkerError, RetryableException))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:300]}"

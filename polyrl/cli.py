@@ -1,7 +1,8 @@
 """``polyrl``: train | sft | eval | tiny-model | serve | report | export | chat | play.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
-and exit with code 2 (no traceback).
+and exit with code 2 (no traceback); a run that had to stop (a service gone, no learning signal) prints
+one such line and exits with 1; Ctrl-C exits with 130.
 """
 
 from __future__ import annotations
@@ -193,11 +194,21 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_play)
 
     args = parser.parse_args(argv)
+    from polyrl.errors import RunStoppedError, UserInputError
+
     try:
         args.fn(args)
     except UserInputError as e:
         print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
+    except RunStoppedError as e:
+        from polyrl.secrets import redact_text
+
+        print(f"error: {redact_text(str(e))}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

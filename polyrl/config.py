@@ -41,6 +41,7 @@ M = TypeVar("M", bound=BaseModel)
 # before the first line of output.
 MAX_EPISODES_PER_STEP = 65_536
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
+TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 SplitName = Literal["train", "test"]
 _SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"shuffle": True, "num_samples": None},
@@ -120,7 +121,13 @@ class EnvConfig(BaseModel):
     max_failing_rollouts: int = Field(
         1, ge=0, description="A group with more failing episodes (errors, timeouts) than this is dropped."
     )
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature. The sampler's logprobs are the model's own (temperature 1, as in "
+        "Tinker), so with any other value the importance ratio compares against a distribution that was not "
+        "sampled; polyrl train warns about it once.",
+    )
     max_turns: int = Field(8, ge=1, description="Assistant turns per episode before it is cut off.")
     max_tokens: int | None = Field(
         None, ge=1, description="Tokens sampled per turn; null = the top-level max_tokens."
@@ -171,7 +178,9 @@ class TrainConfig(BaseModel):
         None, description="Chat format used to turn messages into tokens; null = inferred from the model."
     )
     resume_from: str | None = Field(
-        None, description="Checkpoint to start from, a 'tinker://.../weights/<name>' path."
+        None,
+        description="Weights to start from, a 'tinker://.../weights/<name>' path. Only for a log_path without "
+        "checkpoints: a relaunch always continues its own run from its last checkpoint.",
     )
     device: str = Field("auto", description="Local engine only: torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -204,7 +213,9 @@ class TrainConfig(BaseModel):
         "normalized over the batch (GEM-style), for multi-turn environments.",
     )
     gamma: float = Field(1.0, gt=0, le=1, description="Discount of future step rewards; rebn only.")
-    normalize_advantages_by_std: bool = Field(False, description="Divide group advantages by the group's std.")
+    normalize_advantages_by_std: bool = Field(
+        False, description="Divide group advantages by the group's std; grpo only (rebn always normalizes)."
+    )
     remove_constant_reward_groups: bool = Field(
         False, description="Drop groups whose episodes all got the same reward (they carry no signal)."
     )
@@ -221,6 +232,20 @@ class TrainConfig(BaseModel):
     max_steps: int = Field(100, ge=1, description="Training steps.")
     max_tokens: int = Field(256, ge=1, description="Tokens sampled per turn unless an environment sets its own.")
     seed: int = Field(0, description="Run seed: task order, sampling and environment generation.")
+    max_no_update_frac: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Stop the run with an error once more than this share of its steps made no update (every "
+        "group failed, was dropped or had all-equal rewards); judged from the 10th step on (each such step "
+        "is warned about). 1 = never stop.",
+    )
+    service_timeout: float = Field(
+        120,
+        gt=0,
+        description="Seconds a remote training service (backend tinker, polyrl serve) may stay unreachable "
+        "while its requests are retried; then the run stops, naming the checkpoint to resume from.",
+    )
 
     # checkpoints, evaluation, logging
     save_every: int = Field(20, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
@@ -272,13 +297,20 @@ class TrainConfig(BaseModel):
                                            f"{MAX_EPISODES_PER_STEP} (lower batch_size or num_rollouts)"))
         if self.gamma != 1.0 and self.advantage_estimator != "rebn":
             problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
+        if self.normalize_advantages_by_std and self.advantage_estimator == "rebn":
+            problems.append(("normalize_advantages_by_std", "only used by advantage_estimator 'grpo' ('rebn' always "
+                                                            "divides by the batch std)"))
         problems += local_model_problems(self.backend, self.model_name)
         if self.backend == "tinker":
             for key, default in _LOCAL_ONLY_DEFAULTS.items():
                 if getattr(self, key) != default:
                     problems.append((key, "only used by the local backend, but backend is 'tinker'"))
-            if self.base_url is None and not os.environ.get("TINKER_API_KEY"):
+            key = os.environ.get("TINKER_API_KEY")
+            if self.base_url is None and not key:
                 problems.append(("backend", "'tinker' needs TINKER_API_KEY (environment or .env) or a base_url"))
+            elif key and not key.startswith(TINKER_KEY_PREFIXES):
+                problems.append(("backend", "TINKER_API_KEY (environment or .env) is not a Tinker API key: "
+                                            "those start with 'tml-'"))
         if self.eval_every > 0 and not any("test" in env.splits for env in self.environments.values()):
             problems.append(("eval_every", "evaluation needs at least one environment with a test split"))
         if self.renderer is not None and (reason := _unknown_renderer(self.renderer)):
@@ -323,13 +355,13 @@ def _installed(package: str) -> bool:
 
 def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
     try:
-        from polyrl.envs.base import get_env_builder
+        from polyrl.envs import registry
     except ImportError:
         return []
     problems = []
     for name, env in envs.items():
         try:
-            builder = get_env_builder(env.type or name)
+            builder = registry.get_env_builder(env.type or name)
         except KeyError as exc:
             problems.append((f"environments.{name}.type", str(exc.args[0] if exc.args else exc)))
             continue

@@ -7,3 +7,10 @@ class UserInputError(ValueError):
     """What the user asked for cannot be done as given: a missing model directory or checkpoint, a
     malformed path, a bad config value. The message names the problem in one line; the command line
     prints it as ``error: ...`` and exits with code 2, without a traceback."""
+
+
+class RunStoppedError(RuntimeError):
+    """A run cannot go on for a reason found while it ran: a service that stopped answering past its
+    retry budget, or too many steps without an update. The message is one line saying why and which
+    checkpoint a relaunch resumes from; the command line prints it as ``error: ...`` and exits with
+    code 1, without a traceback."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from math import comb
 from typing import Any
 
+from polyrl.rollouts import EnvRuntime, collect_groups
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     if k > n:
@@ -21,8 +23,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 async def evaluate_sampler(sampler: Any, renderer: Any, runtimes: dict, num_samples: int = 1, seed: int = 0,
                            prefix: str = "test") -> dict[str, float]:
     """Run every test task of every environment with a test split ``num_samples`` times."""
-    from polyrl.train import collect_groups
-
     plan = []
     for name, rt in sorted(runtimes.items()):
         if rt.cfg.splits.get("test") is None:
@@ -73,7 +73,6 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     state path) or, without one, the base model."""
     from polyrl.backend import make_service_client
     from polyrl.renderers import get_renderer, infer_renderer
-    from polyrl.train import EnvRuntime
 
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens) for n, c in config.environments.items()}
     service = make_service_client(config)

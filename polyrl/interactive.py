@@ -22,7 +22,7 @@ import math
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
-from polyrl.envs.base import Env, Message, Observation, StepResult, maybe_await
+from polyrl.envs.base import Env, Message, Observation, StepResult, call_env
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import Renderer, message_text
 
@@ -136,7 +136,7 @@ class WatchedEnv(Env):
         self.screen = screen
 
     async def reset(self) -> Observation:
-        obs = await maybe_await(self.env.reset())
+        obs = await call_env(self.env.reset)
         for tool in obs.tools:
             fn = tool.get("function", tool)
             params = ", ".join((fn.get("parameters") or {}).get("properties", {}))
@@ -144,7 +144,7 @@ class WatchedEnv(Env):
         return obs
 
     async def step(self, action: Message) -> StepResult:
-        result = await maybe_await(self.env.step(action))
+        result = await call_env(self.env.step, action)
         self.screen.rule("environment")
         for m in result.messages:
             self.screen.text(f"[{m.get('role')}] {message_text(m)}")
@@ -153,7 +153,7 @@ class WatchedEnv(Env):
         return result
 
     async def close(self) -> None:
-        await maybe_await(self.env.close())
+        await call_env(self.env.close)
 
 
 class ShownPolicy:
@@ -305,7 +305,7 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
 def play_runtime(args: argparse.Namespace):
     """(the environment's :class:`polyrl.train.EnvRuntime`, the run config or None) from the options."""
     from polyrl.config import EnvConfig, load_config
-    from polyrl.envs.base import get_env_builder
+    from polyrl.envs.registry import get_env_builder
     from polyrl.train import EnvRuntime
 
     extra = parse_env_args(args.args)

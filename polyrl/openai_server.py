@@ -160,6 +160,7 @@ class OpenAIServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._warned_untempered = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -314,10 +315,17 @@ class OpenAIServer:
             seed = (session.seed * 1009 + len(session.exchanges)) % (2**31)
         params = types.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stops, seed=seed,
                                       **({"top_p": float(body["top_p"])} if body.get("top_p") is not None else {}))
+        if (params.temperature != 1.0 or params.top_p != 1.0) and not self._warned_untempered:
+            self._warned_untempered = True
+            logger.warning("a client samples with temperature %g, top_p %g: the sampler's logprobs are the model's "
+                           "own at temperature 1 (as in Tinker), so the importance ratio compares against a "
+                           "distribution that was not sampled", params.temperature, params.top_p)
         response = await session.sampler.sample(types.ModelInput.from_ints(prompt), 1, params)
         seq = response.sequences[0]
         tokens = [int(t) for t in seq.tokens]
-        logprobs = [float(x) for x in (seq.logprobs if seq.logprobs is not None else [0.0] * len(tokens))]
+        if seq.logprobs is None or len(seq.logprobs) != len(tokens):
+            raise RequestError(502, "the sampler returned no logprobs for the sampled tokens; training needs them")
+        logprobs = [float(x) for x in seq.logprobs]
         reply = self.renderer.parse_response(tokens)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         tool_calls = outgoing_tool_calls(reply, f"call_{len(session.exchanges)}")

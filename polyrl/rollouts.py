@@ -4,11 +4,16 @@ Tokens, not text: an episode keeps one growing token sequence. Each turn's promp
 prompt + the exact sampled tokens + the newly rendered environment messages; nothing is re-rendered,
 so what is trained is exactly what was sampled. Sampled tokens carry their sampler logprobs and an
 action mask of 1; prompt and environment tokens carry 0 (they get no weight in the loss).
+
+:class:`EnvRuntime` is one configured environment (builder, settings, task order);
+:func:`collect_groups` runs one group per planned task, for training and evaluation alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -16,8 +21,17 @@ from typing import Any
 
 from tinker import types
 
-from polyrl.envs.base import Env, maybe_await
+from polyrl.config import EnvConfig
+from polyrl.envs.base import Env, EnvBuilder, call_env
+from polyrl.envs.registry import make_env_builder
+from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Message, Renderer
+
+
+class SamplerError(RunStoppedError):
+    """The sampling service answered without what training needs (its logprobs; zeros in their place
+    would silently make the importance ratio ``exp(logprob)``). Not an environment failure, so it is
+    not counted against a failure budget: the run stops."""
 
 
 @dataclass
@@ -43,6 +57,7 @@ class Episode:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     duration_s: float = 0.0
+    turn_rewards: list[float] | None = None  # per-turn shares of ``reward`` (see finalize_reward)
     turn_advantages: list[float] = field(default_factory=list)  # filled by polyrl.advantages
 
     @property
@@ -99,7 +114,11 @@ class RolloutContext:
         )
         response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
         seq = response.sequences[0]
-        episode.append(list(seq.tokens), list(seq.logprobs or [0.0] * len(seq.tokens)))
+        logprobs = seq.logprobs
+        if logprobs is None or len(logprobs) != len(seq.tokens):
+            raise SamplerError(f"the sampler returned {len(seq.tokens)} tokens with "
+                               f"{'no' if logprobs is None else len(logprobs)} logprobs; the loss needs one per token")
+        episode.append(list(seq.tokens), list(logprobs))
         episode.stop_reasons.append(seq.stop_reason)
         message = self.renderer.parse_response(list(seq.tokens))
         episode.messages.append(message)
@@ -123,13 +142,13 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
     ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id, sampler, renderer,
                          settings, seed)
     try:
-        obs = await maybe_await(env.reset())
+        obs = await call_env(env.reset)
         episode.messages = list(obs.messages)
         episode.tools = list(obs.tools)
         episode.append(renderer.initial_prompt(obs.messages, obs.tools or None))
         for turn in range(settings.max_turns):
             message = await ctx.sample(episode)
-            result = await maybe_await(env.step(message))
+            result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
             episode.messages.extend(result.messages)
@@ -140,7 +159,7 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                 finished = episode.stop_reasons[-1] == "stop"
                 episode.append(renderer.continuation(result.messages, assistant_finished=finished))
     finally:
-        await maybe_await(env.close())
+        await call_env(env.close)
         episode.duration_s = time.monotonic() - start
     finalize_reward(episode, settings)
     return episode
@@ -148,11 +167,17 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
 
 def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
     """The episode's scalar reward (sum or mean of step rewards; ``nonterminal_reward`` when the
-    environment never ended it) and its success flag."""
-    rewards = episode.step_rewards or [0.0]
-    total = sum(rewards) if settings.reward_reduction == "sum" else sum(rewards) / len(rewards)
+    environment never ended it), its success flag, and ``turn_rewards``: per-turn rewards that add
+    up to the reward (each step reward, over the turn count under ``mean``; a ``nonterminal_reward``
+    replaces what the last turn adds), the same for every episode with the same step rewards."""
+    rewards = list(episode.step_rewards) or [0.0]
+    if settings.reward_reduction == "mean":
+        rewards = [r / len(rewards) for r in rewards]
+    total = sum(rewards)
     if not episode.done_by_env and settings.nonterminal_reward is not None:
+        rewards[-1] += settings.nonterminal_reward - total
         total = settings.nonterminal_reward
+    episode.turn_rewards = rewards
     episode.reward = total
     episode.success = bool(episode.metrics["success"]) if "success" in episode.metrics else total > 0
 
@@ -167,11 +192,13 @@ async def run_group(builder, episodes: list[Episode], renderer: Renderer, sample
         try:
             if builder.drives_rollouts:
                 ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer, settings, seed)
-                return list(await asyncio.wait_for(builder.rollout(ctx), settings.timeout))
+                return list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
             env = builder.make(ep.split, ep.task_index)
             return [await asyncio.wait_for(run_episode(env, ep, renderer, sampler, settings, seed), settings.timeout)]
         except asyncio.TimeoutError:
             ep.error = f"timeout after {settings.timeout:g}s"
+        except SamplerError:
+            raise
         except Exception as e:  # noqa: BLE001 - an environment or sampler failure is counted, not fatal
             ep.error = f"{type(e).__name__}: {e}"
             ep.metrics["traceback_lines"] = float(len(traceback.format_exc().splitlines()))
@@ -193,3 +220,75 @@ def split_roles(groups: list[list[Episode]]) -> list[list[Episode]]:
         for i, role in enumerate(roles):
             out.append([ep for ep in group if ep.role == role or (i == 0 and ep.failed)])
     return out
+
+
+# ---------------------------------------------------------------------------- configured environments
+def stable_seed(*parts: Any) -> int:
+    """A seed from any values, equal across processes (unlike ``hash``)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@dataclass
+class EnvRuntime:
+    """A configured environment: its builder, rollout settings and task order."""
+
+    name: str
+    cfg: EnvConfig
+    builder: EnvBuilder
+    settings: RolloutSettings
+    run_seed: int
+
+    @classmethod
+    def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int) -> "EnvRuntime":
+        builder = make_env_builder(cfg.type or name, cfg.args, seed=seed)
+        settings = RolloutSettings(
+            max_turns=cfg.max_turns,
+            max_tokens=cfg.max_tokens or max_tokens,
+            temperature=cfg.temperature,
+            timeout=cfg.timeout,
+            reward_reduction=cfg.reward_reduction,
+            nonterminal_reward=cfg.nonterminal_reward,
+        )
+        return cls(name, cfg, builder, settings, seed)
+
+    def num_tasks(self, split: str) -> int | None:
+        split_cfg = self.cfg.splits.get(split)
+        limit = split_cfg.num_samples if split_cfg else None
+        available = self.builder.num_tasks(split)
+        if limit is None:
+            return available
+        return limit if available is None else min(limit, available)
+
+    def task_index(self, split: str, position: int) -> int:
+        """The task at ``position`` of the split's order: epochs of a seeded shuffle when the split
+        is finite and ``shuffle`` is set, else sequential."""
+        n = self.num_tasks(split)
+        if n is None:
+            return position
+        epoch, k = divmod(position, n)
+        split_cfg = self.cfg.splits.get(split)
+        if split_cfg is not None and split_cfg.shuffle:
+            seed = split_cfg.seed if split_cfg.seed is not None else self.run_seed
+            order = list(range(n))
+            random.Random(stable_seed(seed, self.name, split, epoch)).shuffle(order)
+            return order[k]
+        return k
+
+
+async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, int]], split: str,
+                         group_size: dict[str, int] | int, sampler: Any, renderer: Any, seed_parts: tuple,
+                         progress=None) -> list[list[Episode]]:
+    """Run one group per ``(env name, task index)`` in ``plan``, all concurrently."""
+
+    async def group(g: int, env_name: str, task: int) -> list[Episode]:
+        rt = runtimes[env_name]
+        n = group_size if isinstance(group_size, int) else group_size[env_name]
+        episodes = [Episode(env_name, split, task, g) for _ in range(n)]
+        seeds = [stable_seed(*seed_parts, g, i) for i in range(n)]
+        result = await run_group(rt.builder, episodes, renderer, sampler, rt.settings, seeds)
+        if progress is not None:
+            progress.advance(progress.task_ids[0])
+        return result
+
+    return list(await asyncio.gather(*(group(g, name, task) for g, (name, task) in enumerate(plan))))

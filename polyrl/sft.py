@@ -58,7 +58,7 @@ class SFTConfig(BaseModel):
 
 
 def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
-    from polyrl.train import EnvRuntime
+    from polyrl.rollouts import EnvRuntime
 
     datums = []
     for name, env_cfg in config.environments.items():

@@ -1,87 +1,367 @@
 """``polyrl train``: RL fine-tuning on many environments at once.
 
-One step, top to bottom: pick which environment each group of the batch comes from (by weight),
-run every group's episodes concurrently with the current sampler, drop groups over their failure
-budget, compute advantages, turn episodes into Datums, submit ``forward_backward`` and
-``optim_step`` back to back, take a new sampler, and log metrics, trajectories and checkpoints.
+:func:`train_async` is the whole loop, top to bottom. Each phase is a method of :class:`Trainer` that
+can be run (and tested) on its own:
+
+- ``start``: continue the run in ``log_path`` if it has a checkpoint, else warm start from
+  ``resume_from``, else start fresh; then the first sampler;
+- ``plan``: which environment and task each group of a step draws (by weight, from the data cursors);
+- ``rollouts``: every group's episodes, concurrently, with the current sampler;
+- ``update``: failure budgets, advantages, Datums, ``forward_backward`` and ``optim_step`` back to back;
+- ``checkpoint``: the sampler for the next step, and a saved state when one is due;
+- ``evaluate`` and ``log``: held-out evaluation, metrics, trajectories, checkpoint rows, console, W&B;
+- ``check_learning``: stop when too many steps made no update.
+
+Every step draws its tasks and seeds from the step index and the saved cursors alone, so a relaunch
+after a kill repeats no step, skips none, and samples exactly what the uninterrupted run did.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
-import random
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from tinker import types
 
 from polyrl import advantages as adv_lib
-from polyrl.backend import make_service_client
-from polyrl.config import EnvConfig, TrainConfig
-from polyrl.envs.base import EnvBuilder, make_env_builder
+from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.errors import RunStoppedError
+from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
-from polyrl.rollouts import Episode, RolloutSettings, run_group, split_roles
+from polyrl.rollouts import Episode, EnvRuntime, collect_groups, split_roles
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
-
-def stable_seed(*parts: Any) -> int:
-    """A seed from any values, equal across processes (unlike ``hash``)."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+NO_UPDATE_MIN_STEPS = 10  # max_no_update_frac is judged once this many steps ran (shorter runs only warn)
 
 
 @dataclass
-class EnvRuntime:
-    """A configured environment: its builder, rollout settings and task order."""
+class RunState:
+    """Where a run stands. Its fields go into every checkpoint row next to the saved state, so a
+    relaunch continues exactly: the next step, each environment's data cursor, the W&B run."""
 
-    name: str
-    cfg: EnvConfig
-    builder: EnvBuilder
-    settings: RolloutSettings
-    run_seed: int
+    step: int = 0
+    cursors: dict[str, int] = field(default_factory=dict)
+    wandb_run_id: str | None = None
+    checkpoint: str | None = None  # state path of the last logged checkpoint
+    no_update_steps: int = 0  # steps so far that trained nothing
 
-    @classmethod
-    def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int) -> "EnvRuntime":
-        builder = make_env_builder(cfg.type or name, cfg.args, seed=seed)
-        settings = RolloutSettings(
-            max_turns=cfg.max_turns,
-            max_tokens=cfg.max_tokens or max_tokens,
-            temperature=cfg.temperature,
-            timeout=cfg.timeout,
-            reward_reduction=cfg.reward_reduction,
-            nonterminal_reward=cfg.nonterminal_reward,
-        )
-        return cls(name, cfg, builder, settings, seed)
-
-    def num_tasks(self, split: str) -> int | None:
-        split_cfg = self.cfg.splits.get(split)
-        limit = split_cfg.num_samples if split_cfg else None
-        available = self.builder.num_tasks(split)
-        if limit is None:
-            return available
-        return limit if available is None else min(limit, available)
-
-    def task_index(self, split: str, position: int) -> int:
-        """The task at ``position`` of the split's order: epochs of a seeded shuffle when the split
-        is finite and ``shuffle`` is set, else sequential."""
-        n = self.num_tasks(split)
-        if n is None:
-            return position
-        epoch, k = divmod(position, n)
-        split_cfg = self.cfg.splits.get(split)
-        if split_cfg is not None and split_cfg.shuffle:
-            seed = split_cfg.seed if split_cfg.seed is not None else self.run_seed
-            order = list(range(n))
-            random.Random(stable_seed(seed, self.name, split, epoch)).shuffle(order)
-            return order[k]
-        return k
+    def restore(self, row: dict) -> None:
+        self.step = int(row["batch"])
+        self.cursors.update(row.get("cursors", {}))
+        self.wandb_run_id = row.get("wandb_run_id")
+        self.checkpoint = row["state_path"]
 
 
+@dataclass
+class StepRollouts:
+    """One step's groups, as sampled by the policy after ``sampler_step`` updates."""
+
+    step: int
+    plan: list[tuple[str, int]]
+    groups: list[list[Episode]]
+    sampler_step: int
+    seconds: float
+
+
+@dataclass
+class StepUpdate:
+    """What a step trained on: the groups kept, their counters, and the optimizer's metrics."""
+
+    kept: list[list[Episode]]
+    stats: dict[str, dict[str, float]]
+    datums: int
+    metrics: dict[str, float]
+    seconds: float
+
+
+@dataclass
+class Saved:
+    """The checkpoint row a step saved (``None`` between checkpoints)."""
+
+    row: dict | None
+    seconds: float
+
+
+async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
+    trainer = Trainer(config, console)
+    try:
+        state = await trainer.start()
+        row: dict[str, float] = {}
+        for step in range(state.step, config.max_steps):
+            started = time.monotonic()
+            plan, cursors = trainer.plan(step, state.cursors)
+            rollouts = await trainer.rollouts(step, plan)
+            update = await trainer.update(rollouts)
+            state.step, state.cursors = step + 1, cursors
+            saved = await trainer.checkpoint()
+            evaluation = await trainer.evaluate()
+            row = trainer.log(rollouts, update, saved, evaluation, started)
+            trainer.check_learning(rollouts, update)
+        trainer.finish()
+        return row
+    except RunStoppedError as exc:
+        raise RunStoppedError(f"{exc}; {trainer.resume_hint()}") from None
+    finally:
+        await trainer.close()
+
+
+def train(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
+    return asyncio.run(train_async(config, console))
+
+
+class Trainer:
+    """The phases of one run (see the module docstring); :func:`train_async` runs them in order."""
+
+    def __init__(self, config: TrainConfig, console: ConsoleLog | None = None):
+        self.config = config
+        self.console = console or ConsoleLog()
+        self.files = RunFiles(config.log_path, metrics_json=config.metrics_json)
+        self.guard = ServiceGuard(service_url(config), config.service_timeout, self.console.warn)
+        self.adam = types.AdamParams(learning_rate=config.learning_rate, beta1=config.adam_beta1,
+                                     beta2=config.adam_beta2, eps=config.adam_eps, weight_decay=config.weight_decay,
+                                     grad_clip_norm=config.grad_clip_norm)
+        self.state = RunState()
+        self.runtimes: dict[str, EnvRuntime] = {}
+        self.weights: dict[str, float] = {}  # environments with a train split, by batch share
+        self.service: Any = None
+        self.training: Any = None
+        self.sampler: Any = None
+        self.sampler_step = 0  # updates the current sampler's weights have seen
+        self.tokenizer: Any = None
+        self.renderer: Any = None
+        self.wandb: Any = None
+        self.uploader: Any = None
+
+    # ---- start, warm start or resume ------------------------------------------------------------
+    async def start(self) -> RunState:
+        config, files = self.config, self.files
+        files.write_config(config.dump())
+        self.runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens)
+                         for name, cfg in config.environments.items()}
+        self.weights = {n: rt.cfg.weight for n, rt in self.runtimes.items() if rt.cfg.splits.get("train") is not None}
+        if not self.weights:
+            raise ConfigError("environments: none has a train split (splits.train is null everywhere), "
+                              "so there is nothing to train on")
+        for line in sampling_warnings(config):
+            self.console.warn(line)
+        self.service = make_service_client(config)
+        self.state = RunState(cursors={name: 0 for name in self.runtimes})
+        row = files.last_resumable()  # a relaunch always continues its own run
+        if row is not None:
+            self.training = await self.guard("resuming", self.service.create_training_client_from_state_with_optimizer,
+                                             row["state_path"])
+            self.state.restore(row)
+            self.console.info(f"resuming from {row['state_path']} at step {self.state.step}")
+        elif config.resume_from:
+            self.training = await self.guard("loading resume_from", self.service.create_training_client_from_state,
+                                             config.resume_from)
+            self.console.info(f"initialized weights from {config.resume_from}")
+        else:
+            self.training = await self.guard("creating the model", self.service.create_lora_training_client,
+                                             base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
+        files.truncate_from(self.state.step)
+        self.state.no_update_steps = sum(r.get("optim/datums") == 0 for r in files.metrics())
+        await self.remove_unlogged_checkpoints(resuming=row is not None)
+        files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
+        self.tokenizer = self.training.get_tokenizer()
+        renderer = config.renderer or infer_renderer(config.model_name, self.tokenizer)
+        self.renderer = get_renderer(renderer, self.tokenizer)
+        self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
+        self.sampler_step = self.state.step
+        if config.wandb_project_name:
+            from polyrl.tracking.wandb_log import WandbLog
+
+            self.wandb = WandbLog(config.wandb_project_name, config.wandb_run_name, config.dump(), str(files.root),
+                                  self.state.wandb_run_id)
+            self.state.wandb_run_id = self.wandb.run_id
+        if config.openreward_run_name:
+            from polyrl.tracking.openreward_upload import OpenRewardUploader
+
+            self.uploader = OpenRewardUploader(config, self.runtimes, self.state.step)
+        return self.state
+
+    async def remove_unlogged_checkpoints(self, resuming: bool) -> None:
+        """What earlier launches of this run saved but never logged (a kill between saving a
+        checkpoint and writing its row): no row refers to it, so nothing would ever resume from it.
+        Deleted when the run resumes from a row; only reported when the run has no row to resume
+        from (``checkpoints.jsonl`` gone or never written), as the weights may still be wanted."""
+        attempts = self.files.attempts()
+        if not attempts:
+            return
+        logged = {row.get(key) for row in self.files.checkpoints() for key in ("state_path", "sampler_path")}
+        rest = await self.guard("connecting", make_rest_client, self.config, self.service)
+        unlogged = []
+        for attempt in attempts:
+            run_id = attempt["training_run_id"]
+            try:
+                listing = await self.guard("listing checkpoints", rest.list_checkpoints, run_id)
+                for checkpoint in listing.checkpoints:
+                    if checkpoint.tinker_path in logged:
+                        continue
+                    if resuming:
+                        await self.guard("deleting a checkpoint", rest.delete_checkpoint_from_tinker_path,
+                                         checkpoint.tinker_path)
+                    unlogged.append(checkpoint.tinker_path)
+            except RunStoppedError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - tidying up must not keep the run from resuming
+                self.console.warn(f"could not check the checkpoints of an interrupted launch ({run_id}): {exc}")
+        if unlogged and resuming:
+            self.console.info(f"removed {len(unlogged)} checkpoints that interrupted launches saved but never logged")
+        elif unlogged:
+            self.console.warn(f"{len(unlogged)} checkpoints of earlier launches of this run are named by no row of "
+                              f"checkpoints.jsonl and stay in the store, e.g. {unlogged[0]}")
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def plan(self, step: int, cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
+        """The ``(environment, task index)`` of each group of ``step``, and the cursors after it. Pure:
+        the same step and cursors always give the same plan."""
+        cursors = dict(cursors)
+        plan = []
+        for name in allocate_groups(self.weights, self.config.batch_size, step):
+            plan.append((name, self.runtimes[name].task_index("train", cursors[name])))
+            cursors[name] += 1
+        return plan, cursors
+
+    async def rollouts(self, step: int, plan: list[tuple[str, int]]) -> StepRollouts:
+        """Every group of ``plan``, sampled by the current sampler (seeded by the step)."""
+        started = time.monotonic()
+        sizes = {n: rt.cfg.num_rollouts for n, rt in self.runtimes.items()}
+        with self.console.progress(f"step {step} rollouts", len(plan)) as progress:
+            groups = await self.guard.watch(f"sampling step {step}", collect_groups(
+                self.runtimes, plan, "train", sizes, self.sampler, self.renderer, (self.config.seed, "train", step),
+                progress))
+        return StepRollouts(step, plan, groups, self.sampler_step, time.monotonic() - started)
+
+    async def update(self, rollouts: StepRollouts) -> StepUpdate:
+        """Failure budgets, advantages and Datums; ``forward_backward`` and ``optim_step`` submitted back
+        to back. A step whose groups all failed or carry no signal trains nothing."""
+        started, config = time.monotonic(), self.config
+        kept, stats = filter_groups(split_roles(rollouts.groups), self.runtimes, config.remove_constant_reward_groups)
+        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
+        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
+        datums = [adv_lib.to_datum(ep, config.loss_fn) for ep in episodes]
+        metrics: dict[str, float] = {"optim/lr": config.learning_rate}
+        if datums:
+            async def train_step() -> tuple[Any, Any]:
+                fwd = self.training.forward_backward(datums, config.loss_fn, dict(config.loss_fn_config) or None)
+                opt = self.training.optim_step(self.adam)
+                return await fwd, await opt
+
+            fwd_result, opt_result = await self.guard.watch(f"training step {rollouts.step}", train_step())
+            metrics.update(kl_metrics(datums, [ep.action_mask[1:] for ep in episodes], fwd_result.loss_fn_outputs))
+            metrics["optim/loss"] = fwd_result.metrics.get("loss:sum", float("nan"))
+            if "clipped_tokens:sum" in fwd_result.metrics:
+                metrics["optim/clip_frac"] = fwd_result.metrics["clipped_tokens:sum"] / max(
+                    1.0, fwd_result.metrics.get("active_tokens:sum", 1.0))
+            for k, v in (opt_result.metrics or {}).items():
+                metrics[f"optim/{k.split(':')[0]}"] = v
+        metrics["optim/datums"] = float(len(datums))
+        metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes))
+        metrics["tokens/total"] = float(sum(len(d.model_input.to_ints()) for d in datums))
+        return StepUpdate(kept, stats, len(datums), metrics, time.monotonic() - started)
+
+    async def checkpoint(self) -> Saved:
+        """The sampler for the next step; at ``save_every`` and the last step, a saved state too."""
+        started, config, state = time.monotonic(), self.config, self.state
+        final = state.step == config.max_steps
+        row = None
+        if final or (config.save_every and state.step % config.save_every == 0):
+            name = "final" if final else f"{state.step:06d}"
+            saved = await self.guard(f"saving checkpoint {name}", self.training.save_state, name)
+            sampler_path = (await self.guard(f"saving sampler weights {name}", self.training.save_weights_for_sampler,
+                                             name)).path
+            self.sampler = await self.guard("creating a sampler", self.training.create_sampling_client, sampler_path)
+            row = {"name": name, "batch": state.step, "final": final, "state_path": saved.path,
+                   "sampler_path": sampler_path, "cursors": dict(state.cursors), "wandb_run_id": state.wandb_run_id}
+            self.console.info(f"checkpoint {name}: {saved.path}")
+        else:
+            self.sampler = await self.guard("updating the sampler", self.training.save_weights_and_get_sampling_client)
+        self.sampler_step = state.step
+        return Saved(row, time.monotonic() - started)
+
+    async def evaluate(self) -> dict[str, float]:
+        """The test splits with the new sampler, every ``eval_every`` steps and at the end."""
+        config, done = self.config, self.state.step
+        if not config.eval_every or (done % config.eval_every and done != config.max_steps):
+            return {}
+        return await self.guard.watch(f"evaluating after step {done - 1}", evaluate_sampler(
+            self.sampler, self.renderer, self.runtimes, config.eval_num_samples, config.seed))
+
+    def log(self, rollouts: StepRollouts, update: StepUpdate, saved: Saved, evaluation: dict[str, float],
+            started: float) -> dict[str, float]:
+        """The step's metrics row, trajectories and checkpoint row (last: a resume from it must find the
+        step fully logged), then console, W&B and the report."""
+        config, step = self.config, rollouts.step
+        row = {"step": step, "progress/done_frac": (step + 1) / config.max_steps, **update.metrics, **evaluation}
+        row.update(episode_metrics(rollouts.groups, update.stats))
+        row.update({"time/rollout": rollouts.seconds, "time/train": update.seconds, "time/save": saved.seconds,
+                    "time/total": time.monotonic() - started})
+        episodes = [ep for group in rollouts.groups for ep in group]
+        kept = {id(ep) for g in update.kept for ep in g}
+        self.files.log_trajectories(step, [episode_row(step, ep, self.tokenizer, dropped=id(ep) not in kept)
+                                           for ep in episodes])
+        if self.uploader:
+            self.uploader.upload_step(step, episodes, row, {id(ep) for ep in episodes} - kept)
+        self.files.log_metrics(row)
+        if saved.row is not None:
+            self.files.log_checkpoint(saved.row)
+            self.state.checkpoint = saved.row["state_path"]
+        if self.wandb:
+            self.wandb.log(row, step)
+        self.console.step(row)
+        if config.report and saved.row is not None and not saved.row["final"]:
+            refresh_for_training(self.files.root, self.console)
+        return row
+
+    def check_learning(self, rollouts: StepRollouts, update: StepUpdate) -> None:
+        """Warn about a step that trained nothing; stop once more than ``max_no_update_frac`` of the steps
+        so far did (judged from :data:`NO_UPDATE_MIN_STEPS` steps on): a run that only saves untrained
+        checkpoints wastes its time."""
+        config, done = self.config, self.state.step
+        if update.datums:
+            return
+        self.state.no_update_steps += 1
+        reason = no_update_reason(rollouts.groups, update.stats)
+        self.console.warn(f"step {rollouts.step} made no update: {reason}")
+        if done >= NO_UPDATE_MIN_STEPS and self.state.no_update_steps > config.max_no_update_frac * done:
+            raise RunStoppedError(f"{self.state.no_update_steps} of {done} steps made no update (more than "
+                                  f"max_no_update_frac={config.max_no_update_frac:g}); at the last: {reason}")
+
+    # ---- end ----------------------------------------------------------------------------------
+    def finish(self) -> None:
+        if self.config.report:
+            refresh_for_training(self.files.root, self.console)
+
+    def resume_hint(self) -> str:
+        if self.state.checkpoint is None:
+            return "no checkpoint saved yet"
+        return f"last checkpoint: {self.state.checkpoint} (run the same command again to resume from it)"
+
+    async def close(self) -> None:
+        """Close W&B, the uploader and every environment builder; each on its own, so one that fails
+        neither hides the error that ended the run nor keeps the others open."""
+        closers = [self.wandb.close if self.wandb else None, self.uploader.close if self.uploader else None]
+        for close in filter(None, closers):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001
+                self.console.warn(f"closing failed: {exc}")
+        for rt in self.runtimes.values():
+            try:
+                await rt.builder.aclose()
+            except Exception as exc:  # noqa: BLE001
+                self.console.warn(f"closing environment {rt.name} failed: {exc}")
+
+
+# ---- helpers of the phases ------------------------------------------------------------------------
 def allocate_groups(weights: dict[str, float], batch_size: int, step: int) -> list[str]:
     """Environment name of each group in a step's batch: shares proportional to ``weight``; the
     leftover slots rotate with the step so small shares still get their turn."""
@@ -97,22 +377,49 @@ def allocate_groups(weights: dict[str, float], batch_size: int, step: int) -> li
     return [n for n in sorted(weights) for _ in range(counts[n])]
 
 
-async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, int]], split: str,
-                         group_size: dict[str, int] | int, sampler: Any, renderer: Any, seed_parts: tuple,
-                         progress=None) -> list[list[Episode]]:
-    """Run one group per ``(env name, task index)`` in ``plan``, all concurrently."""
+def sampling_warnings(config: TrainConfig) -> list[str]:
+    """What the config samples differently from what the loss assumes, in one line."""
+    tempered = [f"{name} ({env.temperature:g})" for name, env in sorted(config.environments.items())
+                if env.temperature != 1.0 and env.splits.get("train") is not None]
+    if not tempered:
+        return []
+    return [f"sampling temperature other than 1 in {', '.join(tempered)}: the sampler's logprobs are the "
+            "model's own at temperature 1 (as in Tinker), so the importance ratio compares against a "
+            "distribution that was not sampled"]
 
-    async def group(g: int, env_name: str, task: int) -> list[Episode]:
-        rt = runtimes[env_name]
-        n = group_size if isinstance(group_size, int) else group_size[env_name]
-        episodes = [Episode(env_name, split, task, g) for _ in range(n)]
-        seeds = [stable_seed(*seed_parts, g, i) for i in range(n)]
-        result = await run_group(rt.builder, episodes, renderer, sampler, rt.settings, seeds)
-        if progress is not None:
-            progress.advance(progress.task_ids[0])
-        return result
 
-    return list(await asyncio.gather(*(group(g, name, task) for g, (name, task) in enumerate(plan))))
+def filter_groups(groups: list[list[Episode]], runtimes: dict[str, EnvRuntime],
+                  remove_constant: bool) -> tuple[list[list[Episode]], dict[str, dict[str, float]]]:
+    """Apply each environment's failure budget; failing episodes of a kept group are left out.
+    Returns the kept groups and per-environment counters."""
+    kept, stats = [], {}
+    for group in groups:
+        name = group[0].env_name
+        s = stats.setdefault(name, {"failed_rollouts": 0.0, "dropped_groups": 0.0, "constant_groups": 0.0})
+        failures = sum(ep.failed for ep in group)
+        s["failed_rollouts"] += failures
+        ok = [ep for ep in group if not ep.failed]
+        if failures > runtimes[name].cfg.max_failing_rollouts or not ok:
+            s["dropped_groups"] += 1
+            continue
+        if len({ep.reward for ep in ok}) == 1:
+            s["constant_groups"] += 1
+            if remove_constant:
+                continue
+        kept.append(ok)
+    return kept, stats
+
+
+def no_update_reason(groups: list[list[Episode]], stats: dict[str, dict[str, float]]) -> str:
+    """Why a step trained nothing, in a few words: groups dropped and the most common episode error."""
+    dropped = sum(s["dropped_groups"] for s in stats.values())
+    constant = sum(s["constant_groups"] for s in stats.values())
+    reason = f"{dropped:g} of {len(groups)} groups dropped over their failure budget, {constant:g} with equal rewards"
+    errors = Counter(" ".join(ep.error.split())[:200] for g in groups for ep in g if ep.error)
+    if errors:
+        error, count = errors.most_common(1)[0]
+        reason += f"; most common episode error ({count}x): {error}"
+    return reason
 
 
 def episode_row(step: int, ep: Episode, tokenizer, dropped: bool) -> dict:
@@ -143,28 +450,6 @@ def episode_row(step: int, ep: Episode, tokenizer, dropped: bool) -> dict:
         "action_mask": ep.action_mask,
         "turn_spans": ep.turn_spans,
     }
-
-
-def filter_groups(groups: list[list[Episode]], runtimes: dict[str, EnvRuntime],
-                  remove_constant: bool) -> tuple[list[list[Episode]], dict[str, dict[str, float]]]:
-    """Apply each environment's failure budget; failing episodes of a kept group are left out.
-    Returns the kept groups and per-environment counters."""
-    kept, stats = [], {}
-    for group in groups:
-        name = group[0].env_name
-        s = stats.setdefault(name, {"failed_rollouts": 0.0, "dropped_groups": 0.0, "constant_groups": 0.0})
-        failures = sum(ep.failed for ep in group)
-        s["failed_rollouts"] += failures
-        ok = [ep for ep in group if not ep.failed]
-        if failures > runtimes[name].cfg.max_failing_rollouts or not ok:
-            s["dropped_groups"] += 1
-            continue
-        if len({ep.reward for ep in ok}) == 1:
-            s["constant_groups"] += 1
-            if remove_constant:
-                continue
-        kept.append(ok)
-    return kept, stats
 
 
 def episode_metrics(groups: list[list[Episode]], stats: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -202,16 +487,12 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
 
-def kl_metrics(datums: list[types.Datum], outputs: list[dict]) -> dict[str, float]:
-    """Sampler vs learner logprobs on the action tokens: KL estimators and entropy."""
+def kl_metrics(datums: list[types.Datum], masks: list[list[int]], outputs: list[dict]) -> dict[str, float]:
+    """Sampler vs learner logprobs on the sampled tokens (``masks``): KL estimators and entropy."""
     diffs, sampler_lps = [], []
-    for d, out in zip(datums, outputs):
-        s_lp = d.loss_fn_inputs["logprobs"].tolist()
-        adv = d.loss_fn_inputs["advantages"].tolist()
-        mask = d.loss_fn_inputs["mask"].tolist() if "mask" in d.loss_fn_inputs else None
-        l_lp = out["logprobs"].tolist()
-        for i, (s, lr) in enumerate(zip(s_lp, l_lp)):
-            if (mask[i] if mask is not None else (s != 0.0 or adv[i] != 0.0)):
+    for d, mask, out in zip(datums, masks, outputs):
+        for s, lr, m in zip(d.loss_fn_inputs["logprobs"].tolist(), out["logprobs"].tolist(), mask):
+            if m:
                 diffs.append(s - lr)
                 sampler_lps.append(s)
     if not diffs:
@@ -221,141 +502,3 @@ def kl_metrics(datums: list[types.Datum], outputs: list[dict]) -> dict[str, floa
         "optim/kl_sample_train_v2": _mean(0.5 * x * x for x in diffs),
         "optim/entropy": -_mean(sampler_lps),
     }
-
-
-async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
-    console = console or ConsoleLog()
-    files = RunFiles(config.log_path, metrics_json=config.metrics_json)
-    files.write_config(config.dump())
-    runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens)
-                for name, cfg in config.environments.items()}
-    service = make_service_client(config)
-
-    # ---- start, warm start or resume ------------------------------------------------------------
-    checkpoints = files.checkpoints()
-    row = next((r for r in reversed(checkpoints) if r.get("state_path") == config.resume_from), None) \
-        if config.resume_from else files.last_resumable()
-    cursors = {name: 0 for name in runtimes}
-    start_step = 0
-    wandb_id = None
-    if row is not None:
-        training = await service.create_training_client_from_state_with_optimizer(row["state_path"])
-        start_step = int(row["batch"])
-        cursors.update(row.get("cursors", {}))
-        wandb_id = row.get("wandb_run_id")
-        console.info(f"resuming from {row['state_path']} at step {start_step}")
-    elif config.resume_from:
-        training = await service.create_training_client_from_state(config.resume_from)
-        console.info(f"initialized weights from {config.resume_from}")
-    else:
-        training = await service.create_lora_training_client(base_model=config.model_name, rank=config.lora_rank,
-                                                              seed=config.seed)
-    files.truncate_from(start_step)
-    tokenizer = training.get_tokenizer()
-    renderer = get_renderer(config.renderer or infer_renderer(config.model_name, tokenizer), tokenizer)
-    sampler = await training.save_weights_and_get_sampling_client()
-    wandb = None
-    if config.wandb_project_name:
-        from polyrl.tracking.wandb_log import WandbLog
-
-        wandb = WandbLog(config.wandb_project_name, config.wandb_run_name, config.dump(), str(files.root), wandb_id)
-    uploader = None
-    if config.openreward_run_name:
-        from polyrl.tracking.openreward_upload import OpenRewardUploader
-
-        uploader = OpenRewardUploader(config, runtimes, start_step)
-
-    adam = types.AdamParams(learning_rate=config.learning_rate, beta1=config.adam_beta1, beta2=config.adam_beta2,
-                            eps=config.adam_eps, weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
-    weights = {n: rt.cfg.weight for n, rt in runtimes.items() if rt.cfg.splits.get("train") is not None}
-    last_row: dict[str, float] = {}
-    for step in range(start_step, config.max_steps):
-        t0 = time.monotonic()
-        # ---- rollouts ------------------------------------------------------------------------------
-        plan = []
-        for name in allocate_groups(weights, config.batch_size, step):
-            plan.append((name, runtimes[name].task_index("train", cursors[name])))
-            cursors[name] += 1
-        sizes = {n: rt.cfg.num_rollouts for n, rt in runtimes.items()}
-        with console.progress(f"step {step} rollouts", len(plan)) as progress:
-            groups = await collect_groups(runtimes, plan, "train", sizes, sampler, renderer,
-                                          (config.seed, "train", step), progress)
-        t_rollout = time.monotonic() - t0
-
-        # ---- advantages and update ---------------------------------------------------------------
-        kept, stats = filter_groups(split_roles(groups), runtimes, config.remove_constant_reward_groups)
-        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
-        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
-        datums = [adv_lib.to_datum(ep) for ep in episodes]
-        row_metrics = {"step": step, "progress/done_frac": (step + 1) / config.max_steps, "optim/lr": config.learning_rate}
-        t1 = time.monotonic()
-        if datums:
-            fwd = training.forward_backward(datums, config.loss_fn, dict(config.loss_fn_config) or None)
-            opt = training.optim_step(adam)
-            fwd_result, opt_result = await fwd, await opt
-            row_metrics.update(kl_metrics(datums, fwd_result.loss_fn_outputs))
-            row_metrics["optim/loss"] = fwd_result.metrics.get("loss:sum", float("nan"))
-            if "clipped_tokens:sum" in fwd_result.metrics:
-                row_metrics["optim/clip_frac"] = fwd_result.metrics["clipped_tokens:sum"] / max(
-                    1.0, fwd_result.metrics.get("active_tokens:sum", 1.0))
-            for k, v in (opt_result.metrics or {}).items():
-                row_metrics[f"optim/{k.split(':')[0]}"] = v
-        row_metrics["optim/datums"] = float(len(datums))
-        row_metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes))
-        row_metrics["tokens/total"] = float(sum(len(d.model_input.to_ints()) for d in datums))
-        t_train = time.monotonic() - t1
-
-        # ---- new sampler, checkpoint ---------------------------------------------------------------
-        t2 = time.monotonic()
-        done_steps = step + 1
-        final = done_steps == config.max_steps
-        checkpoint_row = None
-        if final or (config.save_every and done_steps % config.save_every == 0):
-            name = "final" if final else f"{done_steps:06d}"
-            state = await training.save_state(name)
-            sampler_path = (await training.save_weights_for_sampler(name)).path
-            sampler = await training.create_sampling_client(sampler_path)
-            checkpoint_row = {"name": name, "batch": done_steps, "final": final, "state_path": state.path,
-                              "sampler_path": sampler_path, "cursors": dict(cursors),
-                              "wandb_run_id": wandb.run_id if wandb else None}
-            console.info(f"checkpoint {name}: {state.path}")
-        else:
-            sampler = await training.save_weights_and_get_sampling_client()
-        t_save = time.monotonic() - t2
-
-        # ---- evaluation and logs -------------------------------------------------------------------
-        if config.eval_every and (done_steps % config.eval_every == 0 or final):
-            from polyrl.evaluate import evaluate_sampler
-
-            row_metrics.update(await evaluate_sampler(sampler, renderer, runtimes, config.eval_num_samples, config.seed))
-        row_metrics.update(episode_metrics(groups, stats))
-        row_metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/save": t_save,
-                            "time/total": time.monotonic() - t0})
-        kept_ids = {id(ep) for g in kept for ep in g}
-        files.log_trajectories(step, [episode_row(step, ep, tokenizer, dropped=id(ep) not in kept_ids)
-                                      for group in groups for ep in group])
-        if uploader:
-            uploader.upload_step(step, [ep for group in groups for ep in group], row_metrics,
-                                 {id(ep) for group in groups for ep in group} - kept_ids)
-        files.log_metrics(row_metrics)
-        if checkpoint_row is not None:  # last: a resume from this row must find the step fully logged
-            files.log_checkpoint(checkpoint_row)
-        if wandb:
-            wandb.log(row_metrics, step)
-        console.step(row_metrics)
-        last_row = row_metrics
-        if config.report and not final and config.save_every and done_steps % config.save_every == 0:
-            refresh_for_training(files.root, console)
-    if config.report:
-        refresh_for_training(files.root, console)
-    if wandb:
-        wandb.close()
-    if uploader:
-        uploader.close()
-    for rt in runtimes.values():
-        await rt.builder.aclose()
-    return last_row
-
-
-def train(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
-    return asyncio.run(train_async(config, console))

@@ -36,11 +36,11 @@ def isolated(monkeypatch, tmp_path):
             raise KeyError(f"unknown environment type {type_name!r}; known: arithmetic, wordle")
         return object
 
-    import polyrl.envs.base
+    import polyrl.envs.registry
     import polyrl.renderers
     import polyrl.renderers.base
 
-    monkeypatch.setattr(polyrl.envs.base, "get_env_builder", get_env_builder)
+    monkeypatch.setattr(polyrl.envs.registry, "get_env_builder", get_env_builder)
     for module in (polyrl.renderers, polyrl.renderers.base):
         monkeypatch.setattr(module, "renderer_names", lambda: ["qwen3", "role_colon"], raising=False)
 
@@ -205,15 +205,18 @@ def test_tinker_backend_rules(monkeypatch):
     message = error_of(None, ["backend=tinker", "dtype=bfloat16", "store_dir=/tmp/x"], base=BASE)
     assert message.startswith("dtype: ") and "; store_dir: only used by the local backend" in message and "backend:" in message
     monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
+    message = error_of(None, ["backend=tinker"], base=BASE)
+    assert message.startswith("backend: TINKER_API_KEY") and "'tml-'" in message and "0123456789" not in message
+    monkeypatch.setenv("TINKER_API_KEY", "tml-0123456789")
     assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
     # model names are the service's to resolve: no local directory check for a remote backend
     assert load_config(None, ["backend=tinker", "model_name=./no-such-model"], base=BASE).model_name == "./no-such-model"
 
 
 def test_tinker_key_from_dotenv(tmp_path):
-    (tmp_path / ".env").write_text("TINKER_API_KEY=tk-from-dotenv-file\n")
+    (tmp_path / ".env").write_text("TINKER_API_KEY=tml-from-dotenv-file\n")
     assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
-    assert os.environ["TINKER_API_KEY"] == "tk-from-dotenv-file"
+    assert os.environ["TINKER_API_KEY"] == "tml-from-dotenv-file"
 
 
 def test_file_errors(tmp_path):
@@ -277,13 +280,13 @@ def test_redact_nested_values_and_sensitive_keys(monkeypatch):
 
 
 def test_dump_is_json_safe_and_redacted(monkeypatch):
-    monkeypatch.setenv("TINKER_API_KEY", "tk-very-secret")
+    monkeypatch.setenv("TINKER_API_KEY", "tml-very-secret")
     cfg = load_config(
-        None, ["backend=tinker", "environments.arithmetic.args.api_key=k", "wandb_run_name=run-tk-very-secret"], base=BASE
+        None, ["backend=tinker", "environments.arithmetic.args.api_key=k", "wandb_run_name=run-tml-very-secret"], base=BASE
     )
     dumped = cfg.dump()
     text = json.dumps(dumped)
-    assert "tk-very-secret" not in text
+    assert "tml-very-secret" not in text
     assert dumped["environments"]["arithmetic"]["args"]["api_key"] == "***"
     assert dumped["wandb_run_name"] == "run-***"
     assert dumped["max_tokens"] == 256 and dumped["environments"]["arithmetic"]["type"] == "arithmetic"

@@ -11,7 +11,7 @@ import pytest
 from scripted import ScriptedSampler
 
 from polyrl.config import ConfigError, TrainConfig, load_config
-from polyrl.envs.base import make_env_builder
+from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer
 from polyrl.rollouts import Episode, RolloutSettings, run_episode
 

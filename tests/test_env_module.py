@@ -15,7 +15,8 @@ import pytest
 from scripted import ScriptedSampler
 
 from polyrl.config import ConfigError, TrainConfig, load_config
-from polyrl.envs.base import StepResult, get_env_builder, make_env_builder
+from polyrl.envs.base import StepResult
+from polyrl.envs.registry import get_env_builder, make_env_builder
 from polyrl.envs.module_env import ModuleBuilder, RewardCoercion, parse_rubric, parse_step
 from polyrl.renderers import get_renderer
 from polyrl.rollouts import Episode, RolloutSettings, run_episode

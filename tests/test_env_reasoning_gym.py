@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from polyrl.config import ConfigError, TrainConfig, load_config
-from polyrl.envs.base import make_env_builder
+from polyrl.envs.registry import make_env_builder
 
 
 def _reply(env, text: str):

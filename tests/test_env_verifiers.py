@@ -109,7 +109,7 @@ def test_verifiers_problems_fail_at_config_load(in_repo, tmp_path, entry, needle
 
 @needs_verifiers
 def test_group_reward_rubrics_are_refused_before_the_run(in_repo):
-    from polyrl.envs.base import make_env_builder
+    from polyrl.envs.registry import make_env_builder
 
     with pytest.raises(ValueError, match="group reward functions are not supported"):
         make_env_builder(VF_ENV, {"kind": "group"}, seed=0)

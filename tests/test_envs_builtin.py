@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from polyrl.envs.base import EnvBuilder, StepResult, get_env_builder
+from polyrl.envs.base import EnvBuilder, StepResult
+from polyrl.envs.registry import get_env_builder
 from polyrl.envs.builtin import (
     CALCULATOR_TOOL,
     ExpressionError,

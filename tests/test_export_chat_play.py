@@ -252,7 +252,7 @@ def _play_args(**kw):
 
 
 def test_play_from_a_config_file_by_hand(trained, tmp_path, capsys):
-    from polyrl.envs.base import make_env_builder
+    from polyrl.envs.registry import make_env_builder
     from polyrl.interactive import Screen, run_play
 
     config = tmp_path / "run.yaml"
@@ -372,7 +372,7 @@ def test_chat_in_a_terminal_replies_as_the_engine_samples_greedily(trained, term
 
 @pytest.mark.slow
 def test_play_by_hand_in_a_terminal_shows_what_the_policy_sees(trained, terminals):
-    from polyrl.envs.base import make_env_builder
+    from polyrl.envs.registry import make_env_builder
 
     builder = make_env_builder("calculator", {"kinds": ["mul"]}, seed=0)
     task = builder.task("train", 0)

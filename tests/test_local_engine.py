@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 from pathlib import Path
 
@@ -798,3 +799,100 @@ def test_counter_uniforms_are_uniform_and_a_function_of_seed_and_step():
     freq = torch.bincount(tokens, minlength=5).double() / len(u)
     torch.testing.assert_close(freq, probs.double(), rtol=0, atol=0.015)
     assert int((tokens == 1).sum()) == 0  # a zero-probability token is never drawn
+
+
+def test_dro_penalty_applies_to_masked_tokens_only(service, warm):
+    """A datum whose advantages are all zero and whose sampled tokens are on-policy has nothing to
+    teach: with ``mask`` on the sampled tokens, the 0.0 placeholder logprobs of prompt tokens must
+    not be pulled towards 0 by the quadratic penalty."""
+    tc = from_state(service, warm["path"])
+    d = random_datum(torch.Generator().manual_seed(31), 12)
+    lp = out_logprobs(tc.forward([d], "cross_entropy").result())[0]
+    mask = (torch.arange(12) >= 7).float()  # the last five tokens were sampled
+    sampler_lp = torch.where(mask.bool(), lp, torch.zeros_like(lp))  # 0.0 on prompt tokens, as the trainer sends
+    masked = with_inputs(d, logprobs=sampler_lp, advantages=torch.zeros(12), mask=mask)
+    tc.forward_backward([masked], "dro", {"beta": 0.5}).result()
+    assert grad_norm(take_grads(tc)) < 1e-6
+    # without a mask every token is penalised (Tinker's definition of the loss)
+    unmasked = with_inputs(d, logprobs=sampler_lp, advantages=torch.zeros(12))
+    tc.forward_backward([unmasked], "dro", {"beta": 0.5}).result()
+    assert grad_norm(take_grads(tc)) > 1e-3
+
+
+def test_models_loaded_on_several_threads_at_once_load(tiny_model_dir, small_model_dir):
+    """Hugging Face's loading is not thread-safe (modules built on one thread land on the meta
+    device of another: "Cannot copy out of meta tensor"), so polyrl serialises it."""
+    import threading
+
+    from polyrl.local.model import BaseModel
+
+    errors: list[str] = []
+
+    def load(path: str) -> None:
+        try:
+            for _ in range(3):
+                BaseModel(path)
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=load, args=(p,)) for p in (tiny_model_dir, small_model_dir, tiny_model_dir)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_overwriting_a_checkpoint_never_loses_the_old_one(tmp_path, monkeypatch):
+    from polyrl.local import checkpoints as ck
+
+    store = ck.Store(tmp_path)
+    cp = ck.CheckpointPath("run", "sampler_weights", "latest")
+    store.write(cp, lambda d: (d / "weights.bin").write_text("old"), {})
+    final = store.directory(cp)
+    real_replace = os.replace
+
+    def fail_into_place(src, dst):
+        if Path(dst) == final:
+            raise OSError("no space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", fail_into_place)
+    with pytest.raises(OSError, match="no space"):
+        store.write(cp, lambda d: (d / "weights.bin").write_text("new"), {}, overwrite=True)
+    monkeypatch.undo()
+    assert (store.resolve(str(cp))[1] / "weights.bin").read_text() == "old"
+    store.write(cp, lambda d: (d / "weights.bin").write_text("new"), {}, overwrite=True)
+    assert (store.resolve(str(cp))[1] / "weights.bin").read_text() == "new"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["latest"]  # nothing left aside
+
+
+def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
+    from polyrl.local import checkpoints as ck
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "fsync", fsync)
+    monkeypatch.setattr(ck.os, "replace", replace)
+    store = ck.Store(tmp_path)
+    cp = ck.CheckpointPath("run", "weights", "000002")
+
+    def writer(d: Path) -> None:
+        (d / "adapter_model.safetensors").write_bytes(b"\0" * 64)
+        (d / "optimizer.pt").write_bytes(b"\1" * 64)
+
+    store.write(cp, writer, {})
+    final = str(store.directory(cp))
+    into_place = events.index(("replace", final))
+    synced_before = {Path(p).name for kind, p in events[:into_place] if kind == "fsync"}
+    assert {"adapter_model.safetensors", "optimizer.pt", "polyrl.json"} <= synced_before, events
+    assert ("fsync", str(Path(final).parent)) in events[into_place:], "the rename itself must be made durable"

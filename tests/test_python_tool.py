@@ -20,7 +20,7 @@ import pytest
 from scripted import ScriptedSampler
 from tinker import types
 
-from polyrl.envs.base import make_env_builder
+from polyrl.envs.registry import make_env_builder
 from polyrl.envs.python_tool import PYTHON_TOOL, tool_reply
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
 from polyrl.renderers import get_renderer

@@ -13,13 +13,16 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from scripted import ScriptedSampler
 
 from polyrl import advantages as adv
 from polyrl.config import EnvConfig, TrainConfig, load_config
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_episode, run_group
+from polyrl.rollouts import Episode, RolloutSettings, finalize_reward, run_episode, run_group
+from polyrl.tracking.console import ConsoleLog
+from polyrl.tracking.files import RunFiles
 from polyrl.train import allocate_groups, filter_groups, train
 
 
@@ -103,6 +106,126 @@ def test_rebn_discounted_returns_normalized_over_batch():
     assert b.turn_advantages == pytest.approx([(0.0 - mean) / std], rel=1e-4)
 
 
+def test_rebn_gives_identical_episodes_identical_advantages():
+    """Mean reduction: an episode the environment ended and one cut off at max_turns, with the same
+    step rewards, get the same per-turn credit (the cut-off one is not rewritten to [1, 1, 1, -2])."""
+    settings = RolloutSettings(max_turns=4, max_tokens=8, temperature=1.0, timeout=30, reward_reduction="mean")
+    ended, cut_off, zero = (_ep(0.0, turns=4, rewards=[r] * 4, done=d) for r, d in ((1.0, True), (1.0, False), (0.0, True)))
+    for ep in (ended, cut_off, zero):
+        finalize_reward(ep, settings)
+    assert ended.reward == cut_off.reward == 1.0
+    adv.compute_advantages([[ended, cut_off], [zero]], "rebn")
+    assert cut_off.turn_advantages == pytest.approx(ended.turn_advantages)
+    assert ended.turn_advantages[0] > 0 and all(a < 0 for a in zero.turn_advantages)
+    # nonterminal_reward still sets the return of an episode the environment did not end
+    penalised = _ep(0.0, turns=2, rewards=[1.0, 1.0], done=False)
+    finalize_reward(penalised, RolloutSettings(max_turns=2, max_tokens=8, temperature=1.0, timeout=30,
+                                               nonterminal_reward=-1.0))
+    adv.compute_advantages([[penalised], [_ep(1.0, turns=2, rewards=[0.0, 1.0])]], "rebn")
+    assert penalised.reward == -1.0 and penalised.turn_advantages[0] < 0
+
+
+def test_datums_mask_action_tokens_for_dro_and_gspo():
+    """DRO's penalty and GSPO's sequence ratio must see only sampled tokens, also on a remote service."""
+    ep = Episode("e", "train", 0, 0)
+    ep.append([1, 2, 3])
+    ep.append([4, 5], [-0.1, -0.2])
+    ep.append([6])
+    ep.append([7], [-0.3])
+    ep.turn_advantages = [0.0, 0.0]
+    assert adv.to_datum(ep, "dro").loss_fn_inputs["mask"].tolist() == [0, 0, 1, 1, 0, 1]
+    assert adv.to_datum(ep, "gspo").loss_fn_inputs["sequence_ratio_mask"].tolist() == [0, 0, 1, 1, 0, 1]
+    assert set(adv.to_datum(ep, "importance_sampling").loss_fn_inputs) == {"target_tokens", "logprobs", "advantages"}
+
+
+def test_a_torn_checkpoint_row_hides_no_later_row(tmp_path):
+    files = RunFiles(tmp_path)
+    files.log_checkpoint({"name": "000002", "batch": 2, "state_path": "tinker://r/weights/000002"})
+    with open(files.checkpoints_path, "a") as f:
+        f.write('{"name": "000004", "ba')  # a crash in the middle of an append
+    files.log_checkpoint({"name": "000004", "batch": 4, "state_path": "tinker://r/weights/000004"})
+    with open(files.checkpoints_path, "a") as f:
+        f.write("not json\n")  # a damaged line in the middle
+    files.log_checkpoint({"name": "000006", "batch": 6, "state_path": "tinker://r/weights/000006"})
+    assert [r["name"] for r in files.checkpoints()] == ["000002", "000004", "000006"]
+    assert files.last_resumable()["name"] == "000006"
+
+
+def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
+    from polyrl.rollouts import SamplerError
+
+    renderer = get_renderer("qwen3", tokenizer)
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2, logprobs=lambda n: None)
+    eps = [Episode("letter", "train", 0, 0) for _ in range(2)]
+    with pytest.raises(SamplerError, match="logprobs"):
+        asyncio.run(run_group(LetterBuilder({}), eps, renderer, policy, _settings(), [None, None]))
+
+
+def test_rebn_with_normalize_by_std_is_a_config_error(tmp_path):
+    from polyrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="normalize_advantages_by_std"):
+        load_config(None, ["model_name=m", "advantage_estimator=rebn", "normalize_advantages_by_std=true",
+                           "environments.arithmetic.max_turns=2"])
+
+
+def test_no_train_split_is_a_clear_error(tiny_model_dir, tmp_path):
+    from polyrl.errors import UserInputError
+
+    cfg = _config(tiny_model_dir, tmp_path, environments={"letter": {"type": "test_letter", "splits": {"train": None}}})
+    with pytest.raises(UserInputError, match="train split"):
+        train(cfg, ConsoleLog(enabled=False))
+
+
+class RecordingConsole(ConsoleLog):
+    """Keeps every line the trainer prints; optionally dies after logging a given step."""
+
+    def __init__(self, crash_after_step: int | None = None):
+        super().__init__(enabled=False)
+        self.lines: list[str] = []
+        self.crash_after_step = crash_after_step
+
+    def info(self, text: str) -> None:
+        self.lines.append(text)
+
+    def warn(self, text: str) -> None:
+        self.lines.append("warning: " + text)
+
+    def step(self, row: dict) -> None:
+        if row["step"] == self.crash_after_step:
+            raise SimulatedCrash(f"crash after step {row['step']}")
+
+
+class SimulatedCrash(BaseException):
+    """Not an Exception: nothing on the way out may swallow it, as with a kill."""
+
+
+def test_sampling_temperature_is_warned_about_once(tiny_model_dir, tmp_path):
+    envs = {"cold": {"type": "test_letter", "num_rollouts": 2, "temperature": 0.7},
+            "warm": {"type": "test_letter", "num_rollouts": 2, "temperature": 1.0}}
+    console = RecordingConsole()
+    train(_config(tiny_model_dir, tmp_path, max_steps=2, batch_size=1, save_every=0, environments=envs), console)
+    warnings = [line for line in console.lines if line.startswith("warning:") and "temperature" in line]
+    assert len(warnings) == 1 and "cold" in warnings[0] and "warm" not in warnings[0], console.lines
+
+
+def test_relaunch_of_a_warm_started_run_continues_it(tiny_model_dir, tmp_path):
+    warm = _config(tiny_model_dir, tmp_path, log_path=str(tmp_path / "warm"), max_steps=1, save_every=0)
+    train(warm, ConsoleLog(enabled=False))
+    state = RunFiles(tmp_path / "warm").last_resumable()["state_path"]
+    cfg = _config(tiny_model_dir, tmp_path, resume_from=state, max_steps=4, save_every=2)
+    with pytest.raises(SimulatedCrash):
+        train(cfg, RecordingConsole(crash_after_step=2))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    before = [json.loads(x) for x in metrics.read_text().splitlines()]
+    console = RecordingConsole()
+    train(cfg, console)  # the same command again
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[:2] == before[:2], "steps before the checkpoint were run again"
+    assert any("resuming" in line and "step 2" in line for line in console.lines), console.lines
+
+
 def test_datum_puts_advantages_only_on_sampled_tokens():
     ep = Episode("e", "train", 0, 0)
     ep.append([1, 2, 3])
@@ -134,7 +257,7 @@ def _settings(**kw):
 def test_tool_episode_is_token_exact_and_env_tokens_get_no_weight(tokenizer):
     from polyrl.envs.builtin import CalculatorBuilder  # noqa: F401 - registered builtin
 
-    from polyrl.envs.base import get_env_builder
+    from polyrl.envs.registry import get_env_builder
 
     builder = get_env_builder("calculator")({}, seed=0)
     renderer = get_renderer("qwen3", tokenizer)
@@ -165,7 +288,7 @@ def test_tool_episode_is_token_exact_and_env_tokens_get_no_weight(tokenizer):
 
 
 def test_multi_turn_episode_with_the_real_engine(tiny_model_dir, tmp_path):
-    from polyrl.envs.base import get_env_builder
+    from polyrl.envs.registry import get_env_builder
     from polyrl.local import ServiceClient
 
     sc = ServiceClient(store_dir=tmp_path)
@@ -191,7 +314,7 @@ def test_multi_turn_episode_with_the_real_engine(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- failure budget
 def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
-    from polyrl.train import EnvRuntime
+    from polyrl.rollouts import EnvRuntime
 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hi"}] * 20)
@@ -239,6 +362,96 @@ def test_short_run_improves_reward(small_model_dir, tmp_path):
     assert cps[-1]["name"] == "final" and cps[-1]["state_path"].startswith("tinker://")
 
 
+# ---------------------------------------------------------------------------- the loop's phases, alone
+def _started(model_dir, tmp_path, **over):
+    from polyrl.train import Trainer
+
+    trainer = Trainer(_config(model_dir, tmp_path, **over), RecordingConsole())
+    asyncio.run(trainer.start())
+    return trainer
+
+
+def test_plan_phase_is_a_pure_function_of_step_and_cursors(tiny_model_dir, tmp_path):
+    envs = {"letter": {"type": "test_letter", "num_rollouts": 2, "weight": 3},
+            "other": {"type": "test_letter", "num_rollouts": 2}}
+    trainer = _started(tiny_model_dir, tmp_path, environments=envs)
+    cursors = {"letter": 5, "other": 1}
+    plan, after = trainer.plan(7, cursors)
+    assert trainer.plan(7, cursors) == (plan, after) and cursors == {"letter": 5, "other": 1}
+    assert [name for name, _ in plan] == allocate_groups({"letter": 3, "other": 1}, 4, 7)
+    assert after == {"letter": 5 + sum(n == "letter" for n, _ in plan), "other": 1 + sum(n == "other" for n, _ in plan)}
+    assert plan != trainer.plan(7, after)[0]  # the next tasks, not the same ones again
+
+
+def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_path):
+    from polyrl.train import StepRollouts
+
+    trainer = _started(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
+    state = trainer.state
+    assert (state.step, state.cursors, state.checkpoint) == (0, {"letter": 0}, None)
+    plan, cursors = trainer.plan(0, state.cursors)
+
+    # rollouts: one group per planned task, seeded by the step, so the same step samples the same tokens
+    first = asyncio.run(trainer.rollouts(0, plan))
+    again = asyncio.run(trainer.rollouts(0, plan))
+    assert [len(g) for g in first.groups] == [4, 4] and first.sampler_step == 0
+    assert [[ep.task_index for ep in g] for g in first.groups] == [[t] * 4 for _, t in plan]
+    assert [ep.tokens for g in first.groups for ep in g] == [ep.tokens for g in again.groups for ep in g]
+
+    # update: nothing to train on changes no weight; a step with signal does
+    def weights():
+        return [p.detach().clone() for p in trainer.training._state.params]
+
+    before = weights()
+    failed = StepRollouts(0, plan, [[Episode("letter", "train", 0, 0, error="boom")] * 4], 0, 0.0)
+    nothing = asyncio.run(trainer.update(failed))
+    assert nothing.datums == 0 and nothing.stats["letter"]["dropped_groups"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, weights()))
+    mixed = [ep for g in first.groups for ep in g]
+    for i, ep in enumerate(mixed):
+        ep.reward = float(i % 2)  # a signal in every group
+    update = asyncio.run(trainer.update(first))
+    assert update.datums == 8 and update.metrics["optim/datums"] == 8.0 and "optim/grad_norm" in update.metrics
+    assert any(not torch.equal(a, b) for a, b in zip(before, weights()))
+
+    # checkpoint: a new sampler every step, a saved state only when one is due
+    state.step, state.cursors = 1, cursors
+    saved = asyncio.run(trainer.checkpoint())
+    assert saved.row is None and trainer.sampler_step == 1
+    state.step = 2
+    saved = asyncio.run(trainer.checkpoint())
+    assert saved.row["name"] == "000002" and saved.row["cursors"] == cursors and not saved.row["final"]
+
+    # log: the metrics row, then the checkpoint row, which the run state now points at
+    row = trainer.log(first, update, saved, {}, time.monotonic())
+    assert row["step"] == 0 and row["optim/datums"] == 8.0 and row["episodes/count"] == 8.0
+    files = RunFiles(tmp_path / "run")
+    assert [r["step"] for r in files.metrics()] == [0] and files.checkpoints() == [saved.row]
+    assert state.checkpoint == saved.row["state_path"] and trainer.resume_hint().endswith("to resume from it)")
+    assert len((tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text().splitlines()) == 8
+
+
+def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
+    from polyrl.errors import RunStoppedError
+    from polyrl.train import NO_UPDATE_MIN_STEPS, StepRollouts, StepUpdate
+
+    trainer = _started(tiny_model_dir, tmp_path, max_steps=50, max_no_update_frac=0.5)
+    group = [Episode("letter", "train", 0, 0, error="RuntimeError: no backend")] * 2
+    rollouts = StepRollouts(0, [("letter", 0)], [group], 0, 0.0)
+    nothing = StepUpdate([], {"letter": {"failed_rollouts": 2.0, "dropped_groups": 1.0, "constant_groups": 0.0}},
+                         0, {}, 0.0)
+    trained = StepUpdate([group], {}, 3, {}, 0.0)
+    for done in range(1, NO_UPDATE_MIN_STEPS):
+        trainer.state.step = done
+        trainer.check_learning(rollouts, nothing if done % 2 else trained)
+    assert sum("made no update" in line for line in trainer.console.lines) == (NO_UPDATE_MIN_STEPS) // 2
+    trainer.state.step = NO_UPDATE_MIN_STEPS
+    trainer.check_learning(rollouts, trained)  # 5 of 10: not more than half
+    trainer.state.step += 1
+    with pytest.raises(RunStoppedError, match="6 of 11 steps made no update.*RuntimeError: no backend"):
+        trainer.check_learning(rollouts, nothing)
+
+
 def _run_cli(args, cwd, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
@@ -246,6 +459,11 @@ def _run_cli(args, cwd, env=None, **kw):
 
 @pytest.mark.slow
 def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_dir, tmp_path):
+    """SIGKILL a run again and again (before its first checkpoint, right after one, between two) and
+    relaunch it each time: it ends bit-identical to an uninterrupted run, and leaves no checkpoint
+    in the store that its rows do not name."""
+    from polyrl.local.checkpoints import Store
+
     def write(name):
         d = tmp_path / name
         d.mkdir()
@@ -257,13 +475,22 @@ def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_
     env = {**os.environ, "TINKER_API_KEY": "tml-secret-value-123"}
     ref, killed = write("ref"), write("killed")
     assert _run_cli(["train", "--config_path", "run.yaml"], ref, env).wait(timeout=300) == 0
-    proc = _run_cli(["train", "--config_path", "run.yaml"], killed, env)
-    cps = killed / "run" / "checkpoints.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (cps.exists() and "000004" in cps.read_text()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+    metrics, cps = killed / "run" / "metrics.jsonl", killed / "run" / "checkpoints.jsonl"
+    kill_points = [  # each a condition on the run directory, checked every 10 ms
+        lambda: metrics.exists() and metrics.read_text().count("\n") >= 1,  # before any checkpoint
+        lambda: cps.exists() and "000002" in cps.read_text(),  # right after a checkpoint row
+        lambda: metrics.exists() and '"step": 2,' in metrics.read_text(),  # between two checkpoints
+        lambda: cps.exists() and "000004" in cps.read_text(),
+    ]
+    for reached in kill_points:
+        proc = _run_cli(["train", "--config_path", "run.yaml"], killed, env)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not reached() and proc.poll() is None:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
     assert _run_cli(["train", "--config_path", "run.yaml"], killed, env).wait(timeout=300) == 0
 
     def steps(d):
@@ -271,12 +498,28 @@ def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_
         return [r["step"] for r in rows]
 
     assert steps(killed) == list(range(6)) == steps(ref)
+    assert len(RunFiles(killed / "run").attempts()) == 1 + len(kill_points)
     for step in range(6):
         name = f"step_{step:06d}.jsonl"
         a = [json.loads(x) for x in (ref / "run" / "trajectories" / name).read_text().splitlines()]
         b = [json.loads(x) for x in (killed / "run" / "trajectories" / name).read_text().splitlines()]
         assert [r["task_index"] for r in a] == [r["task_index"] for r in b]
         assert [r["tokens"] for r in a] == [r["tokens"] for r in b], f"step {step} diverged after resume"
+        assert [r["logprobs"] for r in a] == [r["logprobs"] for r in b], f"step {step} diverged after resume"
+
+    def final_weights(d):
+        from safetensors.torch import load_file
+
+        row = RunFiles(d / "run").checkpoints()[-1]
+        assert row["final"]
+        return load_file(Store(d / "store").resolve(row["state_path"])[1] / "adapter_model.safetensors")
+
+    want, got = final_weights(ref), final_weights(killed)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    store = Store(killed / "store")
+    rows = RunFiles(killed / "run").checkpoints()
+    assert {c["tinker_path"] for run in store.runs() for c in store.list(run)} == \
+        {r[k] for r in rows for k in ("state_path", "sampler_path")}
     for f in (killed / "run").rglob("*.json*"):
         assert "tml-secret-value-123" not in f.read_text()
 

@@ -15,7 +15,7 @@ from polyrl import advantages as adv
 from polyrl.config import ConfigError, EnvConfig, TrainConfig, load_config
 from polyrl.renderers import get_renderer
 from polyrl.rollouts import Episode, run_group, split_roles
-from polyrl.train import EnvRuntime
+from polyrl.rollouts import EnvRuntime
 
 
 class _Policy:

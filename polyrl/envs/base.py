@@ -13,24 +13,29 @@ Tool specs are OpenAI function specs: ``{"type": "function", "function": {"name"
 strings, one per malformed tool call the renderer could not parse; an environment answers them with
 an error message instead of crashing.
 
-Sync implementations are accepted: ``reset``/``step``/``close`` may be plain functions; the rollout
-code awaits them through :func:`maybe_await`.
+Sync implementations are accepted: ``reset``/``step``/``close`` may be plain functions. The rollout
+code calls them through :func:`call_env`, which runs plain functions on a thread of their own, so a
+blocking step stalls only its episode (its timeout still fires) and blocking episodes overlap. Code
+that only works on the main thread (``signal.alarm`` timeouts, such as math-verify's default
+``parsing_timeout``) must be async or do without them (math-verify: ``parsing_timeout=None``).
 
-Environments are built by an :class:`EnvBuilder` registered under a type name (``@register_env``):
-the trainer asks it for the environment of task ``index`` in a split, so data order, resume and
-held-out evaluation are deterministic.
+Environments are built by an :class:`EnvBuilder` registered under a type name (``@register_env``;
+:mod:`polyrl.envs.registry` finds them by name): the trainer asks it for the environment of task
+``index`` in a split, so data order, resume and held-out evaluation are deterministic.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Callable
+
+from polyrl.aio import in_daemon_thread
 
 Message = dict[str, Any]
 ToolSpec = dict[str, Any]
-T = TypeVar("T")
 
 
 @dataclass
@@ -121,38 +126,20 @@ class EnvBuilder(ABC):
         return None
 
 
-_REGISTRY: dict[str, Callable[..., EnvBuilder]] = {}
+#: Builder classes by type name, filled by ``@register_env`` (looked up through :mod:`polyrl.envs.registry`).
+ENV_TYPES: dict[str, Callable[..., EnvBuilder]] = {}
 
 
 def register_env(name: str) -> Callable[[type[EnvBuilder]], type[EnvBuilder]]:
     """Class decorator: make an :class:`EnvBuilder` available under ``name`` in configs."""
 
     def deco(cls: type[EnvBuilder]) -> type[EnvBuilder]:
-        if name in _REGISTRY:
+        if name in ENV_TYPES:
             raise ValueError(f"environment type {name!r} is registered twice")
-        _REGISTRY[name] = cls
+        ENV_TYPES[name] = cls
         return cls
 
     return deco
-
-
-def env_types() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def get_env_builder(type_name: str) -> Callable[..., EnvBuilder]:
-    """The builder class for an environment type. ``prefix:rest`` names go to the ``prefix`` adapter."""
-    _load_builtins()
-    if type_name in _REGISTRY:
-        key = type_name
-    elif ":" not in type_name and "/" in type_name:
-        key = "openreward:"  # a bare ``Org/EnvName`` is an OpenReward environment
-    else:
-        key = type_name.split(":", 1)[0] + ":"
-    if key not in _REGISTRY:
-        raise KeyError(f"unknown environment type {type_name!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[key]
 
 
 def parse_prefixed_type(type_name: str, prefix: str, example: str, args: dict[str, Any],
@@ -167,42 +154,30 @@ def parse_prefixed_type(type_name: str, prefix: str, example: str, args: dict[st
     return ident
 
 
-def make_env_builder(type_name: str, args: dict[str, Any], seed: int = 0) -> EnvBuilder:
-    """Build the builder of an environment entry; builders whose ``__init__`` takes ``type_name``
-    get it there, every builder gets it as ``builder.type_name``."""
-    cls = get_env_builder(type_name)
+class EnvironmentAbort(RuntimeError):
+    """Environment code raised ``KeyboardInterrupt``, ``SystemExit`` or a ``CancelledError`` of its
+    own: one failing rollout, like any other exception, not the end of the run."""
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` for environment code: coroutine functions on the event loop, plain
+    functions on a thread of their own (an awaitable they return is awaited here). A real
+    cancellation (a timeout, Ctrl-C) passes through; ``KeyboardInterrupt``, ``SystemExit`` and a
+    ``CancelledError`` that the environment raises itself become :class:`EnvironmentAbort`."""
     try:
-        params = inspect.signature(cls).parameters.values()
-        takes_type = any(p.name == "type_name" or p.kind is p.VAR_KEYWORD for p in params)
-    except (TypeError, ValueError):
-        takes_type = False
-    builder = cls(args, seed=seed, type_name=type_name) if takes_type else cls(args, seed=seed)
-    builder.type_name = type_name
-    return builder
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        result = await in_daemon_thread(fn, *args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+    except (KeyboardInterrupt, SystemExit) as exc:
+        raise EnvironmentAbort(f"the environment raised {type(exc).__name__}({_args(exc)})") from None
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before, every cancel counts as real
+        if cancelling is None or cancelling():
+            raise  # cancelled from outside: a timeout or the run stopping
+        raise EnvironmentAbort(f"the environment raised CancelledError({_args(exc)})") from None
 
 
-# Adapters for third-party ecosystems. Their optional packages are imported only when such an
-# environment is configured, so a missing package fails that environment alone.
-_ADAPTER_MODULES = ("polyrl.envs.openreward_env", "polyrl.envs.module_env", "polyrl.envs.verifiers_env",
-                    "polyrl.envs.gem_env", "polyrl.envs.reasoning_gym_env", "polyrl.envs.textarena_env",
-                    "polyrl.workflows.solver_judge")
-
-
-def _load_builtins() -> None:
-    import importlib
-
-    from polyrl.envs import builtin, python_tool  # noqa: F401 - registers the built-in environments
-
-    for module in _ADAPTER_MODULES:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:  # pragma: no cover - only with a broken install
-            if exc.name != module:
-                raise
-
-
-async def maybe_await(value: T | Awaitable[T]) -> T:
-    """Await ``value`` if it is awaitable; lets sync environment implementations plug in."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
+def _args(exc: BaseException) -> str:
+    return ", ".join(repr(a) for a in exc.args)

@@ -35,6 +35,9 @@ Reward functions (sync or async) are called with the keyword arguments they acce
 before it is used (each new sampler, for a dataset environment; each episode's fresh object, for a
 step-based one).
 
+Sync functions run on a thread of their own (see :func:`polyrl.envs.base.call_env`): a blocking one
+stalls only its episode, and the episode ``timeout`` still applies.
+
 Rewards that are not numbers (or are NaN) count as 0, with a logged warning and the episode metric
 ``non_numeric_reward`` (how many there were). Problems with the module or the object's shape are
 errors when the config is loaded or, for the object itself, when the run starts.
@@ -55,7 +58,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, maybe_await, register_env
+from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, call_env, register_env
 from polyrl.renderers.base import message_text
 
 logger = logging.getLogger(__name__)
@@ -157,15 +160,20 @@ def _exec_module(spec, target: str, what: str) -> ModuleType:
 import_target = load_module
 
 
-def call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **those kwargs its signature accepts)`` (all of them if it takes ``**kwargs``)."""
+def accepted(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Those of ``kwargs`` that ``fn``'s signature accepts (all of them if it takes ``**kwargs``)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return fn(*args, **kwargs)
+        return kwargs
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return fn(*args, **kwargs)
-    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **those kwargs its signature accepts)``."""
+    return fn(*args, **accepted(fn, kwargs))
 
 
 class RewardCoercion:
@@ -250,20 +258,20 @@ class StepEnv(Env):
     async def reset(self) -> Observation:
         build = getattr(self.obj, "build", None)
         if callable(build) and self.sampler is not None:
-            await maybe_await(build(self.sampler))
-        obs = await maybe_await(call_with_accepted(self.obj.initial_observation, index=self.index,
-                                                   split=self.split, seed=self.seed))
+            await call_env(build, self.sampler)
+        start = self.obj.initial_observation
+        obs = await call_env(start, **accepted(start, {"index": self.index, "split": self.split, "seed": self.seed}))
         messages, tools = as_messages(obs, "initial_observation()")
         return Observation(messages, tools)
 
     async def step(self, action: Message) -> StepResult:
         arg = action if self._message_arg else message_text(action)
-        return parse_step(await maybe_await(self.obj.step(arg)), self.coerce)
+        return parse_step(await call_env(self.obj.step, arg), self.coerce)
 
     async def close(self) -> None:
         close = getattr(self.obj, "close", None)
         if callable(close):
-            await maybe_await(close())
+            await call_env(close)
 
 
 def _params(fn: Callable) -> dict:
@@ -348,7 +356,7 @@ class RubricEnv(Env):
                       answer=self.row.get("answer"), row=self.row, info=self.row.get("info"), index=self.index,
                       split=self.split, sampling_client=self.sampler)
         for name, fn, weight in self.builder.rubric:
-            value = self.builder.coerce(await maybe_await(call_with_accepted(fn, **kwargs)), metrics,
+            value = self.builder.coerce(await call_env(fn, **accepted(fn, kwargs)), metrics,
                                         f"reward function {name!r} returned")
             metrics[f"reward/{name}"] = value
             total += weight * value
@@ -422,7 +430,7 @@ class ModuleBuilder(EnvBuilder):
         """``obj.build(sampler)`` once per new sampling client (dataset environments)."""
         async with self._build_lock:
             if self._built_for is not sampler:
-                await maybe_await(self.obj.build(sampler))
+                await call_env(self.obj.build, sampler)
                 self._built_for = sampler
 
     # -- episodes ----------------------------------------------------------------------------------

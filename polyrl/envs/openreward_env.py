@@ -33,6 +33,7 @@ import re
 from typing import Any
 
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, register_env
+from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import message_text
 
 logger = logging.getLogger(__name__)
@@ -184,10 +185,18 @@ class OpenRewardBuilder(EnvBuilder):
 
         self.openreward_environment = environment_name(type_name)
         self.openreward_variant = self.args.get("variant")
+        from openreward.api.errors import TransportError
+
         self.client = OpenReward()
         self.env = self.client.environments.get(self.openreward_environment, variant=self.openreward_variant,
                                                 base_url=self.args.get("base_url"))
-        available = self.env.list_splits()
+        try:
+            available = self.env.list_splits()  # the SDK retries with backoff before it gives up
+        except TransportError as exc:
+            where = self.args.get("base_url") or "OpenReward"
+            reason = " ".join(str(exc).split())[:300]
+            raise RunStoppedError(f"OpenReward environment {self.openreward_environment} at {where} is "
+                                  f"unreachable: {reason}") from None
         wanted = dict(self.args.get("splits") or {})
         self.split_names = {"train": wanted.get("train", "train"),
                             "test": wanted.get("test") or ("test" if "test" in available else "validation")}

@@ -215,12 +215,16 @@ class VerifiersBuilder(EnvBuilder):
         tokens, weights = ctx.renderer.supervised(ep.messages, ep.tools or None)
         if not any(weights):
             raise RuntimeError("the verifiers rollout has no assistant turn to train on")
+        from polyrl.rollouts import SamplerError
+
         try:
             logprobs = await ctx.sampler.compute_logprobs(types.ModelInput.from_ints(tokens))
-            logprobs = [0.0 if x is None else float(x) for x in logprobs]
         except Exception as exc:  # noqa: BLE001 - a sampler without compute_logprobs
-            logger.warning("compute_logprobs failed (%s); re-tokenized turns get logprob 0", exc)
-            logprobs = [0.0] * len(tokens)
+            raise SamplerError(f"re-tokenized turns need the sampler's logprobs, but compute_logprobs failed: "
+                               f"{type(exc).__name__}: {exc}") from None
+        if any(logprobs[i] is None for i, w in enumerate(weights) if w):
+            raise SamplerError("compute_logprobs returned no logprob for some sampled tokens")
+        logprobs = [0.0 if x is None else float(x) for x in logprobs]  # None only before the first token
         start = 0
         while start < len(tokens):
             end = start

@@ -4,11 +4,15 @@ Layout: ``<root>/<run_id>/{weights|sampler_weights}/<name>/`` (the run id percen
 ``%3A``) holding a standard PEFT adapter
 (``adapter_model.safetensors`` + ``adapter_config.json``), ``polyrl.json`` (base model, LoRA spec,
 optimizer steps) and, for training state, ``optimizer.pt``. Every checkpoint is written to a
-temporary directory and renamed into place, so a crash never leaves a half-written checkpoint.
+temporary directory, its files fsynced, and renamed into place (the rename fsynced too), so a crash
+never leaves a half-written checkpoint. Overwriting moves the old directory aside first and removes it
+only once the new one is in place; a crash between the two renames leaves the old one aside, where
+:meth:`Store.directory` finds and restores it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -54,6 +58,24 @@ class CheckpointPath:
         return f"tinker://{self.run_id}/{self.kind}/{self.name}"
 
 
+_NEW, _ASIDE = ".tmp-new-", ".tmp-old-"  # + 8 hex digits + "-" + name: a checkpoint being written / replaced
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Every file below ``directory``, then the directories themselves, to disk."""
+    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):
+        _fsync(path)
+    _fsync(directory)
+
+
 def check_name(name: str) -> str:
     if not name or "/" in name or name in (".", "..") or name.startswith(".tmp"):
         raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
@@ -70,7 +92,13 @@ class Store:
         return self.root / quote(run_id, safe="")
 
     def directory(self, cp: CheckpointPath) -> Path:
-        return self.run_directory(cp.run_id) / cp.kind / cp.name
+        final = self.run_directory(cp.run_id) / cp.kind / cp.name
+        if not final.exists() and final.parent.is_dir():  # a crash mid-overwrite: put the old one back
+            for d in final.parent.iterdir():
+                if d.name.startswith(_ASIDE) and d.name[len(_ASIDE) + 9:] == cp.name and (d / "polyrl.json").exists():
+                    os.replace(d, final)
+                    break
+        return final
 
     def resolve(self, path: str) -> tuple[CheckpointPath, Path]:
         cp = CheckpointPath.parse(path)
@@ -85,18 +113,28 @@ class Store:
         if final.exists() and not overwrite:
             raise ValueError(f"checkpoint {cp} already exists (pass overwrite=True to replace it)")
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{cp.name}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / f"{_NEW}{uuid.uuid4().hex[:8]}-{cp.name}"
+        aside = final.parent / f"{_ASIDE}{uuid.uuid4().hex[:8]}-{cp.name}"
         tmp.mkdir()
         try:
             writer(tmp)
             meta = {**meta, "time": datetime.now(timezone.utc).isoformat(), "tinker_path": str(cp)}
             (tmp / "polyrl.json").write_text(json.dumps(meta, indent=2))
+            _fsync_tree(tmp)
             if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+                os.replace(final, aside)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                with contextlib.suppress(OSError):  # else directory() restores it on the next lookup
+                    if aside.exists():
+                        os.replace(aside, final)
+                raise
+            _fsync(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        shutil.rmtree(aside, ignore_errors=True)
         return str(cp)
 
     @staticmethod
@@ -131,5 +169,9 @@ class Store:
         return sorted(unquote(p.name) for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
 
     def delete(self, path: str) -> None:
+        """Remove a checkpoint, and its run's directories once nothing is left in them."""
         cp, d = self.resolve(path)
         shutil.rmtree(d)
+        for parent in (d.parent, d.parent.parent):
+            with contextlib.suppress(OSError):  # not empty
+                parent.rmdir()

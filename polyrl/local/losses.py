@@ -137,10 +137,16 @@ def cispo(logprobs, inputs, segments, config):
     return loss, {"loss:sum": float(loss.detach()), **_clip_metrics(ratio, low, high, adv)}
 
 
-@register_loss("dro", inputs=("target_tokens", "logprobs", "advantages"), config_keys=("beta",))
+@register_loss("dro", inputs=("target_tokens", "logprobs", "advantages"), optional_inputs=("mask",),
+               config_keys=("beta",))
 def dro(logprobs, inputs, segments, config):
+    """The quadratic penalty pulls every token towards its sampler logprob; with ``mask`` only the
+    masked (sampled) tokens, so prompt tokens with a 0.0 placeholder logprob are left alone."""
     beta = float(config.get("beta", DEFAULT_DRO_BETA))
-    objective = logprobs * inputs["advantages"] - 0.5 * beta * (logprobs - inputs["logprobs"]) ** 2
+    penalty = (logprobs - inputs["logprobs"]) ** 2
+    if "mask" in inputs:
+        penalty = penalty * (inputs["mask"] != 0)
+    objective = logprobs * inputs["advantages"] - 0.5 * beta * penalty
     loss = -objective.sum()
     return loss, {"loss:sum": float(loss.detach())}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +25,10 @@ LORA_ALPHA = 32
 # activations are small next to the weights and recomputing them would only cost time.
 CHECKPOINTING_AUTO_PARAMS = 300_000_000
 MASKED_ATTENTION_SLOWDOWN = 2.0
+#: Held while a Hugging Face model loads: loading is not thread-safe (a module built on one thread can
+#: land on another load's meta device: "Cannot copy out of meta tensor"). A script that loads models
+#: with transformers on another thread beside polyrl can hold it too.
+MODEL_LOAD_LOCK = threading.Lock()
 
 
 def select_device(device: str = "auto") -> torch.device:
@@ -81,8 +86,9 @@ class BaseModel:
         self.device = select_device(device)
         self.dtype = select_dtype(dtype, self.device)
         try:
-            self.config = AutoConfig.from_pretrained(self.path)
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+            with MODEL_LOAD_LOCK:
+                self.config = AutoConfig.from_pretrained(self.path)
+                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
         except OSError as e:
             raise ValueError(f"model {name!r} could not be loaded: {e}") from None
         model.to(self.device)

@@ -172,6 +172,9 @@ class ServiceClient:
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)
 
+    def create_rest_client(self) -> "RestClient":
+        return RestClient(self.engine)
+
     # async variants, as in the SDK
     async def create_lora_training_client_async(self, *args, **kwargs) -> "TrainingClient":
         return await self.create_lora_training_client(*args, **kwargs)
@@ -342,3 +345,20 @@ class SamplingClient:
 
     async def get_base_model_async(self) -> str:
         return self.get_base_model()
+
+
+class RestClient:
+    """The checkpoint part of the SDK's ``RestClient``, over the local store."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
+        def op() -> types.CheckpointsListResponse:
+            rows = self._engine.store.list(training_run_id)
+            return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(**row) for row in rows])
+
+        return AwaitableConcurrentFuture(self._engine.submit(op))
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        return AwaitableConcurrentFuture(self._engine.submit(lambda: self._engine.store.delete(tinker_path)))

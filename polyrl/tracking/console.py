@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from polyrl.secrets import redact_text
 
@@ -87,6 +88,10 @@ class ConsoleLog:
 
 def _plain_row(cells: list[str]) -> str:
     return "  ".join(cell.rjust(_WIDTH) for cell in cells).rstrip()
+
+    def warn(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(Text(f"warning: {text}", style="yellow"))
 
 
 def _fmt(value, fmt: str) -> str:

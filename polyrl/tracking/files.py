@@ -1,11 +1,13 @@
-"""The run directory: ``config.json``, ``metrics.jsonl``, ``trajectories/step_NNNNNN.jsonl`` and
-``checkpoints.jsonl`` (tinker-cookbook's row format); ``metrics.json`` too when asked for
-(:mod:`polyrl.tracking.metrics_json`).
+"""The run directory: ``config.json``, ``metrics.jsonl``, ``trajectories/step_NNNNNN.jsonl``,
+``checkpoints.jsonl`` (tinker-cookbook's row format), ``attempts.jsonl`` (the training run id of
+each launch, so a relaunch can find what a killed one left behind), and ``metrics.json`` when asked
+for (:mod:`polyrl.tracking.metrics_json`).
 
 Appends are flushed and fsynced line by line; whole files are written to a temporary name and
-renamed, so a crash never leaves a torn file. On resume, rows of steps that will be re-run are
-removed first, so no step is ever logged twice. Every row is written with secrets masked (metric
-names and the per-token text of trajectories included): :func:`redacted_json`.
+renamed, so a crash never leaves a torn file. A line torn by a crash mid-append is skipped when read
+and ended before the next append, so it never hides the rows after it. On resume, rows of steps that
+will be re-run are removed first, so no step is ever logged twice. Every row is written with secrets
+masked (metric names and the per-token text of trajectories included): :func:`redacted_json`.
 """
 
 from __future__ import annotations
@@ -26,20 +28,27 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power cut
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSONL file; a torn last line (a crash mid-write) is ignored."""
+    """Rows of a JSONL file; a line torn by a crash mid-write is skipped."""
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
     return rows
 
 
@@ -56,8 +65,12 @@ def redacted_json(row: Any, mask_sensitive_keys: bool = True, **dumps_args: Any)
 def append_jsonl(path: Path, row: dict) -> None:
     """Append one row of numbers, names and paths (metrics, checkpoints): secrets masked wherever
     they appear, but a key merely named like a secret keeps its value."""
-    with open(path, "a") as f:
-        f.write(redacted_json(row, mask_sensitive_keys=False) + "\n")
+    with open(path, "a+b") as f:
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:  # a last line torn by a crash is ended first
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((("\n" if torn else "") + redacted_json(row, mask_sensitive_keys=False) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -100,6 +113,7 @@ class RunFiles:
         self.trajectories.mkdir(exist_ok=True)
         self.metrics_path = self.root / "metrics.jsonl"
         self.checkpoints_path = self.root / "checkpoints.jsonl"
+        self.attempts_path = self.root / "attempts.jsonl"
         self.metrics_json = None
         if metrics_json:
             from polyrl.tracking.metrics_json import MetricsJson
@@ -123,6 +137,15 @@ class RunFiles:
 
     def checkpoints(self) -> list[dict]:
         return read_jsonl(self.checkpoints_path)
+
+    def log_attempt(self, row: dict) -> None:
+        append_jsonl(self.attempts_path, row)
+
+    def attempts(self) -> list[dict]:
+        return read_jsonl(self.attempts_path)
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.metrics_path)
 
     def last_resumable(self) -> dict | None:
         rows = [r for r in self.checkpoints() if r.get("state_path")]

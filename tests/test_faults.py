@@ -1,0 +1,405 @@
+"""Faults a long run meets: blocking and misbehaving environments, runs that stop learning, remote
+services that are unreachable or die, kills between writes. Real subprocesses, real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from scripted import ScriptedSampler
+
+from polyrl.config import TrainConfig
+from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
+from polyrl.renderers import get_renderer
+from polyrl.rollouts import Episode, RolloutSettings, run_group
+from polyrl.tracking.console import ConsoleLog
+from polyrl.tracking.files import RunFiles
+from polyrl.train import train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------- test environments
+class _SleepyEnv:
+    """A sync environment whose step blocks (like a simulator or a sync HTTP client)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def reset(self):
+        return Observation([{"role": "user", "content": "Say anything."}])
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return StepResult(reward=1.0, done=True)
+
+    def close(self):
+        return None
+
+
+@register_env("faults_sleepy")
+class SleepyBuilder(EnvBuilder):
+    def make(self, split, index):
+        return _SleepyEnv(self.args["seconds"])
+
+
+class _RaisingEnv(Env):
+    def __init__(self, exc: BaseException | None, sync: bool):
+        self.exc, self.sync = exc, sync
+
+    async def reset(self):
+        return Observation([{"role": "user", "content": "Say anything."}])
+
+    async def step(self, action):
+        if self.exc is not None:
+            raise self.exc
+        return StepResult(reward=1.0, done=True)
+
+
+class _SyncRaisingEnv(_RaisingEnv):
+    def step(self, action):  # type: ignore[override]
+        if self.exc is not None:
+            raise self.exc
+        return StepResult(reward=1.0, done=True)
+
+
+class RaisingBuilder(EnvBuilder):
+    """Episode 0 of every group raises ``args['exc']``, the others finish."""
+
+    def __init__(self, args, seed=0):
+        super().__init__(args, seed)
+        self.calls = 0
+
+    def make(self, split, index):
+        self.calls += 1
+        exc = self.args["exc"] if self.calls % 2 == 1 else None
+        return (_SyncRaisingEnv if self.args.get("sync") else _RaisingEnv)(exc, self.args.get("sync", False))
+
+
+class RaisingRolloutBuilder(EnvBuilder):
+    """Drives its own rollouts, and raises from them."""
+
+    def make(self, split, index):
+        raise AssertionError("not used")
+
+    async def rollout(self, ctx):
+        raise self.args["exc"]
+
+
+@register_env("faults_broken")
+class BrokenBuilder(EnvBuilder):
+    """Every episode fails: the environment's backend is gone."""
+
+    def make(self, split, index):
+        return _BrokenEnv()
+
+
+class _BrokenEnv(Env):
+    async def reset(self):
+        raise ConnectionError("environment backend unreachable")
+
+    async def step(self, action):
+        raise AssertionError("not reached")
+
+
+def _settings(**kw) -> RolloutSettings:
+    return RolloutSettings(**{"max_turns": 2, "max_tokens": 8, "temperature": 1.0, "timeout": 30, **kw})
+
+
+def _policy(tokenizer, n: int = 64) -> tuple:
+    renderer = get_renderer("qwen3", tokenizer)
+    return renderer, ScriptedSampler(renderer, [{"role": "assistant", "content": "hi"}] * n)
+
+
+def _config(model_dir, tmp_path, **over) -> TrainConfig:
+    data = dict(model_name=model_dir, lora_rank=4, batch_size=2, max_steps=4, max_tokens=4, save_every=2,
+                learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=3,
+                report=False, max_no_update_frac=1.0,  # a tiny random model rarely earns a reward
+                environments={"arithmetic": {"num_rollouts": 2, "max_turns": 1}})
+    data.update(over)
+    return TrainConfig(**data)
+
+
+def _cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _write_config(cfg: TrainConfig, path: Path) -> Path:
+    path.write_text(json.dumps(cfg.model_dump(mode="json")))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_error_line(err: str) -> str:
+    """The last stderr line, after checking that it is the only error and that no traceback came."""
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), err[-3000:]
+    assert sum(line.startswith("error: ") for line in lines) == 1, err[-3000:]
+    return lines[-1]
+
+
+# ---------------------------------------------------------------------------- environments
+def test_sync_environments_run_off_the_event_loop(tokenizer):
+    """A blocking step stalls only its own episode: the episode timeout fires, and blocking steps of
+    concurrent episodes overlap."""
+    renderer, policy = _policy(tokenizer)
+    eps = [Episode("sleepy", "train", 0, 0) for _ in range(4)]
+    start = time.monotonic()
+    out = asyncio.run(run_group(SleepyBuilder({"seconds": 3.0}), eps, renderer, policy, _settings(timeout=0.5),
+                                [None] * 4))
+    assert time.monotonic() - start < 2.5
+    assert all(ep.error and "timeout" in ep.error for ep in out), [ep.error for ep in out]
+
+    eps = [Episode("sleepy", "train", 0, 0) for _ in range(8)]
+    start = time.monotonic()
+    out = asyncio.run(run_group(SleepyBuilder({"seconds": 0.4}), eps, renderer, policy, _settings(), [None] * 8))
+    assert all(ep.error is None and ep.reward == 1.0 for ep in out)
+    assert time.monotonic() - start < 1.6, "8 blocking steps of 0.4 s ran one after the other"
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt(), asyncio.CancelledError()],
+                         ids=lambda e: type(e).__name__)
+def test_environment_raising_exit_interrupt_or_cancel_is_a_failing_rollout(tokenizer, exc):
+    renderer, policy = _policy(tokenizer)
+    for builder in (RaisingBuilder({"exc": exc}), RaisingBuilder({"exc": exc, "sync": True})):
+        eps = [Episode("raising", "train", 0, 0) for _ in range(2)]
+        out = asyncio.run(run_group(builder, eps, renderer, policy, _settings(), [None, None]))
+        assert type(exc).__name__ in (out[0].error or ""), out[0].error
+        assert out[1].error is None and out[1].reward == 1.0
+    eps = [Episode("raising", "train", 0, 0)]
+    out = asyncio.run(run_group(RaisingRolloutBuilder({"exc": exc}), eps, renderer, policy, _settings(), [None]))
+    assert type(exc).__name__ in (out[0].error or "")
+
+
+def test_ctrl_c_still_stops_the_trainer(tiny_model_dir, tmp_path):
+    """While a sync environment blocks in its step, SIGINT ends the run promptly (exit 130)."""
+    started = tmp_path / "started"
+    (tmp_path / "blocking_env.py").write_text(
+        "import pathlib, time\n"
+        "class Env:\n"
+        "    def initial_observation(self):\n"
+        "        return 'Say anything.'\n"
+        "    def step(self, text):\n"
+        f"        pathlib.Path({str(started)!r}).touch()\n"
+        "        time.sleep(120)\n"
+        "        return 1.0\n"
+        "def load_environment(**args):\n"
+        "    return Env()\n")
+    cfg = _config(tiny_model_dir, tmp_path, environments={"blocking": {"type": f"module:{tmp_path / 'blocking_env.py'}",
+                                                                       "num_rollouts": 2}})
+    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path)
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert started.exists(), proc.communicate()[1][-3000:]
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the trainer ignored Ctrl-C")
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- runs that stop learning
+def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
+    from polyrl.errors import RunStoppedError
+
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=30, max_no_update_frac=0.5,
+                  environments={"broken": {"type": "faults_broken", "num_rollouts": 2}})
+    with pytest.raises(RunStoppedError) as info:
+        train(cfg, ConsoleLog(enabled=False))
+    message = str(info.value)
+    assert "\n" not in message and "no update" in message and "environment backend unreachable" in message, message
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and all(r["optim/datums"] == 0 for r in rows)  # judged once 10 steps ran
+
+
+# ---------------------------------------------------------------------------- remote services
+class _Health:
+    """A real HTTP health endpoint on a fixed port that can go away and come back."""
+
+    def __init__(self, port: int):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"status": "ok"}')
+
+            def log_message(self, *args):
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
+    from polyrl.backend import ServiceGuard
+    from polyrl.errors import RunStoppedError
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    warnings: list[str] = []
+    restarted: list[_Health] = []
+
+    async def short_outage() -> str:
+        _Health(port).stop()  # gone when the operation starts...
+        guard = ServiceGuard(url, timeout=3, warn=warnings.append)
+
+        async def come_back() -> None:
+            await asyncio.sleep(0.5)  # ...and back well within the bound
+            restarted.append(_Health(port))
+
+        async def slow_operation() -> str:
+            await asyncio.sleep(2.5)
+            return "done"
+
+        back = asyncio.create_task(come_back())
+        result = await guard.watch("a slow operation", slow_operation())
+        await back
+        return result
+
+    assert asyncio.run(short_outage()) == "done"
+    restarted[0].stop()
+    assert any("does not answer" in w for w in warnings) and any("answers again" in w for w in warnings), warnings
+
+    async def long_outage() -> None:
+        guard = ServiceGuard(f"http://127.0.0.1:{_free_port()}", timeout=1)
+        await guard.watch("waiting forever", asyncio.sleep(3600))
+
+    start = time.monotonic()
+    with pytest.raises(RunStoppedError, match=r"did not answer for 1s .* while waiting forever"):
+        asyncio.run(long_outage())
+    assert time.monotonic() - start < 5
+
+
+def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path):
+    port = _free_port()
+    cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=f"http://127.0.0.1:{port}",
+                  store_dir=None, service_timeout=2)
+    start = time.monotonic()
+    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                {"TINKER_API_KEY": "tml-faults-test"})
+    _, err = proc.communicate(timeout=120)
+    line = _one_error_line(err)
+    assert proc.returncode == 1
+    assert f"http://127.0.0.1:{port}" in line and "no checkpoint" in line, line
+    assert time.monotonic() - start < 60
+
+
+def test_malformed_tinker_api_key_is_one_line_exit_2(tiny_model_dir, tmp_path):
+    cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url="http://127.0.0.1:9", store_dir=None)
+    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                {"TINKER_API_KEY": "sk-not-a-tinker-key-4711"})
+    _, err = proc.communicate(timeout=120)
+    line = _one_error_line(err)
+    assert proc.returncode == 2 and "TINKER_API_KEY" in line and "tml-" in line, line
+    assert "4711" not in err  # the key itself is never printed
+
+
+@pytest.mark.slow
+def test_unreachable_openreward_environment_stops_with_one_line(tiny_model_dir, tmp_path):
+    pytest.importorskip("openreward")
+    port = _free_port()
+    cfg = _config(tiny_model_dir, tmp_path, environments={
+        "remote": {"type": "openreward:Polyrl/LetterQuest", "args": {"base_url": f"http://127.0.0.1:{port}"}}})
+    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                {"OPENREWARD_API_KEY": "or-faults-test"})
+    _, err = proc.communicate(timeout=180)
+    line = _one_error_line(err)
+    assert proc.returncode == 1 and "OpenReward" in line and f"127.0.0.1:{port}" in line, line
+
+
+@pytest.mark.slow
+def test_trainer_stops_with_one_line_when_polyrl_serve_dies(tiny_model_dir, tmp_path):
+    from test_serve import KEY, Served
+
+    served = Served(tiny_model_dir, tmp_path / "serve-store")
+    try:
+        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, store_dir=None,
+                      max_steps=500, save_every=1, service_timeout=3)
+        proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                    {"TINKER_API_KEY": KEY})
+        files = RunFiles(tmp_path / "run")
+        deadline = time.monotonic() + 180
+        while not files.checkpoints() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert files.checkpoints(), proc.communicate()[1][-3000:]
+    finally:
+        served.proc.kill()
+        served.proc.wait()
+    killed_at = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the trainer hangs after its service died")
+    line = _one_error_line(err)
+    assert proc.returncode == 1 and served.url in line, line
+    assert files.last_resumable()["state_path"] in line, line
+    assert time.monotonic() - killed_at < 60
+
+
+# ---------------------------------------------------------------------------- kills between writes
+def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_dir, tmp_path, monkeypatch):
+    """A kill between saving a checkpoint and logging its row leaves it in the store, where no row
+    refers to it: the relaunch removes it (and says so)."""
+    from polyrl.local.checkpoints import Store
+    from test_train import RecordingConsole, SimulatedCrash
+
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=4, save_every=2)
+    real_log = RunFiles.log_checkpoint
+
+    def killed_at_second_row(self, row):
+        if self.checkpoints():
+            raise SimulatedCrash("killed between saving and logging a checkpoint")
+        real_log(self, row)
+
+    monkeypatch.setattr(RunFiles, "log_checkpoint", killed_at_second_row)
+    with pytest.raises(SimulatedCrash):
+        train(cfg, ConsoleLog(enabled=False))
+    monkeypatch.undo()
+    store = Store(cfg.store_dir)
+    unlogged = [c["tinker_path"] for run in store.runs() for c in store.list(run)
+                if c["tinker_path"].endswith("/final")]
+    assert len(unlogged) == 2  # the killed attempt's state and sampler weights of step 4
+
+    console = RecordingConsole()
+    train(cfg, console)
+    rows = RunFiles(cfg.log_path).checkpoints()
+    logged = {r[k] for r in rows for k in ("state_path", "sampler_path")}
+    in_store = {c["tinker_path"] for run in store.runs() for c in store.list(run)}
+    assert in_store == logged and not set(unlogged) & in_store
+    assert any("removed 2" in line for line in console.lines), console.lines
+
+    # without a row to resume from (checkpoints.jsonl deleted), earlier checkpoints are reported, not deleted
+    (tmp_path / "run" / "checkpoints.jsonl").unlink()
+    console = RecordingConsole()
+    train(cfg, console)
+    assert in_store <= {c["tinker_path"] for run in store.runs() for c in store.list(run)}
+    assert any(line.startswith("warning:") and "stay in the store" in line for line in console.lines), console.lines
