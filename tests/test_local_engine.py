@@ -896,3 +896,24 @@ def test_checkpoint_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     synced_before = {Path(p).name for kind, p in events[:into_place] if kind == "fsync"}
     assert {"adapter_model.safetensors", "optimizer.pt", "polyrl.json"} <= synced_before, events
     assert ("fsync", str(Path(final).parent)) in events[into_place:], "the rename itself must be made durable"
+
+
+def test_in_process_clients_refuse_what_the_server_refuses(service, warm):
+    """The engine itself refuses non-finite sampling and optimizer values and names a checkpoint
+    directory could not be loaded back from, whichever client calls it."""
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    for temperature in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=temperature))
+    before = weights(tc)
+    for bad in ({"learning_rate": float("nan")}, {"learning_rate": float("inf")}, {"learning_rate": -1e-3},
+                {"beta1": 1.0}, {"eps": float("nan")}):
+        with pytest.raises(ValueError, match="adam_params"):
+            tc.optim_step(types.AdamParams(**{"learning_rate": 1e-3, **bad})).result()
+    assert_weights_equal(weights(tc), before)  # nothing was applied
+    for name in (".hidden", "a" * 300, "a/b", "", ":x"):
+        with pytest.raises(ValueError, match="checkpoint name"):
+            tc.save_state(name).result()
+    assert tc.save_state("ok.name-1:2").result().path.endswith("/weights/ok.name-1:2")

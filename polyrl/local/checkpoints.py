@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -76,9 +77,25 @@ def _fsync_tree(directory: Path) -> None:
     _fsync(directory)
 
 
+# Run ids and checkpoint names become directory names: 1 to 200 letters, digits, '_', '-', '.' or ':',
+# not starting with '.' (hidden, and the store's temporary directories) or ':'.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:\-]*$")
+MAX_NAME_CHARS = 200
+
+
+def name_problem(value: object, what: str = "checkpoint name") -> str | None:
+    """Why ``value`` cannot name a run or checkpoint directory, or None."""
+    if isinstance(value, str) and NAME_PATTERN.match(value) and len(value) <= MAX_NAME_CHARS:
+        return None
+    shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:60]}... ({len(str(value))} characters)"
+    return (f"invalid {what} {shown}: use 1 to {MAX_NAME_CHARS} letters, digits, '_', '-', '.' or ':', "
+            "not starting with '.' or ':'")
+
+
 def check_name(name: str) -> str:
-    if not name or "/" in name or name in (".", "..") or name.startswith(".tmp"):
-        raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
+    """A checkpoint name every store operation accepts (so any name that saves can be loaded)."""
+    if problem := name_problem(name):
+        raise ValueError(problem)
     return name
 
 

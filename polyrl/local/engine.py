@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import threading
 import time
@@ -240,6 +241,13 @@ class Engine:
         return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
+        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
+            value = getattr(params, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"adam_params.{name} must be a finite number >= 0, got {value}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(params, name) < 1:
+                raise ValueError(f"adam_params.{name} must be in [0, 1), got {getattr(params, name)}")
         for group in st.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)

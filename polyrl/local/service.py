@@ -9,6 +9,7 @@ that also forwards attribute access to the client, as the SDK's back-compat wrap
 from __future__ import annotations
 
 import itertools
+import math
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -68,8 +69,8 @@ def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int,
         raise ValueError(f"prompt token out of range for vocabulary size {base.vocab_size}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if params.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
+    if not math.isfinite(params.temperature) or params.temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
     context = base.max_context_length or 1 << 30

@@ -17,20 +17,18 @@ import time
 from datetime import datetime, timezone
 
 from polyrl.errors import UserInputError
-from polyrl.local.checkpoints import KINDS, CheckpointPath, Store
+from polyrl.local.checkpoints import KINDS, NAME_PATTERN, CheckpointPath, Store, name_problem
 from polyrl.serve.protocol import RequestError
 
-_ID = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.:\-]*$")
+_ID = NAME_PATTERN
 RUN_FILE = "run.json"
 UNREADABLE = "<run.json unreadable>"  # the owner of a run whose record cannot be read: no key's digest
 
 
 def check_id(value: str, what: str) -> str:
     """Run ids and checkpoint names become directory names: refuse anything path-like (or hidden)."""
-    if not isinstance(value, str) or not _ID.match(value) or len(value) > 200:
-        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:60]}... ({len(value)} characters)"
-        raise RequestError(400, f"invalid {what} {shown}: use 1 to 200 letters, digits, '_', '-', '.' or ':', "
-                                "not starting with '.' or ':'")
+    if problem := name_problem(value, what):
+        raise RequestError(400, problem)
     return value
 
 
