@@ -65,11 +65,11 @@ def test_sampler_logprobs_match_the_learner_on_smollm2(smollm2_dir, smollm2_toke
     """Sampled tokens' logprobs (KV-cache decode) against ``forward`` of the same tokens (one full
     pass), with a trained, nonzero LoRA on every layer kind.
 
-    Tolerance 2e-3 nats: both are float32 on CPU, but the decode computes each position with a
+    Tolerance 5e-4 nats: both are float32 on CPU, but the decode computes each position with a
     different matmul shape than the full pass, so rounding differs; through 30 layers and a
-    49,152-way log-softmax that leaves differences of order 1e-4 here. A real mismatch (a position
-    off by one, the wrong adapter, a stale snapshot, a temperature applied to the logprobs) is of
-    order 0.1-10 nats."""
+    49,152-way log-softmax that left at most 2e-5 (mean 4e-6) over four such samples when measured. A
+    real mismatch (a position off by one, the wrong adapter, a stale snapshot, a temperature applied
+    to the logprobs) is of order 0.1-10 nats."""
     tokenizer = smollm2_tokenizer
     service = ServiceClient(store_dir=tmp_path / "store")
     renderer = get_renderer("chatml", tokenizer)
@@ -100,7 +100,7 @@ def test_sampler_logprobs_match_the_learner_on_smollm2(smollm2_dir, smollm2_toke
         sampled = torch.tensor(seq.logprobs, dtype=torch.float32)
         assert len(sampled) == len(seq.tokens) >= 1
         worst = max(worst, float((sampled - learner).abs().max()))
-    assert worst < 2e-3, worst
+    assert worst < 5e-4, worst
 
 
 def test_rl_on_smollm2_raises_held_out_success(smollm2_gguf, gguf_cache, tmp_path, monkeypatch):
