@@ -154,7 +154,9 @@ class BaseModel:
         """Create adapter ``adapter`` (B=0, A random from ``spec.seed``) and return its parameters."""
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", **self.lora_targets(spec))
+        config = LoraConfig(
+            r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", **self.lora_targets(spec)
+        )
         seed = spec.seed if spec.seed is not None else int.from_bytes(os.urandom(4), "little")
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(seed)

