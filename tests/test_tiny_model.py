@@ -33,3 +33,24 @@ def test_sizes_grow_and_cli_writes_a_model(tmp_path):
     assert out.returncode == 0, out.stderr
     big = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
     assert 500_000 < sum(p.numel() for p in big.parameters()) < 5_000_000
+
+
+def test_qwen3_0_6b_size_has_the_real_models_shapes():
+    """Checked on the meta device (no weights): Qwen3-0.6B's published config, and its parameter count
+    (596,049,920 with the tied embedding: "0.6B", of which 0.44B outside the embedding)."""
+    import torch
+
+    from polyrl.models.tiny import SIZES, build_tokenizer, tiny_config
+
+    spec = SIZES["qwen3-0.6b"]
+    config, model_class = tiny_config(spec, build_tokenizer(spec.vocab_size))
+    real = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+            "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
+    assert {k: getattr(config, k) for k in real} == real
+    assert config.rope_parameters["rope_theta"] == 1e6
+    with torch.device("meta"):
+        model = model_class(config)
+    total = sum(p.numel() for p in model.parameters())
+    assert total == 596_049_920
+    assert total - model.get_input_embeddings().weight.numel() == 440_467_456

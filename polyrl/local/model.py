@@ -207,41 +207,54 @@ class BaseModel:
         return self._split_head
 
     # ---- adapters -------------------------------------------------------------------------
-    def _linear_layers(self) -> dict[str, str]:
-        """Linear layers of the bare model by kind (attn | mlp | unembed), found once before PEFT
-        wraps them (afterwards the LoRA sub-layers would look like targets too)."""
+    def _linear_layers(self) -> dict[str, tuple[str, str]]:
+        """What LoRA can train in the bare model, found once before PEFT wraps it (afterwards the LoRA
+        sub-layers would look like targets too): name -> (kind, how). Kind is attn | mlp | unembed; how is
+        ``module`` for linear layers, ``parameter`` for the fused expert weights of mixture-of-experts
+        blocks (3-D parameters, one matrix per expert, which PEFT reaches through ``target_parameters``)."""
         out_emb = self.hf_model.get_output_embeddings()
         kinds = {}
         for name, module in self.hf_model.named_modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
             lowered = name.lower()
-            if module is out_emb:
-                kinds[name] = "unembed"
-            elif "attn" in lowered or "attention" in lowered:
-                kinds[name] = "attn"
-            elif "mlp" in lowered or "feed_forward" in lowered or "ffn" in lowered:
-                kinds[name] = "mlp"
+            if isinstance(module, torch.nn.Linear):
+                if module is out_emb:
+                    kinds[name] = ("unembed", "module")
+                elif "attn" in lowered or "attention" in lowered:
+                    kinds[name] = ("attn", "module")
+                elif any(key in lowered for key in ("mlp", "feed_forward", "ffn", "expert")):
+                    kinds[name] = ("mlp", "module")
+            elif "expert" in lowered:
+                for param_name, param in module.named_parameters(recurse=False):
+                    if param.ndim == 3:
+                        kinds[f"{name}.{param_name}"] = ("mlp", "parameter")
         return kinds
 
-    def target_modules(self, spec: LoraSpec) -> list[str]:
-        """Module names (full paths) of the linear layers the spec trains."""
+    def lora_targets(self, spec: LoraSpec) -> dict[str, list[str]]:
+        """``target_modules`` and ``target_parameters`` (full names) of the layers ``spec`` trains. A kind
+        asked for that matches nothing is an error: silently training less than asked ruins a run."""
+        from polyrl.errors import UserInputError
+
         wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
-        names = [name for name, kind in self._linears.items() if wanted[kind]]
-        if not names:
-            raise ValueError(f"LoRA spec {spec} selects no layers of model {self.name!r}")
-        return names
+        for kind in (k for k, on in wanted.items() if on):
+            if not any(k == kind for k, _ in self._linears.values()):
+                raise UserInputError(
+                    f"train_{kind}: model {self.name!r} ({type(self.hf_model).__name__}) has no {kind} layers "
+                    f"that LoRA can train (linear layers or fused expert weights); set train_{kind} to false"
+                )
+        chosen = [(name, how) for name, (kind, how) in self._linears.items() if wanted[kind]]
+        if not chosen:
+            raise UserInputError(f"LoRA spec {spec} selects no layers of model {self.name!r}")
+        return {
+            "target_modules": [name for name, how in chosen if how == "module"],
+            "target_parameters": [name for name, how in chosen if how == "parameter"],
+        }
 
     def add_adapter(self, adapter: str, spec: LoraSpec) -> list[torch.nn.Parameter]:
         """Create adapter ``adapter`` (B=0, A random from ``spec.seed``) and return its parameters."""
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(
-            r=spec.rank,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,
-            target_modules=self.target_modules(spec),
-            bias="none",
+            r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", **self.lora_targets(spec)
         )
         seed = spec.seed if spec.seed is not None else int.from_bytes(os.urandom(4), "little")
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -316,7 +329,8 @@ class BaseModel:
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors")
         config = self.peft_model.peft_config[adapter].to_dict()
         config["base_model_name_or_path"] = self.name
-        config["target_modules"] = sorted(config["target_modules"])
+        for key in ("target_modules", "target_parameters"):  # sets in memory; JSON lists on disk
+            config[key] = sorted(config[key] or [])
         import json
 
         (directory / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))

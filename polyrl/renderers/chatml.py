@@ -5,7 +5,8 @@ The text produced for prompts is exactly what Qwen3's chat template renders (sys
 user turn), so ``initial_prompt`` equals ``apply_chat_template(..., add_generation_prompt=True)``
 token for token. After that nothing is re-rendered: sampled tokens are kept as they are, which is
 where this differs from the template on purpose (the template drops ``<think>`` blocks of earlier
-turns; a rollout keeps what the model actually saw and produced).
+turns; a rollout keeps what the model actually saw and produced). A template that writes a default
+system prompt when the conversation has none (SmolLM2, Qwen2.5) has it read once from the template.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ def _block(role: str, text: str) -> str:
     return f"{IM_START}{role}\n{text}{IM_END}\n"
 
 
+def template_default_system(tokenizer) -> str | None:
+    """The system prompt the tokenizer's chat template writes when a conversation has none, if any."""
+    probe = "\x00probe\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": probe}], tokenize=False)
+    except Exception:  # no template, or one that needs more than a user message
+        return None
+    head = f"{IM_START}system\n"
+    system, sep, rest = str(text).partition(f"{IM_END}\n{IM_START}user\n{probe}")
+    if not sep or not system.startswith(head):
+        return None
+    return system[len(head):]
+
+
 def _is_tool_response(m: Message) -> bool:
     text = m.get("content")
     return isinstance(text, str) and text.startswith("<tool_response>") and text.endswith("</tool_response>")
@@ -54,11 +69,17 @@ class ChatMLRenderer(Renderer):
     think = True
     empty_think_prompt = False
 
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.default_system = template_default_system(tokenizer)
+
     def generation_prompt(self) -> str:
         return f"{IM_START}assistant\n" + ("<think>\n\n</think>\n\n" if self.empty_think_prompt else "")
 
     def initial_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
         has_system = bool(messages) and messages[0].get("role") == "system"
+        if not has_system and self.default_system is not None:
+            messages, has_system = [{"role": "system", "content": self.default_system}, *messages], True
         text = ""
         if tools:
             system = message_text(messages[0]) + "\n\n" if has_system else ""

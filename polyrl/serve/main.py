@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--models", nargs="*", default=[], metavar="DIR_OR_ID",
-                   help="base models to serve (model directories or hub ids); none: any the engine can load")
+                   help="base models to serve (model directories, .gguf files or hub ids); none: any the engine can load")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"accepted X-API-Key (repeatable; also --api-key-file and ${KEYS_ENV}). "
                         "The tinker SDK only sends keys starting with 'tml-'. None given: one is generated and printed")

