@@ -665,13 +665,14 @@ def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
 
 # ------------------------------------------------------------------- polyrl's own tinker backend
 class _LetterEnv:
-    """Reward 1 when the reply contains an 'e': a tiny random model gets it about half the time."""
+    """Reward 1 when the reply has an even number of characters: a tiny random model gets it about half
+    the time, so nearly every group of 4 has an advantage to train on."""
 
     def reset(self):
         return Observation([{"role": "user", "content": "Write a word."}])
 
     def step(self, action):
-        return StepResult(reward=float("e" in action["content"]), done=True)
+        return StepResult(reward=float(len(action["content"]) % 2 == 0), done=True)
 
     def close(self):
         return None

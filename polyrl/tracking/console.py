@@ -79,6 +79,15 @@ class ConsoleLog:
         else:
             self._line(text)
 
+    def warn(self, text: str) -> None:
+        if not self.enabled:
+            return
+        text = f"warning: {redact_text(text)}"
+        if self.is_terminal:
+            self.console.print(Text(text, style="yellow"))
+        else:
+            self._line(text)
+
     def _line(self, text: str) -> None:
         """One line, written as is (rich would wrap it at 80 columns when not in a terminal)."""
         file = self.console.file or sys.stderr
