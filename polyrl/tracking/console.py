@@ -82,7 +82,7 @@ class ConsoleLog:
     def warn(self, text: str) -> None:
         if not self.enabled:
             return
-        text = redact_text(f"warning: {text}")
+        text = f"warning: {redact_text(text)}"
         if self.is_terminal:
             self.console.print(Text(text, style="yellow"))
         else:
