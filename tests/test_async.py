@@ -343,3 +343,26 @@ def test_kill_and_resume_off_policy_repeats_no_step_and_trains_every_group_once(
     assert len(set(keys)) == len(keys), "a group was trained twice"
     assert sorted(keys) == [(p, i) for p in range(steps + 2) for i in range(cfg.batch_size)][:len(keys)]
     assert len(trained) == steps * cfg.batch_size
+
+
+def test_off_policy_streamed_training_through_the_sdk_and_polyrl_serve(tiny_model_dir, tmp_path, monkeypatch):
+    """The same loop on a remote service: the official SDK against ``polyrl serve``, sampling from the
+    previous step's weights while the server trains, one forward_backward per finished group."""
+    from test_serve import KEY, Served
+
+    served = Served(tiny_model_dir, tmp_path / "serve-store")
+    try:
+        monkeypatch.setenv("TINKER_API_KEY", KEY)
+        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, store_dir=None, max_steps=4,
+                      save_every=2, max_steps_off_policy=1, stream_minibatches=1)
+        train(cfg, ConsoleLog(enabled=False))
+    finally:
+        served.stop()
+    files = RunFiles(tmp_path / "run")
+    rows = files.metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["async/staleness_max"] == 0 and max(r["async/staleness_max"] for r in rows[1:]) == 1
+    assert all(r["async/staleness_max"] <= 1 and r["async/stale_dropped"] == 0 for r in rows)
+    assert sum(r["optim/datums"] for r in rows) > 0
+    assert [c["name"] for c in files.checkpoints()] == ["000002", "final"]
+    assert all(c["state_path"].startswith("tinker://") for c in files.checkpoints())

@@ -27,6 +27,7 @@ COLUMNS = [
     ("grad", "optim/grad_norm", "{:.3g}"),
     ("tokens", "tokens/action", "{:.0f}"),
     ("fail", "rollouts/failed", "{:.0f}"),
+    ("stale", "async/staleness_mean", "{:.2f}"),  # how many updates behind the samplers were
     ("s/step", "time/total", "{:.1f}"),
 ]
 _WIDTH = 8
