@@ -240,6 +240,29 @@ class TrainConfig(BaseModel):
         "group failed, was dropped or had all-equal rewards); judged from the 10th step on (each such step "
         "is warned about). 1 = never stop.",
     )
+    max_steps_off_policy: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous training: how many optimizer steps behind the policy being trained a "
+        "group's sampler may be. 0 = the synchronous loop (each step samples with the newest weights, then "
+        "trains). With K >= 1 up to K more batches of groups are sampled while a step trains, so sampling "
+        "and environments never wait for training; the loss's importance ratio against the sampler's "
+        "logprobs corrects for the lag (a clipped loss such as ppo or cispo suits stale data best).",
+    )
+    stale_groups: Literal["drop", "keep"] = Field(
+        "drop",
+        description="With max_steps_off_policy >= 1, a group whose sampler fell further behind (a slow "
+        "group that finished after faster ones were trained) is dropped, counted in async/stale_dropped "
+        "and replaced by a fresh one; 'keep' trains it anyway.",
+    )
+    stream_minibatches: int | None = Field(
+        None,
+        ge=1,
+        description="Groups per forward_backward: training starts on each minibatch of this many groups as "
+        "soon as they finish instead of waiting for the whole batch, and steps the optimizer once per "
+        "batch (tinker-cookbook's stream_minibatch_config); the last minibatch takes what is left of "
+        "batch_size. null = one forward_backward with the whole batch.",
+    )
     service_timeout: float = Field(
         120,
         gt=0,
@@ -300,6 +323,17 @@ class TrainConfig(BaseModel):
         if self.normalize_advantages_by_std and self.advantage_estimator == "rebn":
             problems.append(("normalize_advantages_by_std", "only used by advantage_estimator 'grpo' ('rebn' always "
                                                             "divides by the batch std)"))
+        if self.stale_groups != "drop" and self.max_steps_off_policy == 0:
+            problems.append(("stale_groups", "only used with max_steps_off_policy >= 1 (the synchronous loop "
+                                             "samples every group with the policy it trains)"))
+        if self.stream_minibatches is not None:
+            if self.stream_minibatches > self.batch_size:
+                problems.append(("stream_minibatches", f"{self.stream_minibatches} groups per minibatch is more "
+                                                       f"than batch_size ({self.batch_size})"))
+            if self.advantage_estimator == "rebn":
+                problems.append(("stream_minibatches", "advantage_estimator 'rebn' normalizes over the whole "
+                                                       "batch, which a minibatch trained before the rest "
+                                                       "finished cannot do (use 'grpo')"))
         problems += local_model_problems(self.backend, self.model_name)
         if self.backend == "tinker":
             for key, default in _LOCAL_ONLY_DEFAULTS.items():

@@ -99,7 +99,8 @@ def pass_at_1(metrics: dict[str, float]) -> dict[str, float]:
     return {env: metrics[f"test/{env}/pass@1"] for env in ENVIRONMENTS}
 
 
-async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int, quiet: bool) -> dict:
+async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int, quiet: bool,
+              max_steps_off_policy: int = 0) -> dict:
     console = ConsoleLog(enabled=not quiet)
     say = console.info
     times: dict[str, float] = {}
@@ -134,9 +135,10 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     rl_config = TrainConfig(
         **common, resume_from=sft_state, learning_rate=RL["learning_rate"], batch_size=RL["batch_size"],
         max_steps=rl_steps, max_tokens=32, save_every=0, report=False, log_path=str(workdir / "rl"),
-        environments=env_configs("train", group_size=RL["group_size"]),
+        max_steps_off_policy=max_steps_off_policy, environments=env_configs("train", group_size=RL["group_size"]),
     )
-    say(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples, both environments")
+    say(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples, both environments"
+        + (f", sampling up to {max_steps_off_policy} steps ahead" if max_steps_off_policy else ""))
     await train_async(rl_config, console)
     final = json.loads((workdir / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
     lap("rl")
@@ -145,7 +147,7 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     lap("eval_after")
     times["total"] = time.monotonic() - t0
     summary = {"before": pass_at_1(before), "after": pass_at_1(after), "seconds": times,
-               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed}
+               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed, "max_steps_off_policy": max_steps_off_policy}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -159,13 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="quickstart-cpu", help="tiny model preset (default: quickstart-cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default: 1; these matrices are too small to gain from more)")
+    p.add_argument("--max-steps-off-policy", type=int, default=0,
+                   help="RL sampling this many steps ahead of training (default: 0, the synchronous loop)")
     p.add_argument("--quiet", action="store_true", help="print only the results")
     args = p.parse_args(argv)
 
     import torch
 
     torch.set_num_threads(args.threads)
-    s = asyncio.run(run(Path(args.workdir), args.size, args.sft_steps, args.rl_steps, args.seed, args.quiet))
+    s = asyncio.run(run(Path(args.workdir), args.size, args.sft_steps, args.rl_steps, args.seed, args.quiet,
+                        args.max_steps_off_policy))
     b, a, t = s["before"], s["after"], s["seconds"]
     for env in ENVIRONMENTS:
         print(f"  {env:<13} before {b[env]:.2f} -> after {a[env]:.2f}")

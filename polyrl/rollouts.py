@@ -6,7 +6,8 @@ so what is trained is exactly what was sampled. Sampled tokens carry their sampl
 action mask of 1; prompt and environment tokens carry 0 (they get no weight in the loss).
 
 :class:`EnvRuntime` is one configured environment (builder, settings, task order);
-:func:`collect_groups` runs one group per planned task, for training and evaluation alike.
+:func:`collect_group` runs one planned group (training draws them one by one, see
+:mod:`polyrl.rollout_queue`); :func:`collect_groups` runs a whole plan at once (evaluation).
 """
 
 from __future__ import annotations
@@ -276,17 +277,23 @@ class EnvRuntime:
         return k
 
 
+async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, group_size: int, sampler: Any,
+                        renderer: Any, seed_parts: tuple) -> list[Episode]:
+    """The ``group_size`` episodes of one task, concurrently; episode ``i`` is seeded by
+    ``(*seed_parts, g, i)``, so the same group samples the same tokens from the same weights."""
+    episodes = [Episode(runtime.name, split, task, g) for _ in range(group_size)]
+    seeds = [stable_seed(*seed_parts, g, i) for i in range(group_size)]
+    return await run_group(runtime.builder, episodes, renderer, sampler, runtime.settings, seeds)
+
+
 async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, int]], split: str,
                          group_size: dict[str, int] | int, sampler: Any, renderer: Any, seed_parts: tuple,
                          progress=None) -> list[list[Episode]]:
     """Run one group per ``(env name, task index)`` in ``plan``, all concurrently."""
 
     async def group(g: int, env_name: str, task: int) -> list[Episode]:
-        rt = runtimes[env_name]
         n = group_size if isinstance(group_size, int) else group_size[env_name]
-        episodes = [Episode(env_name, split, task, g) for _ in range(n)]
-        seeds = [stable_seed(*seed_parts, g, i) for i in range(n)]
-        result = await run_group(rt.builder, episodes, renderer, sampler, rt.settings, seeds)
+        result = await collect_group(runtimes[env_name], task, g, split, n, sampler, renderer, seed_parts)
         if progress is not None:
             progress.advance(progress.task_ids[0])
         return result

@@ -6,14 +6,18 @@ can be run (and tested) on its own:
 - ``start``: continue the run in ``log_path`` if it has a checkpoint, else warm start from
   ``resume_from``, else start fresh; then the first sampler;
 - ``plan``: which environment and task each group of a step draws (by weight, from the data cursors);
-- ``rollouts``: every group's episodes, concurrently, with the current sampler;
-- ``update``: failure budgets, advantages, Datums, ``forward_backward`` and ``optim_step`` back to back;
-- ``checkpoint``: the sampler for the next step, and a saved state when one is due;
+- ``rollouts``: the step's batch, taken from the rollout queue (:mod:`polyrl.rollout_queue`) as its
+  groups finish; the queue samples each planned group with the newest sampler, up to
+  ``max_steps_off_policy`` steps ahead of training (0: the synchronous loop);
+- ``update``: failure budgets, advantages, Datums and a ``forward_backward`` for each minibatch as it
+  arrives (the whole batch unless ``stream_minibatches``), then one ``optim_step``;
+- ``checkpoint``: the sampler for the next groups, and a saved state when one is due;
 - ``evaluate`` and ``log``: held-out evaluation, metrics, trajectories, checkpoint rows, console, W&B;
 - ``check_learning``: stop when too many steps made no update.
 
-Every step draws its tasks and seeds from the step index and the saved cursors alone, so a relaunch
-after a kill repeats no step, skips none, and samples exactly what the uninterrupted run did.
+Every group draws its task and seeds from its plan step and the cursors alone, and a checkpoint saves
+where drawing stands, so a relaunch after a kill repeats no step and skips none: groups that were in
+flight are drawn again. The synchronous loop therefore samples exactly what the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from tinker import types
 
@@ -34,7 +38,8 @@ from polyrl.errors import RunStoppedError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
-from polyrl.rollouts import Episode, EnvRuntime, collect_groups, split_roles
+from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
+from polyrl.rollouts import Episode, EnvRuntime, collect_group, split_roles
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
@@ -47,7 +52,9 @@ class RunState:
     relaunch continues exactly: the next step, each environment's data cursor, the W&B run."""
 
     step: int = 0
-    cursors: dict[str, int] = field(default_factory=dict)
+    cursors: dict[str, int] = field(default_factory=dict)  # data cursors before the plan of draw_step
+    draw_step: int = 0  # the first plan step with a group not trained yet (see polyrl.rollout_queue)
+    consumed: list[tuple[int, int]] = field(default_factory=list)  # groups from there on trained or dropped
     wandb_run_id: str | None = None
     checkpoint: str | None = None  # state path of the last logged checkpoint
     no_update_steps: int = 0  # steps so far that trained nothing
@@ -55,19 +62,58 @@ class RunState:
     def restore(self, row: dict) -> None:
         self.step = int(row["batch"])
         self.cursors.update(row.get("cursors", {}))
+        self.draw_step = int(row.get("draw_step", self.step))
+        self.consumed = [(int(s), int(i)) for s, i in row.get("consumed", [])]
         self.wandb_run_id = row.get("wandb_run_id")
         self.checkpoint = row["state_path"]
+
+    def draw_from(self, point: DrawPoint) -> None:
+        self.draw_step, self.cursors, self.consumed = point.step, point.cursors, point.consumed
 
 
 @dataclass
 class StepRollouts:
-    """One step's groups, as sampled by the policy after ``sampler_step`` updates."""
+    """A step's batch: ``taken`` fills as the update takes groups from the queue (``source``), the
+    stalest first; ``stale`` are the groups dropped on the way; ``seconds`` the time spent waiting."""
 
     step: int
-    plan: list[tuple[str, int]]
-    groups: list[list[Episode]]
-    sampler_step: int
-    seconds: float
+    size: int
+    source: Callable[[int], Awaitable[tuple[list[Group], list[Group]]]] | None = None
+    taken: list[Group] = field(default_factory=list)
+    stale: list[Group] = field(default_factory=list)
+    seconds: float = 0.0
+    handed: int = 0  # groups of ``taken`` handed to the update so far
+
+    @classmethod
+    def of(cls, step: int, groups: list[list[Episode]], sampler_step: int | None = None) -> "StepRollouts":
+        """A batch of groups already sampled (by the policy after ``sampler_step`` updates: ``step``)."""
+        version = step if sampler_step is None else sampler_step
+        return cls(step, len(groups), taken=[Group(step, i, g, version) for i, g in enumerate(groups)])
+
+    @property
+    def groups(self) -> list[list[Episode]]:
+        return [g.episodes for g in self.taken]
+
+    @property
+    def staleness(self) -> list[int]:
+        """Per group: how many updates its sampler is behind the policy this step trains."""
+        return [self.step - g.sampler_step for g in self.taken]
+
+    async def next(self, n: int) -> list[list[Episode]]:
+        """Up to ``n`` more groups of the batch (waiting for them); [] once all were handed out. Each
+        group's episodes are numbered by the group's place in the batch."""
+        if self.source is not None and len(self.taken) < self.size:
+            started = time.monotonic()
+            taken, stale = await self.source(min(n, self.size - len(self.taken)))
+            self.seconds += time.monotonic() - started
+            for position, group in enumerate(taken, start=len(self.taken)):
+                for ep in group.episodes:
+                    ep.group_id = position
+            self.taken += taken
+            self.stale += stale
+        part = self.taken[self.handed:self.handed + n]
+        self.handed += len(part)
+        return [g.episodes for g in part]
 
 
 @dataclass
@@ -78,7 +124,7 @@ class StepUpdate:
     stats: dict[str, dict[str, float]]
     datums: int
     metrics: dict[str, float]
-    seconds: float
+    seconds: float  # training only: time waiting for streamed groups is the rollouts' time
 
 
 @dataclass
@@ -96,12 +142,13 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         row: dict[str, float] = {}
         for step in range(state.step, config.max_steps):
             started = time.monotonic()
-            plan, cursors = trainer.plan(step, state.cursors)
-            rollouts = await trainer.rollouts(step, plan)
+            rollouts = trainer.rollouts(step)
             update = await trainer.update(rollouts)
-            state.step, state.cursors = step + 1, cursors
+            state.step = step + 1
+            state.draw_from(trainer.queue.draw_point())  # what a relaunch draws again
             saved = await trainer.checkpoint()
             evaluation = await trainer.evaluate()
+            trainer.queue.release(len(rollouts.taken))  # new groups sample the new policy
             row = trainer.log(rollouts, update, saved, evaluation, started)
             trainer.check_learning(rollouts, update)
         trainer.finish()
@@ -134,6 +181,7 @@ class Trainer:
         self.training: Any = None
         self.sampler: Any = None
         self.sampler_step = 0  # updates the current sampler's weights have seen
+        self.queue: RolloutQueue | None = None
         self.tokenizer: Any = None
         self.renderer: Any = None
         self.wandb: Any = None
@@ -175,6 +223,12 @@ class Trainer:
         self.renderer = get_renderer(renderer, self.tokenizer)
         self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
         self.sampler_step = self.state.step
+        ahead = config.max_steps_off_policy
+        self.queue = RolloutQueue(
+            self.plan, self.sample_group, lambda: (self.sampler, self.sampler_step),
+            capacity=config.batch_size * (ahead + 1), wanted=config.batch_size * (config.max_steps - self.state.step),
+            start=DrawPoint(self.state.draw_step, self.state.cursors, self.state.consumed),
+            max_staleness=ahead if config.stale_groups == "drop" else None)
         if config.wandb_project_name:
             from polyrl.tracking.wandb_log import WandbLog
 
@@ -230,43 +284,75 @@ class Trainer:
             cursors[name] += 1
         return plan, cursors
 
-    async def rollouts(self, step: int, plan: list[tuple[str, int]]) -> StepRollouts:
-        """Every group of ``plan``, sampled by the current sampler (seeded by the step)."""
-        started = time.monotonic()
-        sizes = {n: rt.cfg.num_rollouts for n, rt in self.runtimes.items()}
-        with self.console.progress(f"step {step} rollouts", len(plan)) as progress:
-            groups = await self.guard.watch(f"sampling step {step}", collect_groups(
-                self.runtimes, plan, "train", sizes, self.sampler, self.renderer, (self.config.seed, "train", step),
-                progress))
-        return StepRollouts(step, plan, groups, self.sampler_step, time.monotonic() - started)
+    async def sample_group(self, step: int, index: int, env_name: str, task: int, sampler: Any) -> list[Episode]:
+        """Group ``index`` of ``step``'s plan, sampled by ``sampler`` (seeded by the step and index)."""
+        runtime = self.runtimes[env_name]
+        return await collect_group(runtime, task, index, "train", runtime.cfg.num_rollouts, sampler, self.renderer,
+                                   (self.config.seed, "train", step))
+
+    def rollouts(self, step: int) -> StepRollouts:
+        """The batch of ``step``, taken from the rollout queue as the update asks for its groups."""
+        assert self.queue is not None, "start() first"
+        queue = self.queue
+
+        async def take(n: int) -> tuple[list[Group], list[Group]]:
+            with self.console.progress(f"step {step} rollouts", n) as progress:
+                def ready(count: int) -> None:
+                    progress.update(progress.task_ids[0], completed=count)
+
+                return await self.guard.watch(f"sampling for step {step}", queue.take(n, step, ready))
+
+        return StepRollouts(step, self.config.batch_size, take)
 
     async def update(self, rollouts: StepRollouts) -> StepUpdate:
-        """Failure budgets, advantages and Datums; ``forward_backward`` and ``optim_step`` submitted back
-        to back. A step whose groups all failed or carry no signal trains nothing."""
-        started, config = time.monotonic(), self.config
-        kept, stats = filter_groups(split_roles(rollouts.groups), self.runtimes, config.remove_constant_reward_groups)
-        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
-        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
-        datums = [adv_lib.to_datum(ep, config.loss_fn) for ep in episodes]
+        """Failure budgets, advantages and Datums of each minibatch of groups as it arrives, and its
+        ``forward_backward`` (the whole batch is one minibatch unless ``stream_minibatches``); then one
+        ``optim_step``. A step whose groups all failed or carry no signal trains nothing."""
+        started, waited, config = time.monotonic(), rollouts.seconds, self.config
+        kept, stats, episodes, datums, futures = [], {}, [], [], []
+        while groups := await rollouts.next(config.stream_minibatches or config.batch_size):
+            part, part_stats, part_episodes, part_datums = self.prepare(groups)
+            kept += part
+            episodes += part_episodes
+            datums += part_datums
+            for name, counts in part_stats.items():
+                total = stats.setdefault(name, dict.fromkeys(counts, 0.0))
+                for key, value in counts.items():
+                    total[key] += value
+            if part_datums:
+                futures.append(self.training.forward_backward(part_datums, config.loss_fn,
+                                                              dict(config.loss_fn_config) or None))
         metrics: dict[str, float] = {"optim/lr": config.learning_rate}
         if datums:
-            async def train_step() -> tuple[Any, Any]:
-                fwd = self.training.forward_backward(datums, config.loss_fn, dict(config.loss_fn_config) or None)
+            async def train_step() -> tuple[list[Any], Any]:
                 opt = self.training.optim_step(self.adam)
-                return await fwd, await opt
+                return [await fwd for fwd in futures], await opt
 
-            fwd_result, opt_result = await self.guard.watch(f"training step {rollouts.step}", train_step())
-            metrics.update(kl_metrics(datums, [ep.action_mask[1:] for ep in episodes], fwd_result.loss_fn_outputs))
-            metrics["optim/loss"] = fwd_result.metrics.get("loss:sum", float("nan"))
-            if "clipped_tokens:sum" in fwd_result.metrics:
-                metrics["optim/clip_frac"] = fwd_result.metrics["clipped_tokens:sum"] / max(
-                    1.0, fwd_result.metrics.get("active_tokens:sum", 1.0))
+            fwd_results, opt_result = await self.guard.watch(f"training step {rollouts.step}", train_step())
+            outputs = [out for result in fwd_results for out in result.loss_fn_outputs]
+            metrics.update(kl_metrics(datums, [ep.action_mask[1:] for ep in episodes], outputs))
+            fwd_metrics = [result.metrics for result in fwd_results]
+            metrics["optim/loss"] = sum(m.get("loss:sum", float("nan")) for m in fwd_metrics)
+            if any("clipped_tokens:sum" in m for m in fwd_metrics):
+                metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
+                    1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
             for k, v in (opt_result.metrics or {}).items():
                 metrics[f"optim/{k.split(':')[0]}"] = v
         metrics["optim/datums"] = float(len(datums))
         metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes))
         metrics["tokens/total"] = float(sum(len(d.model_input.to_ints()) for d in datums))
-        return StepUpdate(kept, stats, len(datums), metrics, time.monotonic() - started)
+        seconds = time.monotonic() - started - (rollouts.seconds - waited)
+        return StepUpdate(kept, stats, len(datums), metrics, seconds)
+
+    def prepare(self, groups: list[list[Episode]]) -> tuple[list[list[Episode]], dict[str, dict[str, float]],
+                                                            list[Episode], list[types.Datum]]:
+        """One minibatch's kept groups, counters, trained episodes and their Datums."""
+        config = self.config
+        kept, stats = filter_groups(split_roles(groups), self.runtimes, config.remove_constant_reward_groups)
+        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
+        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
+        datums = [adv_lib.to_datum(ep, config.loss_fn) for ep in episodes]
+        return kept, stats, episodes, datums
 
     async def checkpoint(self) -> Saved:
         """The sampler for the next step; at ``save_every`` and the last step, a saved state too."""
@@ -280,7 +366,8 @@ class Trainer:
                                              name)).path
             self.sampler = await self.guard("creating a sampler", self.training.create_sampling_client, sampler_path)
             row = {"name": name, "batch": state.step, "final": final, "state_path": saved.path,
-                   "sampler_path": sampler_path, "cursors": dict(state.cursors), "wandb_run_id": state.wandb_run_id}
+                   "sampler_path": sampler_path, "cursors": dict(state.cursors), "draw_step": state.draw_step,
+                   "consumed": [list(key) for key in state.consumed], "wandb_run_id": state.wandb_run_id}
             self.console.info(f"checkpoint {name}: {saved.path}")
         else:
             self.sampler = await self.guard("updating the sampler", self.training.save_weights_and_get_sampling_client)
@@ -302,12 +389,16 @@ class Trainer:
         config, step = self.config, rollouts.step
         row = {"step": step, "progress/done_frac": (step + 1) / config.max_steps, **update.metrics, **evaluation}
         row.update(episode_metrics(rollouts.groups, update.stats))
+        staleness = rollouts.staleness or [0]
+        row.update({"async/staleness_mean": _mean(staleness), "async/staleness_max": float(max(staleness)),
+                    "async/stale_dropped": float(len(rollouts.stale))})
         row.update({"time/rollout": rollouts.seconds, "time/train": update.seconds, "time/save": saved.seconds,
                     "time/total": time.monotonic() - started})
-        episodes = [ep for group in rollouts.groups for ep in group]
+        groups = rollouts.taken + rollouts.stale
+        episodes = [ep for group in groups for ep in group.episodes]
         kept = {id(ep) for g in update.kept for ep in g}
-        self.files.log_trajectories(step, [episode_row(step, ep, self.tokenizer, dropped=id(ep) not in kept)
-                                           for ep in episodes])
+        self.files.log_trajectories(step, [episode_row(step, ep, self.tokenizer, dropped=id(ep) not in kept, group=g)
+                                           for g in groups for ep in g.episodes])
         if self.uploader:
             self.uploader.upload_step(step, episodes, row, {id(ep) for ep in episodes} - kept)
         self.files.log_metrics(row)
@@ -346,8 +437,11 @@ class Trainer:
         return f"last checkpoint: {self.state.checkpoint} (run the same command again to resume from it)"
 
     async def close(self) -> None:
-        """Close W&B, the uploader and every environment builder; each on its own, so one that fails
-        neither hides the error that ended the run nor keeps the others open."""
+        """Stop the groups in flight, then close W&B, the uploader and every environment builder; each
+        on its own, so one that fails neither hides the error that ended the run nor keeps the others
+        open."""
+        if self.queue is not None:
+            await self.queue.close()
         closers = [self.wandb.close if self.wandb else None, self.uploader.close if self.uploader else None]
         for close in filter(None, closers):
             try:
@@ -422,10 +516,13 @@ def no_update_reason(groups: list[list[Episode]], stats: dict[str, dict[str, flo
     return reason
 
 
-def episode_row(step: int, ep: Episode, tokenizer, dropped: bool) -> dict:
-    """One line of ``trajectories/step_NNNNNN.jsonl``."""
+def episode_row(step: int, ep: Episode, tokenizer, dropped: bool, group: Group | None = None) -> dict:
+    """One line of ``trajectories/step_NNNNNN.jsonl``; ``group`` tells which policy sampled it and
+    where it was drawn."""
     return {
         "step": step,
+        "sampler_step": step if group is None else group.sampler_step,
+        "drawn": [step, ep.group_id] if group is None else [group.drawn, group.index],
         "env": ep.env_name,
         "split": ep.split,
         "task_index": ep.task_index,

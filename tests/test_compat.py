@@ -75,7 +75,7 @@ def test_minds_config_is_translated_and_printed(minds_repo):
                                                                                "importance_sampling", 4)
     assert (config["learning_rate"], config["lora_rank"], config["batch_size"]) == (0.001, 4, 1)
     assert config["backend"] == "local" and config["metrics_json"] is True
-    assert config["log_path"] == "outputs/train"
+    assert config["log_path"] == "outputs/train" and config["max_steps_off_policy"] == 2
 
     # what was printed is a polyrl config that reads back to the same thing
     (minds_repo / "printed.yaml").write_text(out.stdout)
@@ -146,6 +146,9 @@ def test_gem_command_line_is_translated(tmp_path, monkeypatch):
     assert (config["max_steps"], config["batch_size"], config["learning_rate"]) == (20, 128, 4e-5)
     assert (config["model_name"], config["save_every"], config["log_path"]) == (
         "Qwen/Qwen3-8B-Base", 0, "runs/gem-GuessTheNumber_v0_easy")
+
+    ahead = yaml.safe_load(run_cli("train", *GEM_ARGS, "max_steps_off_policy=2", "--print-config").stdout)
+    assert ahead["max_steps_off_policy"] == 2 and config["max_steps_off_policy"] == 0
 
     bad = run_cli("train", *GEM_ARGS, "use_rebn=false")
     assert bad.returncode == 2 and "use_rebn=false: polyrl has no raw-return estimator" in bad.stderr

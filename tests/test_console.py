@@ -23,8 +23,10 @@ STEPS = textwrap.dedent("""
         with console.progress(f"step {step} rollouts", 2) as progress:
             progress.advance(progress.task_ids[0])
             progress.advance(progress.task_ids[0])
-        console.step({"step": step, "reward/mean": 0.25 * step, "rollouts/failed": 0, "time/total": 12.5})
+        console.step({"step": step, "reward/mean": 0.25 * step, "rollouts/failed": 0, "async/staleness_mean": 0.5 * step,
+                      "time/total": 12.5})
     console.info("checkpoint final: tinker://run/weights/final")
+    console.warn("step 2 made no update")
 """)
 
 
@@ -60,12 +62,13 @@ def test_rows_are_one_clean_line_each_when_stderr_is_a_pipe():
     assert all(line.strip() for line in lines), lines  # no blank lines between rows
     assert all(line == line.rstrip() for line in lines)  # no trailing spaces
     assert "\x1b" not in proc.stderr and "\r" not in proc.stderr  # no escape codes, no redraws
-    header, *rows, info = lines
+    header, *rows, info, warning = lines
     assert header.split() == ["step", "reward", "success", "kl", "entropy", "loss", "grad", "tokens", "fail",
-                              "s/step"]  # every column, none cut off at 80 characters
-    expected = [[str(s), f"{0.25 * s:.3f}", *["-"] * 6, "0", "12.5"] for s in range(3)]
+                              "stale", "s/step"]  # every column, none cut off at 80 characters
+    expected = [[str(s), f"{0.25 * s:.3f}", *["-"] * 6, "0", f"{0.5 * s:.2f}", "12.5"] for s in range(3)]
     assert [row.split() for row in rows] == expected
     assert info == "checkpoint final: tinker://run/weights/final"
+    assert warning == "warning: step 2 made no update"
 
 
 def test_a_terminal_still_gets_rich_tables_and_a_live_bar():

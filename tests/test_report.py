@@ -81,6 +81,8 @@ def test_chart_specs_per_env_lines_eval_points_and_only_charts_with_data():
         "rollouts/failed",
         "time/rollout",
         "time/total",
+        "async/staleness_mean",
+        "async/staleness_max",
         "env/calc/tokens/action_per_episode",
         "weird/thing",
     }
@@ -100,10 +102,12 @@ def test_chart_specs_per_env_lines_eval_points_and_only_charts_with_data():
     success = {s["key"]: s for s in charts["success"]["series"]}
     assert success["test/calc/pass@1"]["style"] == success["test/calc/pass@4"]["style"] == "points"
     assert success["test/calc/pass@4"]["label"] == "calc pass@4" and "test/pass@1" in success
-    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens"} <= set(charts)
+    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens", "staleness"} <= set(charts)
+    assert [s["label"] for s in charts["staleness"]["series"]] == ["mean", "max"]
+    assert [s["label"] for s in charts["time"]["series"]] == ["waiting for rollouts", "total"]
     assert [s["key"] for s in charts["env-calc"]["series"]] == ["env/calc/tool_calls"]
     assert [s["key"] for s in charts["other-weird"]["series"]] == ["weird/thing"]
-    assert "dropped" not in charts and "clip" not in charts  # no data, no chart
+    assert "dropped" not in charts and "clip" not in charts and "stale" not in charts  # no data, no chart
     used = [s["key"] for c in charts.values() for s in c["series"]]
     assert sorted(used) == sorted(set(used)) and set(used) == keys  # every key drawn exactly once
 
@@ -131,8 +135,10 @@ def test_compact_episode_keeps_turns_and_sampled_logprobs_drops_token_ids():
         "logprobs": [0.0, -0.123456, -2.0, 0.0, -0.5, 0.0],
         "action_mask": [0, 1, 1, 0, 1, 0],
         "turn_spans": [[1, 3], [4, 5]],
+        "sampler_step": 2,
     }
     ep = D.compact_episode(row, 9)
+    assert ep["lag"] == 1 and D.compact_episode({**row, "sampler_step": None}, 0)["lag"] is None
     assert "tokens" not in ep and ep["text"] == row["token_text"]
     assert ep["lp"] == [0, -0.123, -2, 0, -0.5, 0]
     assert ep["mask"] == [[1, 3], [4, 5]] and ep["spans"] == [[1, 3], [4, 5]]

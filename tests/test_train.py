@@ -391,26 +391,34 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     assert (state.step, state.cursors, state.checkpoint) == (0, {"letter": 0}, None)
     plan, cursors = trainer.plan(0, state.cursors)
 
-    # rollouts: one group per planned task, seeded by the step, so the same step samples the same tokens
-    first = asyncio.run(trainer.rollouts(0, plan))
-    again = asyncio.run(trainer.rollouts(0, plan))
-    assert [len(g) for g in first.groups] == [4, 4] and first.sampler_step == 0
+    # rollouts: the step's groups from the queue, in plan order, sampled by the current sampler; a
+    # group is seeded by its plan step and place, so sampling it again gives the same tokens
+    async def sample_step():
+        rollouts = trainer.rollouts(0)
+        assert await rollouts.next(2) and await rollouts.next(2) == []
+        await trainer.queue.close()
+        return rollouts
+
+    first = asyncio.run(sample_step())
+    assert [g.key for g in first.taken] == [(0, 0), (0, 1)] and first.staleness == [0, 0] and not first.stale
+    assert [len(g) for g in first.groups] == [4, 4]
     assert [[ep.task_index for ep in g] for g in first.groups] == [[t] * 4 for _, t in plan]
-    assert [ep.tokens for g in first.groups for ep in g] == [ep.tokens for g in again.groups for ep in g]
+    again = asyncio.run(trainer.sample_group(0, 1, *plan[1], trainer.sampler))
+    assert [ep.tokens for ep in first.groups[1]] == [ep.tokens for ep in again]
 
     # update: nothing to train on changes no weight; a step with signal does
     def weights():
         return [p.detach().clone() for p in trainer.training._state.params]
 
     before = weights()
-    failed = StepRollouts(0, plan, [[Episode("letter", "train", 0, 0, error="boom")] * 4], 0, 0.0)
+    failed = StepRollouts.of(0, [[Episode("letter", "train", 0, 0, error="boom")] * 4])
     nothing = asyncio.run(trainer.update(failed))
     assert nothing.datums == 0 and nothing.stats["letter"]["dropped_groups"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights()))
     mixed = [ep for g in first.groups for ep in g]
     for i, ep in enumerate(mixed):
         ep.reward = float(i % 2)  # a signal in every group
-    update = asyncio.run(trainer.update(first))
+    update = asyncio.run(trainer.update(StepRollouts.of(0, first.groups)))
     assert update.datums == 8 and update.metrics["optim/datums"] == 8.0 and "optim/grad_norm" in update.metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, weights()))
 
@@ -437,7 +445,7 @@ def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
 
     trainer = _started(tiny_model_dir, tmp_path, max_steps=50, max_no_update_frac=0.5)
     group = [Episode("letter", "train", 0, 0, error="RuntimeError: no backend")] * 2
-    rollouts = StepRollouts(0, [("letter", 0)], [group], 0, 0.0)
+    rollouts = StepRollouts.of(0, [group])
     nothing = StepUpdate([], {"letter": {"failed_rollouts": 2.0, "dropped_groups": 1.0, "constant_groups": 0.0}},
                          0, {}, 0.0)
     trained = StepUpdate([group], {}, 3, {}, 0.0)

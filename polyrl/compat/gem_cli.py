@@ -24,9 +24,10 @@ are accepted too. GEM argument -> polyrl key:
   ``resume_from``;
 - ``wandb_project`` / ``wandb_name`` -> ``wandb_project_name`` / ``wandb_run_name``; ``log_dir`` /
   ``log_path`` -> ``log_path`` (default ``runs/gem-<env>``);
+- ``max_steps_off_policy`` -> ``max_steps_off_policy`` (asynchronous training);
 - ``num_env`` (parallel environments), ``prompt_type``, ``compute_post_kl``, ``num_substeps``,
-  ``max_steps_off_policy``, ``behavior_if_log_dir_exists``: notes (polyrl runs a step's episodes
-  concurrently, on-policy, and resumes an existing log_path).
+  ``behavior_if_log_dir_exists``: notes (polyrl runs a step's episodes concurrently and resumes an
+  existing log_path).
 
 Episodes run until the environment ends them (``max_turns: 100``), as GEM's loop does. The backend is
 Tinker when ``TINKER_API_KEY`` or ``base_url`` is set, else polyrl's local engine (a note says so).
@@ -52,13 +53,13 @@ SAME_NAME = ("model_name", "learning_rate", "lora_rank", "max_tokens", "seed", "
 RENAMED = {"n_batches": "max_steps", "groups_per_batch": "batch_size", "batch_size": "batch_size",
            "template": "renderer", "renderer_name": "renderer", "load_checkpoint_path": "resume_from",
            "wandb_project": "wandb_project_name", "wandb_name": "wandb_run_name", "log_dir": "log_path",
-           "log_path": "log_path", "kl_penalty_coef": "kl_penalty_coef"}
+           "log_path": "log_path", "kl_penalty_coef": "kl_penalty_coef",
+           "max_steps_off_policy": "max_steps_off_policy"}
 NOTES = {
     "num_env": "polyrl runs all of a step's episodes concurrently",
     "prompt_type": "the renderer (template) shapes the prompt",
     "compute_post_kl": "polyrl logs the sampler/learner KL every step",
     "num_substeps": "one optimizer step per batch",
-    "max_steps_off_policy": "polyrl trains on-policy",
     "behavior_if_log_dir_exists": "polyrl resumes from an existing log_path",
 }
 HANDLED = {"env_id", "env_kwargs_json", "env_wrappers", "use_rebn", "gamma", "group_size", "save_every"}
@@ -90,7 +91,7 @@ def translate(args: list[str]) -> Translation:
         if key in gem:
             data[key] = gem[key]
     for key, target in RENAMED.items():
-        if key in gem and not (key == "kl_penalty_coef" and not gem[key]):
+        if key in gem and not (key in ("kl_penalty_coef", "max_steps_off_policy") and not gem[key]):
             data[target] = gem[key]
     for key, why in NOTES.items():
         if key in given:

@@ -45,6 +45,7 @@ _TRAINER_KEYS = {
     "num_batches": "max_steps", "max_steps": "max_steps", "learning_rate": "learning_rate",
     "training_rank": "lora_rank", "save_every": "save_every", "save_every_n_steps": "save_every",
     "eval_every": "eval_every", "seed": "seed", "max_new_tokens": "max_tokens",
+    "async_off_policy_steps": "max_steps_off_policy",
 }
 _UNUSED = {  # read by some version of the harness; what polyrl does instead
     "kl_beta": "no reference-KL penalty in this translation",
@@ -53,8 +54,8 @@ _UNUSED = {  # read by some version of the harness; what polyrl does instead
     "micro_batch_size": "the engine packs sequences itself",
     "run_name": "the run is named by log_path",
     "update_sampler_every_n_steps": "polyrl samples from the latest weights every step",
-    "async_off_policy_steps": "polyrl trains on-policy",
-    "stream_minibatches": "each step is one forward_backward over the whole batch",
+    "stream_minibatches": "it counts minibatches per batch; polyrl's stream_minibatches counts groups per "
+                          "minibatch",
     "gpus": "the local engine uses `device`",
     "enforce_eager": "no vLLM here", "max_model_len": "no vLLM here",
 }

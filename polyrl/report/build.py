@@ -24,7 +24,7 @@ from polyrl.report import data as D
 from polyrl.secrets import redact
 from polyrl.tracking.files import read_jsonl
 
-FORMAT = 1  # bump when the data files change shape: every step file is rewritten
+FORMAT = 2  # bump when the data files change shape: every step file is rewritten
 STATIC_FILES = ("report.js", "report.css")
 
 

@@ -112,7 +112,11 @@ CHARTS: list[tuple[str, str, str, list[tuple[str, str]] | PerEnv]] = [
     ("dropped", "Dropped groups", "", ("rollouts/dropped_groups", "dropped_groups")),
     ("constant", "Constant-reward groups", "", (None, "constant_groups")),
     ("length", "Stopped at max_tokens (fraction)", "", ("stop/length_frac", "stop/length_frac")),
-    ("time", "Time per phase", "s", [(f"time/{p}", p) for p in ("rollout", "train", "save", "total")]),
+    ("staleness", "Staleness (updates the samplers were behind)", "steps",
+     [("async/staleness_mean", "mean"), ("async/staleness_max", "max")]),
+    ("stale", "Groups dropped as stale", "", [("async/stale_dropped", "dropped")]),
+    ("time", "Time per phase", "s", [("time/rollout", "waiting for rollouts"), ("time/train", "train"),
+                                     ("time/save", "save"), ("time/total", "total")]),
     ("step_tokens", "Tokens per step", "", [("tokens/action", "sampled"), ("tokens/total", "in datums")]),
     ("datums", "Datums and episodes per step", "", [("optim/datums", "datums"),
                                                      ("episodes/count", "episodes")]),
@@ -214,6 +218,7 @@ def compact_episode(row: dict, index: int) -> dict:
         "done_by_env": row.get("done_by_env"),
         "error": row.get("error"),
         "dropped": bool(row.get("dropped")),
+        "lag": _lag(row),
         "metrics": {k: clean_number(v) for k, v in (row.get("metrics") or {}).items()},
         "dur": clean_number(row.get("duration_s"), 3),
         "messages": row.get("messages") or [],
@@ -222,6 +227,12 @@ def compact_episode(row: dict, index: int) -> dict:
         "mask": mask_runs(mask),
         "spans": row.get("turn_spans") or [],
     }
+
+
+def _lag(row: dict) -> int | None:
+    """How many updates the policy that sampled an episode was behind the step that logged it."""
+    step, sampler = row.get("step"), row.get("sampler_step")
+    return step - sampler if isinstance(step, int) and isinstance(sampler, int) else None
 
 
 def step_payload(step: int, rows: list[dict]) -> dict:

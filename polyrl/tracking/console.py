@@ -27,6 +27,7 @@ COLUMNS = [
     ("grad", "optim/grad_norm", "{:.3g}"),
     ("tokens", "tokens/action", "{:.0f}"),
     ("fail", "rollouts/failed", "{:.0f}"),
+    ("stale", "async/staleness_mean", "{:.2f}"),  # how many updates behind the samplers were
     ("s/step", "time/total", "{:.1f}"),
 ]
 _WIDTH = 8
@@ -97,10 +98,6 @@ class ConsoleLog:
 
 def _plain_row(cells: list[str]) -> str:
     return "  ".join(cell.rjust(_WIDTH) for cell in cells).rstrip()
-
-    def warn(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(Text(f"warning: {text}", style="yellow"))
 
 
 def _fmt(value, fmt: str) -> str:

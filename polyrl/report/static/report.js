@@ -419,6 +419,7 @@
     const nodes = shown.slice(0, state.groupsShown).map((g) => el("div", { class: "group", "data-group": g[0].group },
       el("div", { class: "group-head" }, el("b", {}, `group ${g[0].group}`),
         ` · task ${g[0].task ?? "?"} · mean reward ${fmt(mean(g.map((e) => e.reward || 0)))}`,
+        g[0].lag ? ` · sampled ${g[0].lag} update${g[0].lag === 1 ? "" : "s"} behind` : "",
         g.some((e) => e.dropped) ? el("span", { class: "badge warn" }, "dropped") : null),
       el("div", { class: "episodes" }, g.map((e, k) => episodeCard(e, k, keep(e))))));
     if (!nodes.length) nodes.push(el("p", { class: "muted" }, "No episodes match."));
@@ -466,6 +467,8 @@
       ["duration", e.dur == null ? "–" : `${fmt(e.dur)} s`], ["task", e.task ?? "–"],
       ["metrics", Object.entries(e.metrics).map(([k, v]) => `${k}=${fmt(v)}`).join(", ") || "–"],
       ["tools", tools.join(", ") || "–"], ["dropped", e.dropped ? "yes (not trained on)" : "no"],
+      ["sampled by", e.lag == null ? "–" : e.lag ? `the policy ${e.lag} update${e.lag === 1 ? "" : "s"} behind` :
+        "the policy trained"],
     ];
     const turnsView = renderTurns(e);
     const tokensView = renderTokens(e);
