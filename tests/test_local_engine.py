@@ -917,3 +917,32 @@ def test_in_process_clients_refuse_what_the_server_refuses(service, warm):
         with pytest.raises(ValueError, match="checkpoint name"):
             tc.save_state(name).result()
     assert tc.save_state("ok.name-1:2").result().path.endswith("/weights/ok.name-1:2")
+
+
+def test_sampling_from_merged_weights_equals_the_adapter_branch(service, warm, monkeypatch):
+    """A snapshot is sampled with its LoRA folded into a copy of the weights (tied unembedding
+    included: folding must not touch the input embedding). Same seeds, same tokens and logprobs as
+    PEFT's side branches, and the base weights are untouched afterwards."""
+    import polyrl.local.model as model_mod
+
+    tc = from_state(service, warm["path"])
+    base = tc._state.base
+    before = {n: p.detach().clone() for n, p in base.hf_model.named_parameters() if "lora_" not in n}
+    prompts = [types.ModelInput.from_ints([5, 17, 200, 33]), types.ModelInput.from_ints([9, 10, 11])]
+    params = types.SamplingParams(max_tokens=12, seed=7)
+
+    def run():
+        sampler = tc.save_weights_and_get_sampling_client().result()  # a new snapshot: nothing cached
+        return [sampler.sample(p, 3, params).result() for p in prompts]
+
+    merged = run()
+    assert service.engine.call(lambda: any(m for _, m in base._merged.values()))  # the merged path ran
+    monkeypatch.setattr(model_mod, "MERGED_SAMPLING_MAX_BYTES", 0)
+    branch = run()
+    for a, b in zip(merged, branch):
+        for sa, sb in zip(a.sequences, b.sequences):
+            assert list(sa.tokens) == list(sb.tokens)
+            torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), rtol=0, atol=1e-5)
+    for n, p in base.hf_model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, before[n]), n

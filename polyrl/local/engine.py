@@ -185,7 +185,7 @@ class Engine:
                 if self._generator is None:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
-                with base.use(adapter) as model:
+                with base.use_for_sampling(adapter) if adapter else base.use(None) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
                                        logits_fn=base.logits if base.split_head else None)
                 for op, res in zip(ops, results):

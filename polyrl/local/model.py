@@ -25,6 +25,10 @@ LORA_ALPHA = 32
 # activations are small next to the weights and recomputing them would only cost time.
 CHECKPOINTING_AUTO_PARAMS = 300_000_000
 MASKED_ATTENTION_SLOWDOWN = 2.0
+# Sampling from a LoRA snapshot uses the adapter folded into a copy of the weights it adapts (no side
+# branch per layer: ~8% fewer FLOPs and ~800 fewer ops per decode step on a 30-layer model) when that
+# copy takes at most this much memory; bigger models sample through PEFT's side branches.
+MERGED_SAMPLING_MAX_BYTES = 2 << 30
 #: Held while a Hugging Face model loads: loading is not thread-safe (a module built on one thread can
 #: land on another load's meta device: "Cannot copy out of meta tensor"). A script that loads models
 #: with transformers on another thread beside polyrl can hold it too.
@@ -100,6 +104,7 @@ class BaseModel:
         self._adapter_specs: dict[str, LoraSpec] = {}
         self._sampling_slots: dict[tuple, str] = {}
         self._slot_owner: dict[str, object] = {}
+        self._merged: dict[str, tuple[object, list[tuple[torch.nn.Module, torch.nn.Parameter]]]] = {}
         self._tokenizer = None
         self._linears = self._linear_layers()
         self.num_parameters = sum(p.numel() for p in model.parameters())
@@ -319,6 +324,53 @@ class BaseModel:
                     dst.copy_(src)
             self._slot_owner[slot] = owner
         return slot
+
+    @contextlib.contextmanager
+    def use_for_sampling(self, slot: str) -> Iterator[torch.nn.Module]:
+        """The model with sampling slot ``slot``'s adapter, folded into the weights when affordable
+        (:data:`MERGED_SAMPLING_MAX_BYTES`): each adapted layer's base weight is swapped for
+        ``W + scale * B @ A`` (computed once per snapshot) while the adapters are disabled."""
+        merged = self._merged_weights(slot)
+        if merged is None:
+            with self.use(slot) as model:
+                yield model
+            return
+        originals = [(layer.base_layer, layer.base_layer._parameters["weight"]) for layer, _ in merged]
+        try:
+            for layer, weight in merged:
+                layer.base_layer._parameters["weight"] = weight
+            with self.use(None) as model:
+                yield model
+        finally:
+            for base_layer, weight in originals:
+                base_layer._parameters["weight"] = weight
+
+    def _merged_weights(self, slot: str) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
+        from peft.tuners.lora import Linear as LoraLinear
+
+        owner = self._slot_owner.get(slot)
+        cached = self._merged.get(slot)
+        if cached is not None and cached[0] is owner:
+            return cached[1]
+        layers = [m for m in self.peft_model.modules() if hasattr(m, "lora_A") and slot in m.lora_A]
+        if not layers or not all(isinstance(m, LoraLinear) for m in layers):  # e.g. MoE expert parameters
+            return None
+        size = sum(m.base_layer.weight.numel() * m.base_layer.weight.element_size() for m in layers)
+        if size > MERGED_SAMPLING_MAX_BYTES:
+            return None
+        buffers = {id(m): w for m, w in (cached[1] if cached else [])}
+        merged = []
+        with torch.no_grad():
+            for m in layers:
+                base = m.base_layer.weight
+                weight = buffers.get(id(m))
+                if weight is None:
+                    weight = torch.nn.Parameter(torch.empty_like(base), requires_grad=False)
+                weight.copy_(base)
+                weight.add_(m.get_delta_weight(slot).to(base.dtype))
+                merged.append((m, weight))
+        self._merged[slot] = (owner, merged)
+        return merged
 
     # ---- disk format (standard PEFT adapter directories) ----------------------------------
     def save_adapter(self, adapter: str, directory: Path) -> None:
