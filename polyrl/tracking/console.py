@@ -79,6 +79,10 @@ class ConsoleLog:
         else:
             self._line(text)
 
+    def warn(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(Text(f"warning: {text}", style="yellow"))
+
     def _line(self, text: str) -> None:
         """One line, written as is (rich would wrap it at 80 columns when not in a terminal)."""
         file = self.console.file or sys.stderr
@@ -88,10 +92,6 @@ class ConsoleLog:
 
 def _plain_row(cells: list[str]) -> str:
     return "  ".join(cell.rjust(_WIDTH) for cell in cells).rstrip()
-
-    def warn(self, text: str) -> None:
-        if self.enabled:
-            self.console.print(Text(f"warning: {text}", style="yellow"))
 
 
 def _fmt(value, fmt: str) -> str:
