@@ -202,8 +202,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)
     except RunStoppedError as e:
-        from polyrl.secrets import redact_text
-
         print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
