@@ -7,7 +7,8 @@ can be run (and tested) on its own:
   ``resume_from``, else start fresh; then the first sampler;
 - ``plan``: which environment and task each group of a step draws (by weight, from the data cursors);
 - ``rollouts``: every group's episodes, concurrently, with the current sampler;
-- ``update``: failure budgets, advantages, Datums, ``forward_backward`` and ``optim_step`` back to back;
+- ``update``: failure budgets, advantages (plus the KL penalty and the distillation teacher's per-token
+  terms, when configured), Datums, ``forward_backward`` and ``optim_step`` back to back;
 - ``checkpoint``: the sampler for the next step, and a saved state when one is due;
 - ``evaluate`` and ``log``: held-out evaluation, metrics, trajectories, checkpoint rows, console, W&B;
 - ``check_learning``: stop when too many steps made no update.
@@ -35,6 +36,7 @@ from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollouts import Episode, EnvRuntime, collect_groups, split_roles
+from polyrl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
@@ -136,6 +138,7 @@ class Trainer:
         self.sampler_step = 0  # updates the current sampler's weights have seen
         self.tokenizer: Any = None
         self.renderer: Any = None
+        self.signals = TokenSignals()  # per-token advantage terms: KL penalty, distillation teacher
         self.wandb: Any = None
         self.uploader: Any = None
 
@@ -175,6 +178,8 @@ class Trainer:
         self.renderer = get_renderer(renderer, self.tokenizer)
         self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
         self.sampler_step = self.state.step
+        self.signals = await TokenSignals.open(config, self.service, self.guard, self.sampler, self.tokenizer,
+                                               self.console.warn)
         if config.wandb_project_name:
             from polyrl.tracking.wandb_log import WandbLog
 
@@ -242,13 +247,18 @@ class Trainer:
 
     async def update(self, rollouts: StepRollouts) -> StepUpdate:
         """Failure budgets, advantages and Datums; ``forward_backward`` and ``optim_step`` submitted back
-        to back. A step whose groups all failed or carry no signal trains nothing."""
+        to back. A step whose groups all failed or carry no signal trains nothing. With a KL reference or
+        a teacher, every sampled token carries a signal, so every episode of a kept group trains."""
         started, config = time.monotonic(), self.config
         kept, stats = filter_groups(split_roles(rollouts.groups), self.runtimes, config.remove_constant_reward_groups)
         adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
-        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
-        datums = [adv_lib.to_datum(ep, config.loss_fn) for ep in episodes]
-        metrics: dict[str, float] = {"optim/lr": config.learning_rate}
+        if config.teacher is not None:
+            adv_lib.scale_advantages(kept, config.teacher.reward_weight)
+        episodes = [ep for g in kept for ep in g
+                    if ep.action_tokens and (self.signals.active or any(a != 0 for a in ep.turn_advantages))]
+        terms, metrics = await self.guard.watch(f"scoring step {rollouts.step}", self.signals.terms(episodes))
+        datums = [adv_lib.to_datum(ep, config.loss_fn, t) for ep, t in zip(episodes, terms)]
+        metrics["optim/lr"] = config.learning_rate
         if datums:
             async def train_step() -> tuple[Any, Any]:
                 fwd = self.training.forward_backward(datums, config.loss_fn, dict(config.loss_fn_config) or None)
