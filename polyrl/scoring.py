@@ -19,6 +19,7 @@ from tinker import types
 from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard
 from polyrl.config import ConfigError, TrainConfig
+from polyrl.errors import UserInputError
 from polyrl.rollouts import Episode, SamplerError
 
 
@@ -50,10 +51,11 @@ async def open_scorer(key: str, source: str | None, config: TrainConfig, service
     run's base model). Refused when it reads other token ids than the policy: its logprobs would be of
     other tokens than the ones sampled."""
     source = source or config.model_name
-    if source.startswith("tinker://"):
-        sampler = await guard(f"opening {key}", service.create_sampling_client, model_path=source)
-    else:
-        sampler = await guard(f"opening {key}", service.create_sampling_client, base_model=source)
+    where = {"model_path": source} if source.startswith("tinker://") else {"base_model": source}
+    try:
+        sampler = await guard(f"opening {key}", service.create_sampling_client, **where)
+    except UserInputError as exc:  # the local engine's "checkpoint ... not found"
+        raise ConfigError(f"{key}: {exc}") from None
     base, own = sampler.get_base_model(), policy.get_base_model()
     if base != own:
         try:
