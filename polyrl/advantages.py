@@ -1,14 +1,16 @@
-"""Advantages: GRPO group baselines and GEM-style batch return normalization, and the Datums they
-become.
+"""Advantages: GRPO group baselines and GEM-style batch return normalization, per-token terms from
+other policies (a KL penalty against a reference, on-policy distillation from a teacher), and the
+Datums they become.
 
 Every estimator sets ``episode.turn_advantages`` (one number per sampled turn); :func:`to_datum`
-broadcasts each onto that turn's action tokens (zero on prompt and environment tokens).
+broadcasts each onto that turn's action tokens and adds the per-token terms, if any (zero on prompt
+and environment tokens).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 from tinker import types
 
@@ -89,6 +91,58 @@ def compute_advantages(groups: list[list[Episode]], estimator: str = "grpo", nor
     ESTIMATORS[estimator](groups, **kwargs)
 
 
+def scale_advantages(groups: list[list[Episode]], weight: float) -> None:
+    """Multiply every turn advantage by ``weight`` (the share of rewards next to other signals)."""
+    for group in groups:
+        for ep in group:
+            ep.turn_advantages = [a * weight for a in ep.turn_advantages]
+
+
+# ---- per-token terms from another policy's logprobs of the sampled tokens ----------------------------
+def logprob_gaps(ep: Episode, other: Sequence[float | None]) -> list[float]:
+    """``log p_sampler - log p_other`` of each sampled token of ``ep``; 0 on prompt and environment
+    tokens. ``other`` is a ``compute_logprobs`` answer for ``ep.tokens`` (None for the first token)."""
+    if len(other) != len(ep.tokens):
+        raise ValueError(f"{len(other)} logprobs for an episode of {len(ep.tokens)} tokens")
+    return [s - o if m else 0.0 for s, o, m in zip(ep.logprobs, other, ep.action_mask)]  # type: ignore[operator]
+
+
+def mean_gap(episodes: Sequence[Episode], gaps: Sequence[list[float]]) -> float:
+    """The mean of ``gaps`` over every sampled token: a KL estimate of the sampler from the other policy."""
+    tokens = sum(ep.action_tokens for ep in episodes)
+    return sum(sum(g) for g in gaps) / tokens if tokens else 0.0
+
+
+def _on_sampled_tokens(ep: Episode, values: list[float], discount: float) -> list[float]:
+    """``values`` on sampled tokens, or with a ``discount`` each one's discounted sum with the sampled
+    tokens' values after it; zero elsewhere (a discounted sum would otherwise also land on environment
+    tokens)."""
+    values = [v if m else 0.0 for v, m in zip(values, ep.action_mask)]
+    if discount > 0:
+        values = [v if m else 0.0 for v, m in zip(discounted_returns(values, discount), ep.action_mask)]
+    return values
+
+
+def reference_kl_terms(episodes: Sequence[Episode], reference_logprobs: Sequence[Sequence[float | None]],
+                       coef: float, discount: float = 0.0) -> tuple[list[list[float]], float]:
+    """tinker-cookbook's KL penalty (``incorporate_kl_penalty``): with ``d`` = sampler logprob - reference
+    logprob of a sampled token and ``mean`` its mean over the batch's sampled tokens, the token's term is
+    ``coef * (mean - d)``. Returns the per-token terms of each episode and ``mean`` (``kl/reference``)."""
+    gaps = [logprob_gaps(ep, ref) for ep, ref in zip(episodes, reference_logprobs)]
+    mean = mean_gap(episodes, gaps)
+    terms = [_on_sampled_tokens(ep, [coef * (mean - d) for d in g], discount) for ep, g in zip(episodes, gaps)]
+    return terms, mean
+
+
+def teacher_kl_terms(episodes: Sequence[Episode], teacher_logprobs: Sequence[Sequence[float | None]],
+                     coef: float, discount: float = 0.0) -> tuple[list[list[float]], list[list[float]]]:
+    """tinker-cookbook's on-policy distillation: a sampled token's term is ``-coef * d`` with ``d`` =
+    sampler logprob - teacher logprob (the per-token reverse KL). Returns the terms and the gaps ``d``."""
+    gaps = [logprob_gaps(ep, t) for ep, t in zip(episodes, teacher_logprobs)]
+    terms = [_on_sampled_tokens(ep, [-coef * d for d in g], discount) for ep, g in zip(episodes, gaps)]
+    return terms, gaps
+
+
 def token_advantages(ep: Episode) -> list[float]:
     """Per-token advantages over ``ep.tokens``: each turn's advantage on its sampled tokens."""
     adv = [0.0] * len(ep.tokens)
@@ -104,11 +158,13 @@ def token_advantages(ep: Episode) -> list[float]:
 ACTION_MASK_INPUTS = {"dro": "mask", "gspo": "sequence_ratio_mask"}
 
 
-def to_datum(ep: Episode, loss_fn: str = "importance_sampling") -> types.Datum:
+def to_datum(ep: Episode, loss_fn: str = "importance_sampling", token_terms: list[float] | None = None) -> types.Datum:
     """The training example for an episode: input ``tokens[:-1]`` predicts ``tokens[1:]``; sampler
-    logprobs and advantages are shifted the same way, zero outside the sampled tokens; losses in
-    :data:`ACTION_MASK_INPUTS` also get the action mask."""
+    logprobs and advantages (plus ``token_terms``, one per token, if given) are shifted the same way,
+    zero outside the sampled tokens; losses in :data:`ACTION_MASK_INPUTS` also get the action mask."""
     adv = token_advantages(ep)
+    if token_terms is not None:
+        adv = [a + t for a, t in zip(adv, token_terms, strict=True)]
     inputs = {
         "target_tokens": types.TensorData(data=ep.tokens[1:], dtype="int64"),
         "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),

@@ -1,4 +1,4 @@
-"""``polyrl``: train | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
+"""``polyrl``: train | distill | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
 and exit with code 2 (no traceback); a run that had to stop (a service gone, no learning signal) prints
@@ -74,6 +74,21 @@ def cmd_train(args) -> None:
     config = _load(args, TrainConfig)
     row = train(config)
     print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
+
+
+def cmd_distill(args) -> None:
+    """``polyrl train`` with a teacher: the config's ``teacher:`` block, its model named on the command line."""
+    from polyrl.config import TrainConfig
+    from polyrl.train import train
+
+    if args.teacher:
+        args.overrides = [f"teacher.model={json.dumps(args.teacher)}", *args.overrides]
+    config = _load(args, TrainConfig)
+    if config.teacher is None:
+        raise UserInputError("distill needs a teacher: give TEACHER (a tinker://<run>/sampler_weights/<name> "
+                             "checkpoint or a base model) or a teacher: block in the config")
+    row = train(config)
+    print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}, False)))
 
 
 def cmd_sft(args) -> None:
@@ -153,6 +168,13 @@ def main(argv: list[str] | None = None) -> None:
                         "env_id=game:GuessTheNumber-v0-easy max_steps=20 gamma=0.9 use_rebn=true "
                         "template=qwen3_game (before any --overrides)")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("distill", help="on-policy distillation: the policy samples, a teacher scores every "
+                                       "sampled token (polyrl train with a teacher: block)")
+    p.add_argument("teacher", nargs="?", help="the teacher: a tinker://<run>/sampler_weights/<name> checkpoint "
+                                              "or a base model with the same tokenizer (sets teacher.model)")
+    _config_args(p)
+    p.set_defaults(fn=cmd_distill)
 
     p = sub.add_parser("sft", help="supervised warm start on environment demonstrations")
     _config_args(p)

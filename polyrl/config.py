@@ -160,6 +160,29 @@ class EnvConfig(BaseModel):
         return splits
 
 
+class TeacherConfig(BaseModel):
+    """On-policy distillation: a teacher policy scores every token the student sampled."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    model: str = Field(
+        description="The teacher: a checkpoint ('tinker://<run>/sampler_weights/<name>') or a base model (hub id "
+        "or directory). It scores the student's token ids, so it must share the student's tokenizer.",
+    )
+    kl_coef: float = Field(
+        1.0, gt=0, description="Weight of the distillation signal: each sampled token's advantage gets "
+        "kl_coef x (teacher logprob - student sampler logprob), the per-token reverse KL's negative.",
+    )
+    kl_discount_factor: float = Field(
+        0.0, ge=0, le=1, description="Credit each sampled token with the discounted sum of the distillation "
+        "signal of the sampled tokens after it (0 = each token alone, as the cookbook's default).",
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, description="Weight of the environments' reward advantages next to the distillation signal: "
+        "0 = pure distillation (rewards are still logged), 1 = the full RL advantage added.",
+    )
+
+
 class TrainConfig(BaseModel):
     """Everything ``polyrl train`` needs."""
 
@@ -218,6 +241,23 @@ class TrainConfig(BaseModel):
     )
     remove_constant_reward_groups: bool = Field(
         False, description="Drop groups whose episodes all got the same reward (they carry no signal)."
+    )
+    kl_penalty_coef: float = Field(
+        0.0, ge=0, description="Penalty on drifting from kl_reference, folded into each sampled token's advantage "
+        "as in tinker-cookbook: kl_penalty_coef x (the batch's mean of d - the token's d), d = sampler logprob - "
+        "reference logprob; logged as kl/reference (the mean d). 0 = off.",
+    )
+    kl_reference: str | None = Field(
+        None, description="The KL penalty's reference policy: null = the base model (model_name, no adapter); "
+        "else a checkpoint ('tinker://<run>/sampler_weights/<name>') or another base model with the same "
+        "tokenizer.",
+    )
+    kl_discount_factor: float = Field(
+        0.0, ge=0, le=1, description="Credit each sampled token with the discounted sum of the KL penalty of "
+        "the sampled tokens after it (0 = each token alone, as the cookbook's default).",
+    )
+    teacher: TeacherConfig | None = Field(
+        None, description="On-policy distillation from a teacher policy (polyrl distill sets it); null = none.",
     )
 
     # optimization
@@ -334,7 +374,12 @@ class TrainConfig(BaseModel):
                 problems.append(("stream_minibatches", "advantage_estimator 'rebn' normalizes over the whole "
                                                        "batch, which a minibatch trained before the rest "
                                                        "finished cannot do (use 'grpo')"))
+            if self.kl_penalty_coef:
+                problems.append(("stream_minibatches", "the KL penalty is centred on its mean over the whole "
+                                                       "batch, which a minibatch trained before the rest "
+                                                       "finished cannot do"))
         problems += local_model_problems(self.backend, self.model_name)
+        problems += self._scoring_problems()
         if self.backend == "tinker":
             for key, default in _LOCAL_ONLY_DEFAULTS.items():
                 if getattr(self, key) != default:
@@ -356,6 +401,23 @@ class TrainConfig(BaseModel):
         if problems:
             raise _Problems(problems)
         return self
+
+    def _scoring_problems(self) -> list[tuple[str, str]]:
+        """The KL reference and the teacher: settings without effect, and models the local engine lacks."""
+        problems = []
+        if self.kl_penalty_coef == 0:
+            for key in ("kl_reference", "kl_discount_factor"):
+                if getattr(self, key):
+                    problems.append((key, "only used with a KL penalty, but kl_penalty_coef is 0"))
+        elif self.kl_reference and not self.kl_reference.startswith("tinker://"):
+            problems += [("kl_reference", msg) for _, msg in local_model_problems(self.backend, self.kl_reference)]
+        if self.teacher is not None:
+            if not self.teacher.model.startswith("tinker://"):
+                problems += [("teacher.model", msg) for _, msg in local_model_problems(self.backend, self.teacher.model)]
+            if self.teacher.reward_weight == 0 and self.remove_constant_reward_groups:
+                problems.append(("remove_constant_reward_groups", "drops groups by their rewards, but rewards do "
+                                                                  "not train (teacher.reward_weight is 0)"))
+        return problems
 
     def turn_max_tokens(self, env_name: str) -> int:
         """Per-turn token cap of an environment: its own ``max_tokens`` or the top-level one."""

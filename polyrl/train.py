@@ -9,8 +9,8 @@ can be run (and tested) on its own:
 - ``rollouts``: the step's batch, taken from the rollout queue (:mod:`polyrl.rollout_queue`) as its
   groups finish; the queue samples each planned group with the newest sampler, up to
   ``max_steps_off_policy`` steps ahead of training (0: the synchronous loop);
-- ``update``: failure budgets, advantages, Datums and a ``forward_backward`` for each minibatch as it
-  arrives (the whole batch unless ``stream_minibatches``), then one ``optim_step``;
+- ``update``: failure budgets, advantages (plus the KL penalty and the distillation teacher's per-token
+  terms, when configured), Datums and a ``forward_backward`` for each minibatch as it arrives (the whole batch unless ``stream_minibatches``), then one ``optim_step``;
 - ``checkpoint``: the sampler for the next groups, and a saved state when one is due;
 - ``evaluate`` and ``log``: held-out evaluation, metrics, trajectories, checkpoint rows, console, W&B;
 - ``check_learning``: stop when too many steps made no update.
@@ -40,6 +40,7 @@ from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
 from polyrl.rollouts import Episode, EnvRuntime, collect_group, split_roles
+from polyrl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
@@ -184,6 +185,7 @@ class Trainer:
         self.queue: RolloutQueue | None = None
         self.tokenizer: Any = None
         self.renderer: Any = None
+        self.signals = TokenSignals()  # per-token advantage terms: KL penalty, distillation teacher
         self.wandb: Any = None
         self.uploader: Any = None
 
@@ -229,6 +231,8 @@ class Trainer:
             capacity=config.batch_size * (ahead + 1), wanted=config.batch_size * (config.max_steps - self.state.step),
             start=DrawPoint(self.state.draw_step, self.state.cursors, self.state.consumed),
             max_staleness=ahead if config.stale_groups == "drop" else None)
+        self.signals = await TokenSignals.open(config, self.service, self.guard, self.sampler, self.tokenizer,
+                                               self.console.warn)
         if config.wandb_project_name:
             from polyrl.tracking.wandb_log import WandbLog
 
@@ -307,11 +311,14 @@ class Trainer:
     async def update(self, rollouts: StepRollouts) -> StepUpdate:
         """Failure budgets, advantages and Datums of each minibatch of groups as it arrives, and its
         ``forward_backward`` (the whole batch is one minibatch unless ``stream_minibatches``); then one
-        ``optim_step``. A step whose groups all failed or carry no signal trains nothing."""
+        ``optim_step``. A step whose groups all failed or carry no signal trains nothing. With a KL
+        reference or a teacher, every sampled token carries a signal, so every episode of a kept group
+        trains."""
         started, waited, config = time.monotonic(), rollouts.seconds, self.config
-        kept, stats, episodes, datums, futures = [], {}, [], [], []
+        kept, stats, episodes, datums, futures, signal_parts = [], {}, [], [], [], []
         while groups := await rollouts.next(config.stream_minibatches or config.batch_size):
-            part, part_stats, part_episodes, part_datums = self.prepare(groups)
+            part, part_stats, part_episodes, part_datums, part_signals = await self.prepare(groups, rollouts.step)
+            signal_parts.append((part_episodes, part_signals))
             kept += part
             episodes += part_episodes
             datums += part_datums
@@ -322,7 +329,7 @@ class Trainer:
             if part_datums:
                 futures.append(self.training.forward_backward(part_datums, config.loss_fn,
                                                               dict(config.loss_fn_config) or None))
-        metrics: dict[str, float] = {"optim/lr": config.learning_rate}
+        metrics: dict[str, float] = {"optim/lr": config.learning_rate, **_token_weighted(signal_parts)}
         if datums:
             async def train_step() -> tuple[list[Any], Any]:
                 opt = self.training.optim_step(self.adam)
@@ -344,15 +351,20 @@ class Trainer:
         seconds = time.monotonic() - started - (rollouts.seconds - waited)
         return StepUpdate(kept, stats, len(datums), metrics, seconds)
 
-    def prepare(self, groups: list[list[Episode]]) -> tuple[list[list[Episode]], dict[str, dict[str, float]],
-                                                            list[Episode], list[types.Datum]]:
-        """One minibatch's kept groups, counters, trained episodes and their Datums."""
+    async def prepare(self, groups: list[list[Episode]], step: int) -> tuple[
+            list[list[Episode]], dict[str, dict[str, float]], list[Episode], list[types.Datum], dict[str, float]]:
+        """One minibatch's kept groups, counters, trained episodes, their Datums, and the metrics of the
+        per-token signals (KL penalty, teacher) scored for them."""
         config = self.config
         kept, stats = filter_groups(split_roles(groups), self.runtimes, config.remove_constant_reward_groups)
         adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
-        episodes = [ep for g in kept for ep in g if any(a != 0 for a in ep.turn_advantages) and ep.action_tokens]
-        datums = [adv_lib.to_datum(ep, config.loss_fn) for ep in episodes]
-        return kept, stats, episodes, datums
+        if config.teacher is not None:
+            adv_lib.scale_advantages(kept, config.teacher.reward_weight)
+        episodes = [ep for g in kept for ep in g
+                    if ep.action_tokens and (self.signals.active or any(a != 0 for a in ep.turn_advantages))]
+        terms, signal_metrics = await self.guard.watch(f"scoring step {step}", self.signals.terms(episodes))
+        datums = [adv_lib.to_datum(ep, config.loss_fn, t) for ep, t in zip(episodes, terms)]
+        return kept, stats, episodes, datums, signal_metrics
 
     async def checkpoint(self) -> Saved:
         """The sampler for the next step; at ``save_every`` and the last step, a saved state too."""
@@ -582,6 +594,20 @@ def episode_metrics(groups: list[list[Episode]], stats: dict[str, dict[str, floa
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
+
+
+def _token_weighted(parts: list[tuple[list[Episode], dict[str, float]]]) -> dict[str, float]:
+    """Per-minibatch means of the signal metrics combined into the step's, each minibatch weighted by
+    its sampled tokens (of the named environment, for ``env/<name>/...``)."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for episodes, metrics in parts:
+        for key, value in metrics.items():
+            env = key.split("/")[1] if key.startswith("env/") else None
+            w = float(sum(ep.action_tokens for ep in episodes if env is None or ep.env_name == env))
+            sums[key] = sums.get(key, 0.0) + value * w
+            weights[key] = weights.get(key, 0.0) + w
+    return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
 def kl_metrics(datums: list[types.Datum], masks: list[list[int]], outputs: list[dict]) -> dict[str, float]:
