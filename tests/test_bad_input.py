@@ -18,12 +18,7 @@ from polyrl.sft import SFTConfig
 BASE = {"model_name": "tiny", "environments": {"arithmetic": {}}}
 
 
-def error_of(*args, **kwargs) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(*args, **kwargs)
-    message = str(info.value)
-    assert "\n" not in message
-    return message
+from test_config import error_of  # noqa: E402 - the shared one-line config error helper
 
 
 def run_all(cases: list[tuple[list[str], str]], cwd: Path, timeout: float = 180) -> None:

@@ -15,10 +15,9 @@ import pytest
 import torch
 from tinker import types
 
-from polyrl.local import ServiceClient
 from polyrl.local.compute import packed_logprobs
 from polyrl.local.packing import _tensors, group_rows, micro_batches, pack_rows
-from test_local_engine import (
+from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adam,
     assert_grads_close,
     checkpoint_dir,
@@ -30,22 +29,14 @@ from test_local_engine import (
     ref_grads,
     ref_token_logprobs,
     reference_loss,
+    service,
+    store,
     take_grads,
     weights,
     with_inputs,
 )
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return tmp_path_factory.mktemp("store")
-
-
-@pytest.fixture(scope="module")
-def service(store) -> ServiceClient:
-    return ServiceClient(store_dir=store)
 
 
 @pytest.fixture(scope="module")

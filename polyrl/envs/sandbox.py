@@ -58,7 +58,9 @@ class SandboxLimits:
 
     @property
     def cpu_s(self) -> int:
-        return max(1, int(self.timeout_s + 0.999))
+        """RLIMIT_CPU: a backstop a second past the wall time, so that a busy loop on an idle machine
+        (CPU time = wall time) is ended by the wall-time limit, with its clearer message."""
+        return max(1, int(self.timeout_s + 0.999) + 1)
 
 
 @dataclass
