@@ -41,10 +41,29 @@ def local_service(threads: int):
     return root, service
 
 
-def build_model(root: Path) -> Path:
+def add_model_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="a model directory (e.g. SmolLM2-135M-Instruct from `polyrl tiny-model OUT "
+                                    "--size smollm2-135m-instruct`) instead of the tiny model")
+
+
+def build_model(root: Path, model: str | None = None, size: str = "base") -> Path:
+    """The benchmark's model under ``root``: the ``size`` tiny model, or ``model`` (a directory, linked
+    file by file, not copied); either way with no end-of-sequence id in its generation config."""
     from polyrl.models.tiny import build_tiny_model
 
-    path = build_tiny_model(root / "base-model", "base", seed=0)
+    path = root / "base-model"
+    if model is None:
+        build_tiny_model(path, size, seed=0)
+    else:
+        source = Path(model).resolve()
+        if not (source / "config.json").is_file():
+            raise SystemExit(f"--model {model}: not a model directory (no config.json)")
+        path.mkdir(parents=True)
+        for item in source.iterdir():
+            if item.name != "generation_config.json":
+                (path / item.name).symlink_to(item)
+        if (source / "generation_config.json").exists():
+            (path / "generation_config.json").write_text((source / "generation_config.json").read_text())
     gen_config = path / "generation_config.json"
     cfg = json.loads(gen_config.read_text()) if gen_config.exists() else {}
     cfg["eos_token_id"] = None

@@ -5,6 +5,9 @@ through all the model's weight matrices. This script measures
 
 * the roofline: the best GFLOP/s of a large float32 ``a @ b`` (``--matmul-n`` square) on the
   engine's worker thread, with the same torch thread count;
+* the linear ceiling: the model's own weight matrices alone, multiplied by a batch of ``rows``
+  vectors, as one decode step does (small-M matmuls, weights streamed from memory; what the decode
+  step could reach if everything but its matrix multiplies were free);
 * polyrl's decode: ``sample`` of ``--prompts`` x ``--group`` rows for ``--new-tokens`` tokens, minus
   the same batch for 1 token (the prefill and the first step), so the difference is ``new-tokens - 1``
   decode steps of the whole batch. Useful FLOPs per row per step: 2 x (weights of every linear layer,
@@ -33,15 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import local_service, randomize_lora  # noqa: E402
 
 
-def matmul_params(model) -> int:
+def linear_weights(model) -> list:
+    """Every distinct weight matrix the model multiplies by (tied ones once), in forward order."""
     import torch
 
-    seen, total = set(), 0
+    seen, found = set(), []
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            total += module.weight.numel()
-    return total
+            found.append(module.weight)
+    return found
 
 
 def main() -> None:
@@ -76,7 +80,8 @@ def main() -> None:
     cfg = base.config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    weights = engine.call(lambda: matmul_params(base.hf_model))
+    matrices = engine.call(lambda: linear_weights(base.hf_model))
+    weights = sum(w.numel() for w in matrices)
     layers = cfg.num_hidden_layers
 
     def decode_flops(rows: int) -> float:
@@ -91,6 +96,18 @@ def main() -> None:
         a @ b
         best = min(_timed(lambda: a @ b) for _ in range(5))
         return 2 * n**3 / best / 1e9
+
+    def linear_rate(rows: int) -> float:
+        """The decode step's own matrix multiplies, alone: ``rows`` x in_features through every weight
+        matrix of the model, as one decode step does (weights streamed from memory, small M)."""
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in matrices}
+        with torch.no_grad():
+            def one_step() -> None:
+                for w in matrices:
+                    torch.nn.functional.linear(inputs[w.shape[1]], w)
+            one_step()
+            best = min(_timed(one_step) for _ in range(5))
+        return 2 * rows * weights / best / 1e9
 
     # ---- decode --------------------------------------------------------------------------------------
     gen = torch.Generator().manual_seed(0)
@@ -118,6 +135,7 @@ def main() -> None:
             decode_s = min(full) - statistics.median(first)
             results[(weights_name, rows)] = (decode_s, decode_flops(rows) / decode_s / 1e9)
     roof_after = engine.call(matmul_rate)
+    ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows)) for rows in rows_list}
 
     print(f"model: {model_dir} ({base.num_parameters / 1e6:.0f}M parameters, {weights / 1e6:.0f}M in linear layers), "
           f"torch {torch.__version__}, {engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
@@ -126,10 +144,13 @@ def main() -> None:
     roof = max(roof, roof_after)
     print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new tokens, "
           f"temperature 1, best of {args.repeats}")
-    print(f"{'weights':<10} {'rows':>5} {'decode s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of roofline':>12}")
+    print("linear ceiling: the model's weight matrices alone at the decode batch size (small-M matmuls): "
+          + ", ".join(f"{rows} rows {rate:.1f} GFLOP/s ({rate / roof:.0%} of roofline)" for rows, rate in ceiling.items()))
+    print(f"{'weights':<10} {'rows':>5} {'decode s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of roofline':>12} "
+          f"{'of linear ceiling':>18}")
     for (weights_name, rows), (decode_s, gflops) in results.items():
         print(f"{weights_name:<10} {rows:5d} {decode_s:9.3f} {rows * (args.new_tokens - 1) / decode_s:9.0f} "
-              f"{gflops:8.1f} {gflops / roof:11.0%}")
+              f"{gflops:8.1f} {gflops / roof:11.0%} {gflops / ceiling[rows]:18.0%}")
     print(f"decode_vs_roofline: {results[('LoRA r32', rows_list[0])][1] / roof:.2f}")
 
 

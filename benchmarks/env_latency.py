@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    ap.add_argument("--model", help="a model directory instead of the 'small' tiny model")
     args = ap.parse_args()
 
     import torch
@@ -119,7 +120,7 @@ def main() -> None:
     from polyrl.models.tiny import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="polyrl-bench-latency-"))
-    model = build_tiny_model(root / "model", "small", seed=0)
+    model = Path(args.model) if args.model else build_tiny_model(root / "model", "small", seed=0)
     if args.threads:
         torch.set_num_threads(args.threads)
         Engine.shared(root / "store").call(lambda: torch.set_num_threads(args.threads))

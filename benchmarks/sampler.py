@@ -2,7 +2,7 @@
 
 The workload is an RL rollout batch: ``--prompts`` distinct prompts, a group of ``--group``
 samples each, ``--new-tokens`` new tokens per sample, on the ``base`` tiny model (~3.4M
-parameters, built in a temporary directory). Both sides generate exactly the same number of
+parameters, built in a temporary directory) or ``--model DIR``. Both sides generate exactly the same number of
 tokens: the model's end-of-sequence id is removed from its generation config (so polyrl, which
 always stops at EOS, runs every row to ``max_tokens``), and HF gets
 ``min_new_tokens = max_new_tokens``. Sampling is plain temperature 1 on both sides (no top-k /
@@ -27,7 +27,7 @@ interleaved with the others; the table shows the median and the best wall-clock 
 median CPU time (all threads). Ratios use the best run, the estimate least disturbed by other
 load; on a shared machine ``--threads 1`` gives the steadiest figures.
 
-Run: ``.venv/bin/python benchmarks/sampler.py [--repeats 5] [--threads 1] [--prompts 8 --group 8 --new-tokens 64]``.
+Run: ``.venv/bin/python benchmarks/sampler.py [--model DIR] [--repeats 5] [--threads 1] [--prompts 8 --group 8 --new-tokens 64]``.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import add_rollout_args, build_model, local_service, randomize_lora  # noqa: E402
+from _models import add_model_arg, add_rollout_args, build_model, local_service, randomize_lora  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_rollout_args(ap)
+    add_model_arg(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
@@ -57,7 +58,7 @@ def main() -> None:
 
     root, service = local_service(args.threads)
     engine = service.engine
-    model_dir = str(engine.call(lambda: build_model(root)))
+    model_dir = str(engine.call(lambda: build_model(root, args.model)))
     trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
 
     randomize_lora(engine, trainer)
@@ -122,7 +123,7 @@ def main() -> None:
             times[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
 
-    print(f"model: tiny 'base' ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
+    print(f"model: {args.model or "tiny 'base'"} ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
           f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
     print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, prompt {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens each ({total_new} tokens), temperature 1, {args.repeats} interleaved runs")

@@ -3,7 +3,7 @@
 The step is what an RL loop does each iteration: ``--prompts`` x ``--group`` concurrent
 ``sample(num_samples=1)`` calls (a rollout), ``forward_backward`` with ``importance_sampling`` on
 the sampled tokens, ``optim_step``, and ``save_weights_and_get_sampling_client`` for the next step.
-Both sides use the ``base`` tiny model (built in a temporary directory, with its end-of-sequence id
+Both sides use the ``base`` tiny model (built in a temporary directory) or ``--model DIR`` (its end-of-sequence id
 removed so every sample runs to ``--new-tokens``), the same LoRA seed, seeded sampling and the same
 advantages, so they do the same work. The server runs in a subprocess on 127.0.0.1; the in-process
 side is ``polyrl.local.ServiceClient``. Steps alternate between the two sides (after warm-up); the
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import add_rollout_args, build_model  # noqa: E402
+from _models import add_model_arg, add_rollout_args, build_model  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
@@ -121,7 +121,7 @@ async def run(args) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_model(root)
+        model = build_model(root, args.model)
         proc, url = start_server(model, root / "store-served")
         try:
             rng = random.Random(0)
@@ -140,7 +140,7 @@ async def run(args) -> None:
                     outs[side.name] = await side.step(step, prompts, record)
                 same = same and outs["in-process"] == outs["served"]
             print(f"RL step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new tokens, "
-                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, base tiny model, "
+                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, model {args.model or "tiny 'base'"}, "
                   f"torch threads {args.threads or torch.get_num_threads()}; "
                   f"{args.steps} steps each, alternating (after {args.warmup} warm-up)")
             print(f"same samples on both sides: {same}")
@@ -162,6 +162,7 @@ async def run(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_rollout_args(ap)
+    add_model_arg(ap)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)

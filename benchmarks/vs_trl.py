@@ -153,7 +153,7 @@ def trl_worker(args) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from polyrl.envs.base import make_env_builder
+    from polyrl.envs.registry import make_env_builder
 
     if args.threads:
         torch.set_num_threads(args.threads)
