@@ -123,7 +123,7 @@ def main() -> None:
             times[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
 
-    print(f"model: {args.model or "tiny 'base'"} ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
+    print(f"model: {args.model or 'tiny base'} ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
           f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
     print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, prompt {args.prompt_tokens} tokens, "
           f"{args.new_tokens} new tokens each ({total_new} tokens), temperature 1, {args.repeats} interleaved runs")

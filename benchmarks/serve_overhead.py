@@ -140,7 +140,7 @@ async def run(args) -> None:
                     outs[side.name] = await side.step(step, prompts, record)
                 same = same and outs["in-process"] == outs["served"]
             print(f"RL step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new tokens, "
-                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, model {args.model or "tiny 'base'"}, "
+                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, model {args.model or 'tiny base'}, "
                   f"torch threads {args.threads or torch.get_num_threads()}; "
                   f"{args.steps} steps each, alternating (after {args.warmup} warm-up)")
             print(f"same samples on both sides: {same}")
