@@ -6,8 +6,9 @@ same built-in single-turn environment (``--env``, default ``arithmetic``; TRL sc
 completions with the very same environment code), with the same group size, groups per step, max new
 tokens, learning rate and number of steps:
 
-* polyrl: ``polyrl train`` in a subprocess, as a user runs it (its defaults otherwise: importance
-  sampling loss, group-mean advantages);
+* polyrl: ``polyrl train`` in a subprocess, as a user runs it, with the learning rate decayed as
+  TRL's default does (``lr_schedule: linear``; ``--polyrl-schedule constant`` for polyrl's own
+  default), its defaults otherwise (importance-sampling loss, group-mean advantages);
 * TRL: ``GRPOTrainer`` in a subprocess, as a user runs it: its defaults otherwise (DAPO loss, rewards
   scaled by the group's std, no KL term, linear learning-rate decay, HF ``generate``), on CPU when
   there is no GPU (``use_cpu``, float32, which its bf16 default requires there). Each step
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--trl-lrs", help="comma-separated TRL learning rates (default: lr/4, lr, lr*4)")
+    ap.add_argument("--polyrl-schedule", choices=["linear", "constant"], default="linear",
+                    help="polyrl's lr_schedule (default: linear decay to 0, as GRPOTrainer's default schedule)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
@@ -129,7 +132,8 @@ def late_mean(rewards: list[float]) -> float:
 def run_polyrl(args, model: str, work: Path) -> dict:
     log = work / "polyrl"
     config = {
-        "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "batch_size": args.batch,
+        "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "lr_schedule": args.polyrl_schedule,
+        "batch_size": args.batch,
         "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed, "store_dir": str(work / "store"),
         "log_path": str(log), "save_every": 0, "eval_every": 0, "report": False,
         "environments": {args.env: {"args": json.loads(args.env_args), "num_rollouts": args.group,

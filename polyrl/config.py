@@ -264,6 +264,9 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP, description="Groups per training step "
                             f"(batch_size x num_rollouts is at most {MAX_EPISODES_PER_STEP} episodes).")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="Learning rate over the run: 'constant', or 'linear' decay from learning_rate at "
+                                "step 0 towards 0 at max_steps.")
     adam_beta1: float = Field(0.9, description="Adam beta1.")
     adam_beta2: float = Field(0.95, description="Adam beta2.")
     adam_eps: float = Field(1e-8, description="Adam epsilon.")

@@ -278,6 +278,14 @@ class Trainer:
                               f"checkpoints.jsonl and stay in the store, e.g. {unlogged[0]}")
 
     # ---- one step ---------------------------------------------------------------------------------
+
+    def adam_at(self, step: int) -> types.AdamParams:
+        """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``."""
+        if self.config.lr_schedule == "constant":
+            return self.adam
+        return self.adam.model_copy(update={"learning_rate": self.adam.learning_rate
+                                            * (1.0 - step / self.config.max_steps)})
+
     def plan(self, step: int, cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """The ``(environment, task index)`` of each group of ``step``, and the cursors after it. Pure:
         the same step and cursors always give the same plan."""
@@ -329,10 +337,11 @@ class Trainer:
             if part_datums:
                 futures.append(self.training.forward_backward(part_datums, config.loss_fn,
                                                               dict(config.loss_fn_config) or None))
-        metrics: dict[str, float] = {"optim/lr": config.learning_rate, **_token_weighted(signal_parts)}
+        adam = self.adam_at(rollouts.step)
+        metrics: dict[str, float] = {"optim/lr": adam.learning_rate, **_token_weighted(signal_parts)}
         if datums:
             async def train_step() -> tuple[list[Any], Any]:
-                opt = self.training.optim_step(self.adam)
+                opt = self.training.optim_step(adam)
                 return [await fwd for fwd in futures], await opt
 
             fwd_results, opt_result = await self.guard.watch(f"training step {rollouts.step}", train_step())

@@ -362,6 +362,19 @@ def test_short_run_improves_reward(small_model_dir, tmp_path):
     assert cps[-1]["name"] == "final" and cps[-1]["state_path"].startswith("tinker://")
 
 
+def test_linear_lr_schedule_decays_each_update(tiny_model_dir, tmp_path):
+    from polyrl.tracking.console import ConsoleLog
+
+    cfg = _config(tiny_model_dir, tmp_path, lr_schedule="linear", save_every=0, batch_size=2)
+    train(cfg, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["optim/lr"] for r in rows] == pytest.approx([3e-3 * (1 - s / 4) for s in range(4)])
+    constant = _config(tiny_model_dir, tmp_path / "c", save_every=0)
+    assert constant.lr_schedule == "constant"
+    with pytest.raises(ValueError, match="lr_schedule"):
+        _config(tiny_model_dir, tmp_path, lr_schedule="cosine")
+
+
 # ---------------------------------------------------------------------------- the loop's phases, alone
 def _started(model_dir, tmp_path, **over):
     from polyrl.train import Trainer
