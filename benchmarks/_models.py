@@ -46,14 +46,14 @@ def add_model_arg(ap: argparse.ArgumentParser) -> None:
                                     "--size smollm2-135m-instruct`) instead of the tiny model")
 
 
-def build_model(root: Path, model: str | None = None, size: str = "base") -> Path:
-    """The benchmark's model under ``root``: the ``size`` tiny model, or ``model`` (a directory, linked
+def build_model(root: Path, model: str | None = None) -> Path:
+    """The benchmark's model under ``root``: the ``base`` tiny model, or ``model`` (a directory, linked
     file by file, not copied); either way with no end-of-sequence id in its generation config."""
     from polyrl.models.tiny import build_tiny_model
 
     path = root / "base-model"
     if model is None:
-        build_tiny_model(path, size, seed=0)
+        build_tiny_model(path, "base", seed=0)
     else:
         source = Path(model).resolve()
         if not (source / "config.json").is_file():

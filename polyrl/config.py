@@ -43,6 +43,13 @@ MAX_EPISODES_PER_STEP = 65_536
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 SplitName = Literal["train", "test"]
+LrSchedule = Literal["constant", "linear"]
+
+
+def scheduled_lr(learning_rate: float, schedule: LrSchedule, step: int, max_steps: int) -> float:
+    """The learning rate of update ``step`` (0-based) of ``max_steps``: constant, or decayed linearly
+    from ``learning_rate`` at step 0 towards 0 at ``max_steps``."""
+    return learning_rate * (1.0 - step / max_steps) if schedule == "linear" else learning_rate
 _SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
     "train": {"shuffle": True, "num_samples": None},
     "test": {"shuffle": False, "num_samples": 32},
@@ -264,7 +271,7 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP, description="Groups per training step "
                             f"(batch_size x num_rollouts is at most {MAX_EPISODES_PER_STEP} episodes).")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate.")
-    lr_schedule: Literal["constant", "linear"] = Field(
+    lr_schedule: LrSchedule = Field(
         "constant", description="Learning rate over the run: 'constant', or 'linear' decay from learning_rate at "
                                 "step 0 towards 0 at max_steps.")
     adam_beta1: float = Field(0.9, description="Adam beta1.")

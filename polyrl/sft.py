@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tinker import types
 
 from polyrl.backend import make_service_client
-from polyrl.config import EnvConfig, _Problems, local_model_problems
+from polyrl.config import EnvConfig, LrSchedule, _Problems, local_model_problems, scheduled_lr
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
@@ -34,7 +34,7 @@ class SFTConfig(BaseModel):
     lora_rank: int = Field(32, gt=0, description="LoRA rank.")
     renderer: str | None = Field(None, description="Chat format; inferred from the model when null.")
     learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule over max_steps.")
+    lr_schedule: LrSchedule = Field("linear", description="Learning-rate schedule over max_steps.")
     batch_size: int = Field(32, ge=1, description="Demonstrations per optimizer step.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     seed: int = Field(0, description="Seed of the LoRA init and the data order.")
@@ -103,13 +103,13 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
                     order = list(range(len(datums)))
                     rng.shuffle(order)
                 batch.append(datums[order.pop()])
-            frac = 1.0 - step / config.max_steps if config.lr_schedule == "linear" else 1.0
+            lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
             fwd = training.forward_backward(batch, "cross_entropy")
-            opt = training.optim_step(types.AdamParams(learning_rate=config.learning_rate * frac))
+            opt = training.optim_step(types.AdamParams(learning_rate=lr))
             result, _ = await fwd, await opt
             n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
             row = {"step": step, "optim/loss": result.metrics["loss:sum"] / max(n_tokens, 1.0),
-                   "optim/lr": config.learning_rate * frac, "time/total": time.monotonic() - t0}
+                   "optim/lr": lr, "time/total": time.monotonic() - t0}
             files.log_metrics(row)
             progress.update(progress.task_ids[0], advance=1, loss=f"{row['optim/loss']:.4f}")
             if not console.is_terminal and (step % log_every == 0 or step + 1 == config.max_steps):

@@ -33,7 +33,7 @@ from tinker import types
 
 from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url
-from polyrl.config import ConfigError, TrainConfig
+from polyrl.config import ConfigError, TrainConfig, scheduled_lr
 from polyrl.errors import RunStoppedError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
@@ -281,10 +281,9 @@ class Trainer:
 
     def adam_at(self, step: int) -> types.AdamParams:
         """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``."""
-        if self.config.lr_schedule == "constant":
-            return self.adam
-        return self.adam.model_copy(update={"learning_rate": self.adam.learning_rate
-                                            * (1.0 - step / self.config.max_steps)})
+        config = self.config
+        lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
+        return self.adam.model_copy(update={"learning_rate": lr})
 
     def plan(self, step: int, cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
         """The ``(environment, task index)`` of each group of ``step``, and the cursors after it. Pure:
