@@ -14,3 +14,9 @@ class RunStoppedError(RuntimeError):
     retry budget, or too many steps without an update. The message is one line saying why and which
     checkpoint a relaunch resumes from; the command line prints it as ``error: ...`` and exits with
     code 1, without a traceback."""
+
+
+class NonFiniteUpdateError(ValueError):
+    """An optimizer step was refused because the loss or the gradient it would apply is not finite
+    (NaN or inf). The weights stay as they were; the message is one line naming the step's problem.
+    A ``ValueError``, so ``polyrl serve`` reports it as a problem with the request's data."""
