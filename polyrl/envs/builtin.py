@@ -20,7 +20,6 @@ so a supervised warm start leaves RL something real to fix.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import random
@@ -30,6 +29,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Generator, TypeVar, Union
 
+from polyrl.envs.answers import (
+    ExpressionError,
+    answer_value,
+    boxed_contents,
+    evaluate_expression,
+    extract_answer,
+    parse_number,
+    same_number,
+)
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, register_env
 from polyrl.renderers.base import message_text
 
@@ -42,141 +50,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# --------------------------------------------------------------------------------------------------
-# Answer parsing, reusable by any environment.
-
-# A number not glued to a preceding digit or dot, so "12-5" yields 12 and 5 (not -5), with optional
-# thousands separators ("1,234") and decimals.
-_NUMBER_RE = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_INT_RE = re.compile(r"[+-]?\d+")
-_FLOAT_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)")
-_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_BOX = "\\boxed{"
-
-
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every balanced ``\\boxed{...}``, in order (nested braces allowed)."""
-    found = []
-    start = text.find(_BOX)
-    while start != -1:
-        depth, i = 1, start + len(_BOX)
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            found.append(text[start + len(_BOX) : i - 1])
-        start = text.find(_BOX, start + 1)
-    return found
-
-
-def extract_answer(text: str | None) -> str | None:
-    """The final answer in a reply: the last non-empty ``\\boxed{...}`` content, else the last number.
-
-    The fallback keeps replies like "The answer is 57." gradable: a tiny model drifting from the
-    box format during RL should still be scored on what it computed.
-    """
-    if not text:
-        return None
-    boxed = [b.strip() for b in _boxed_contents(text) if b.strip()]
-    if boxed:
-        return boxed[-1]
-    numbers = _NUMBER_RE.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def parse_number(text: str | None) -> int | float | None:
-    """``text`` as a number if it is exactly one (ints stay exact); tolerates ``$``, ``1,234``, a
-    trailing period and a unicode minus. ``None`` otherwise."""
-    if text is None:
-        return None
-    s = text.strip().replace("\u2212", "-").strip("$").strip()
-    if s.endswith(".") and s[:-1].strip():
-        s = s[:-1].strip()
-    if _THOUSANDS_RE.fullmatch(s):
-        s = s.replace(",", "")
-    if _INT_RE.fullmatch(s):
-        return int(s)
-    if _FLOAT_RE.fullmatch(s):
-        return float(s)
-    return None
-
-
-def answer_value(text: str | None) -> int | float | None:
-    """The numeric final answer of a reply: :func:`extract_answer` parsed by :func:`parse_number`.
-
-    A box holding more than a number ("\\boxed{x = 57}") falls back to its last number.
-    """
-    answer = extract_answer(text)
-    value = parse_number(answer)
-    if value is None and answer is not None:
-        numbers = _NUMBER_RE.findall(answer)
-        value = parse_number(numbers[-1]) if numbers else None
-    return value
-
-
-def _equals(value: int | float | None, target: int | Fraction) -> bool:
-    return value is not None and abs(Fraction(value) - Fraction(target)) < Fraction(1, 10**9)
-
-
-# --------------------------------------------------------------------------------------------------
-# Safe arithmetic: parsed with ``ast`` and walked by hand; nothing is ever ``eval``-ed.
-
-
-class ExpressionError(ValueError):
-    """An expression that is not plain arithmetic or cannot be evaluated."""
-
-
-_MAX_EXPRESSION_CHARS = 200  # bounds recursion depth and integer sizes (there is no ** operator)
-_OPS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-}
-
-
-def evaluate_expression(
-    expression: str, *, allow_decimals: bool = False, allow_unary: bool = False
-) -> tuple[Fraction, list[int]]:
-    """Exact value of an arithmetic expression and the integer literals it uses, in order.
-
-    Only ``+ - * /``, parentheses and non-negative integer literals are allowed (decimal literals
-    and unary minus on request). A character whitelist runs first so literals like ``0x10`` or
-    ``1_000`` cannot sneak through Python's grammar. Raises :class:`ExpressionError`.
-    """
-    expr = expression.strip().replace("\u00d7", "*").replace("\u00f7", "/").replace("\u2212", "-")
-    if not expr:
-        raise ExpressionError("empty expression")
-    if len(expr) > _MAX_EXPRESSION_CHARS:
-        raise ExpressionError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
-    allowed = set("0123456789+-*/() \t") | ({"."} if allow_decimals else set())
-    bad = sorted(set(expr) - allowed)
-    if bad:
-        raise ExpressionError(f"invalid character {bad[0]!r}")
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        raise ExpressionError("invalid syntax") from e
-    literals: list[int] = []
-
-    def walk(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = walk(node.left), walk(node.right)
-            if isinstance(node.op, ast.Div) and right == 0:
-                raise ExpressionError("division by zero")
-            return _OPS[type(node.op)](left, right)
-        if allow_unary and isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            value = walk(node.operand)
-            return -value if isinstance(node.op, ast.USub) else value
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            literals.append(node.value)
-            return Fraction(node.value)
-        if allow_decimals and isinstance(node, ast.Constant) and type(node.value) is float:
-            return Fraction(str(node.value))  # via str: Fraction(0.1) would be binary-inexact
-        raise ExpressionError(f"unsupported syntax ({type(node).__name__})")
-
-    return walk(tree.body), literals
 
 
 def _format_value(value: Fraction) -> str:
@@ -358,7 +231,7 @@ class ArithmeticEnv(_SyncEnv):
 
     def _step(self, action: Message) -> StepResult:
         value = answer_value(message_text(action))
-        success = float(_equals(value, self.task.answer))
+        success = float(same_number(value, self.task.answer))
         return StepResult([], success, True, {"success": success, "format_ok": float(value is not None)})
 
 
@@ -499,7 +372,7 @@ _EXPRESSION_RUN_RE = re.compile(r"[0-9+\-*/()\u00d7\u00f7\u2212 ]+")
 def countdown_expression(text: str) -> str:
     """The expression in a countdown reply: inside the last box (else the whole reply), the last run
     of arithmetic characters that contains an operator (so "= 16" suffixes and prose are skipped)."""
-    boxed = [b for b in _boxed_contents(text) if b.strip()]
+    boxed = [b for b in boxed_contents(text) if b.strip()]
     source = boxed[-1] if boxed else text
     runs = [r.strip() for r in _EXPRESSION_RUN_RE.findall(source) if any(c.isdigit() for c in r)]
     with_op = [r for r in runs if re.search(r"\d\s*[+\-*/\u00d7\u00f7\u2212]", r)]
@@ -639,7 +512,7 @@ class GuessNumberEnv(_SyncEnv):
     def _step(self, action: Message) -> StepResult:
         self.guesses += 1
         guess = answer_value(message_text(action))
-        if _equals(guess, self.secret):
+        if same_number(guess, self.secret):
             return StepResult([], 1.0, True, {"success": 1.0, "num_guesses": float(self.guesses)})
         if self.guesses >= self.max_guesses:
             return StepResult([], 0.0, True, {"success": 0.0, "num_guesses": float(self.guesses)})
@@ -771,7 +644,7 @@ class CalculatorEnv(_SyncEnv):
         calls = action.get("tool_calls") or []
         errors = action.get("tool_call_errors") or []
         if not calls and not errors:
-            success = float(_equals(answer_value(message_text(action)), self.task.answer))
+            success = float(same_number(answer_value(message_text(action)), self.task.answer))
             return StepResult([], success, True, {"success": success, "tool_calls": float(self.tool_calls)})
         self.tool_calls += len(calls) + len(errors)
         if self.tool_calls > self.max_tool_calls:

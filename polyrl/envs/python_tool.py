@@ -37,16 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
 from polyrl.envs.builtin import (
     CountdownBuilder,
     CountdownTask,
-    ExpressionError,
     _BuiltinBuilder,
-    _equals,
     _render,
-    answer_value,
     countdown_expression,
-    evaluate_expression,
 )
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
 from polyrl.renderers.base import message_text
@@ -212,7 +209,7 @@ class PythonToolBuilder(_BuiltinBuilder):
             question = (f"Use {numbers} to make {task.target}, each number exactly once, with + - * / and "
                         "parentheses; the answer is the expression.")
             return PythonToolEnv(question, _countdown_score(task), self.max_tool_calls, self.limits)
-        return PythonToolEnv(task.question, lambda text: _equals(answer_value(text), task.answer),
+        return PythonToolEnv(task.question, lambda text: same_number(answer_value(text), task.answer),
                              self.max_tool_calls, self.limits)
 
     def make(self, split: str, index: int) -> PythonToolEnv:

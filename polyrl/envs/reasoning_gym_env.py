@@ -42,6 +42,7 @@ import hashlib
 import re
 from typing import Any
 
+from polyrl.envs.answers import boxed_contents
 from polyrl.envs.base import (Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, parse_prefixed_type,
                                register_env)
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
@@ -65,9 +66,7 @@ def _import_rg():
 
 
 def _boxed(text: str) -> str | None:
-    from polyrl.envs.builtin import _boxed_contents
-
-    found = [b.strip() for b in _boxed_contents(text)]
+    found = [b.strip() for b in boxed_contents(text)]
     return found[-1] if found else None
 
 
