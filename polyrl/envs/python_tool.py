@@ -36,15 +36,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env
 from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
-from polyrl.envs.builtin import (
-    CountdownBuilder,
-    CountdownTask,
-    _BuiltinBuilder,
-    _render,
-    countdown_expression,
-)
+from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.envs.builtin.base import BuiltinBuilder
+from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownTask, countdown_expression, render_tree
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
 from polyrl.renderers.base import message_text
 
@@ -171,7 +166,7 @@ def _countdown_score(task: CountdownTask):
 
 
 @register_env("python_tool")
-class PythonToolBuilder(_BuiltinBuilder):
+class PythonToolBuilder(BuiltinBuilder):
     """See the module docstring."""
 
     name = "python_tool"
@@ -220,7 +215,7 @@ class PythonToolBuilder(_BuiltinBuilder):
         mistaken = self._demo_has_error(split, index)
         if kind == "countdown":
             rng = self._rng(split, index, "mistake")
-            expression = self.countdown.mistaken_expression(task, rng) if mistaken else _render(task.solution)
+            expression = self.countdown.mistaken_expression(task, rng) if mistaken else render_tree(task.solution)
             code, final = f"print({expression})", f"\\boxed{{{expression}}}"
         else:
             code, final = (task.wrong_code if mistaken else task.code), None

@@ -107,7 +107,7 @@ def _tool_text() -> list[str]:
     import ast
     import re
 
-    from polyrl.envs.builtin import CALCULATOR_TOOL
+    from polyrl.envs.builtin.calculator import CALCULATOR_TOOL
 
     literals = re.findall(r'"(?:[^"\\]|\\.)*"', chat_template())
     return [ast.literal_eval(s) for s in literals if "function" in s] + [json.dumps(CALCULATOR_TOOL)]

@@ -33,7 +33,7 @@ from typing import Any
 
 from polyrl.envs.answers import answer_value
 from polyrl.envs.base import EnvBuilder, Message, ToolSpec, register_env
-from polyrl.envs.builtin import CountdownBuilder, CountdownEnv, countdown_expression
+from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownEnv, countdown_expression
 from polyrl.rollouts import Episode
 
 _ARGS = ("num_solvers", "task", "task_args", "judge_sees", "max_candidate_chars", "solver_max_tokens",
