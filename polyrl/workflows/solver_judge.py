@@ -102,8 +102,8 @@ class SolverJudgeBuilder(EnvBuilder):
                 shown = text.strip()
             shown = shown[: self.max_chars] or "(empty)"
             parts += ["", f"Candidate {i}:", shown]
-        parts += ["", "Which candidate is correct? Check each one, then give the number of a correct candidate "
-                      "in \\boxed{}, e.g. \\boxed{1}."]
+        parts += ["", "Which candidate is correct? Check each one, then give the number of a correct "
+                      "candidate in \\boxed{}, e.g. \\boxed{1}."]
         return "\n".join(parts)
 
     async def rollout(self, ctx: Any) -> list[Episode]:
