@@ -38,17 +38,15 @@ failing run.
 from __future__ import annotations
 
 import contextlib
-import copy
-import difflib
-import hashlib
 import io
 import json
 import logging
 import os
 from typing import Any
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, parse_prefixed_type, register_env
-from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
+from polyrl.envs.base import Message, Observation, StepResult, register_env
+from polyrl.envs.game_adapter import GameBuilder, GameEnv, GameSpec, one_line
+from polyrl.envs.global_rng import PrivateGlobalRng
 
 _ARGS = ("wrappers", "env_kwargs", "info_suffix", "success_reward", "system_prompt")
 _HISTORY_WRAPPERS = ("concat", "concat_chat", "concat_with_action", "concat_chat_on_reset")
@@ -57,7 +55,8 @@ _HUB_DATASETS = ("gem.envs.math_env", "gem.envs.math_visual_env", "gem.envs.code
 _RG_ENTRY = "gem.envs.reasoning_gym:ReasoningGymEnv"
 _TEST_SEED_OFFSET = 1_000_003
 _TERMINAL_STATE = "<｜TERMINAL_STATE｜>"  # gem.utils.constants.TERMINAL_STATE
-_INSTALL = "pip install --no-deps gem-llm msgspec (GEM pins an old reasoning-gym; install it without its pins)"
+_INSTALL = ("pip install --no-deps gem-llm msgspec "
+            "(GEM pins an old reasoning-gym; install it without its pins)")
 
 # (env_id, wrappers, env_kwargs, split kind) -> a created-and-reset instance to copy episodes from
 _PROTOTYPES: dict[str, Any] = {}
@@ -96,33 +95,23 @@ def _entry_point(env_id: str) -> str:
     return entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
 
 
-class _Spec:
+class _Spec(GameSpec):
     """Parsed and checked type + args of one ``gem:`` entry."""
 
+    prefix, package, example, known_args = "gem", "GEM", "gem:game:GuessTheNumber-v0-easy", _ARGS
+
     def __init__(self, type_name: str, args: dict[str, Any]):
-        self.env_id = env_id = parse_prefixed_type(type_name, "gem", "gem:game:GuessTheNumber-v0-easy", args, _ARGS)
+        super().__init__(type_name, args)
         self.wrappers = _wrapper_names(args.get("wrappers"))
-        self.env_kwargs = args.get("env_kwargs") or {}
-        if not isinstance(self.env_kwargs, dict):
-            raise ValueError(f"env_kwargs must be a mapping, got {self.env_kwargs!r}")
         self.info_suffix = args.get("info_suffix", True)
         if not isinstance(self.info_suffix, bool):
             raise ValueError(f"info_suffix must be true or false, got {self.info_suffix!r}")
-        self.success_reward = args.get("success_reward", 1.0)
-        if as_reward(self.success_reward) is None or isinstance(self.success_reward, bool):
-            raise ValueError(f"success_reward must be a number, got {self.success_reward!r}")
-        self.system_prompt = args.get("system_prompt")
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ValueError(f"system_prompt must be a string, got {self.system_prompt!r}")
 
         _import_gem()
         from gem.envs.registration import ENV_REGISTRY
 
-        if env_id not in ENV_REGISTRY:
-            close = difflib.get_close_matches(env_id, list(ENV_REGISTRY), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"unknown GEM env id {env_id!r}{hint}")
-        self.entry = _entry_point(env_id)
+        self.check_env_id(ENV_REGISTRY)
+        self.entry = _entry_point(self.env_id)
         self._check_wrappers()
         self._check_resources()
 
@@ -136,12 +125,14 @@ class _Spec:
         for name in self.wrappers:
             if name in _HISTORY_WRAPPERS:
                 raise ValueError(
-                    f"GEM wrapper {name!r} is not supported: it folds the whole history into each observation, "
-                    "but polyrl already keeps the conversation (every observation and reply) in the episode's "
-                    "tokens; leave it out (with renderer qwen3_game/qwen3_general for GEM's plain templates)"
+                    f"GEM wrapper {name!r} is not supported: it folds the whole history into each "
+                    "observation, but polyrl already keeps the conversation (every observation and reply) "
+                    "in the episode's tokens; leave it out (with renderer qwen3_game/qwen3_general for GEM's "
+                    "plain templates)"
                 )
             if name not in WRAPPER_FACTORY:
-                raise ValueError(f"unknown GEM wrapper {name!r} (known: {', '.join(sorted(WRAPPER_FACTORY))})")
+                known = ", ".join(sorted(WRAPPER_FACTORY))
+                raise ValueError(f"unknown GEM wrapper {name!r} (known: {known})")
             if name.startswith("search_tool") and not os.environ.get("SEARCH_URL"):
                 raise ValueError(f"GEM wrapper {name!r} needs a search server: set SEARCH_URL")
 
@@ -164,8 +155,9 @@ class _Spec:
             ) not in ("", "0")
             if hub:
                 raise ValueError(
-                    f"GEM {self.env_id!r} downloads its data set from the Hugging Face hub, but HF_HUB_OFFLINE/"
-                    "HF_DATASETS_OFFLINE is set; use a game: or rg: id, or the reasoning_gym: adapter"
+                    f"GEM {self.env_id!r} downloads its data set from the Hugging Face hub, "
+                    "but HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set; use a game: or rg: id, or the "
+                    "reasoning_gym: adapter"
                 )
 
     def test_kwargs(self) -> dict[str, Any]:
@@ -178,7 +170,8 @@ class _Spec:
         return {**self.env_kwargs, "seed": int(base) + _TEST_SEED_OFFSET}
 
     def key(self, split_kind: str) -> str:
-        return json.dumps([self.env_id, self.wrappers, self.env_kwargs, split_kind], sort_keys=True, default=str)
+        key = [self.env_id, self.wrappers, self.env_kwargs, split_kind]
+        return json.dumps(key, sort_keys=True, default=str)
 
 
 def _create(spec: _Spec, kwargs: dict[str, Any]) -> Any:
@@ -207,9 +200,8 @@ def _prototype(spec: _Spec, split: str) -> Any:
             hint = ""
             if spec.entry.split(":")[0] in _HUB_DATASETS:
                 hint = " (this id downloads its data set from the Hugging Face hub)"
-            reason = " ".join(str(exc).split())[:300]
             raise ValueError(
-                f"GEM {spec.env_id!r} cannot be created here{hint}: {type(exc).__name__}: {reason}"
+                f"GEM {spec.env_id!r} cannot be created here{hint}: {type(exc).__name__}: {one_line(exc)}"
             ) from exc
     return _PROTOTYPES[key]
 
@@ -221,13 +213,14 @@ def _message_text(message: Message) -> str:
     return content or ""
 
 
-class GemEnv(Env):
+class GemEnv(GameEnv):
     """One GEM episode on a private copy of the builder's prototype and of the global RNG state."""
 
+    spec: _Spec
+
     def __init__(self, spec: _Spec, prototype: Any, seed: int):
-        self.spec, self.prototype, self.seed = spec, prototype, seed
-        self.rng = PrivateGlobalRng(seed)
-        self.env: Any = None
+        super().__init__(spec, seed)
+        self.prototype = prototype
 
     def _observation(self, obs: Any, info: Any, done: bool = False) -> str:
         """Like GEM's observation wrapper for the newest observation: prefix + obs + newline + suffix."""
@@ -240,27 +233,18 @@ class GemEnv(Env):
 
     async def reset(self) -> Observation:
         with self.rng.active():
-            try:
-                self.env = copy.deepcopy(self.prototype)
-            except Exception:  # noqa: BLE001 - an env that cannot be copied is created afresh
-                self.env = _create(self.spec, self.spec.env_kwargs)
+            self.env = self.fresh_game(self.prototype, lambda: _create(self.spec, self.spec.env_kwargs))
             obs, info = self.env.reset(seed=self.seed)
-        messages: list[Message] = []
-        if self.spec.system_prompt:
-            messages.append({"role": "system", "content": self.spec.system_prompt})
-        messages.append({"role": "user", "content": self._observation(obs, info)})
-        return Observation(messages)
+        return self.first_observation(self._observation(obs, info))
 
     async def step(self, action: Message) -> StepResult:
         with self.rng.active():
             obs, reward, terminated, truncated, info = self.env.step(_message_text(action))
-        value = as_reward(reward)
-        metrics = {"reward_invalid": float(value is None)}
-        value = 0.0 if value is None else value
+        value, metrics = self.checked_reward(reward)
         done = bool(terminated or truncated)
         text = self._observation(obs, info, done)
         if done:
-            metrics["success"] = float(value >= float(self.spec.success_reward))
+            metrics["success"] = self.success(value)
             metrics["truncated"] = float(bool(truncated))
             for k, v in (info if isinstance(info, dict) else {}).items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "suffix":
@@ -274,26 +258,17 @@ class GemEnv(Env):
 
 
 @register_env("gem:")
-class GemBuilder(EnvBuilder):
+class GemBuilder(GameBuilder):
     """``gem:<env_id>``: see the module docstring."""
 
-    def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
-        super().__init__(args, seed, type_name)
-        self.spec = _Spec(self.type_name, self.args)
+    spec_class = _Spec
+    spec: _Spec
 
     @classmethod
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         spec = _Spec(type_name, args)
         _prototype(spec, "train")
         _prototype(spec, "test")
-
-    def task_seed(self, split: str, index: int) -> int:
-        """Seed of task ``index``: even for train, odd for test (never shared)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"unknown split {split!r}")
-        digest = hashlib.sha256(f"polyrl/gem/{self.spec.env_id}/{self.seed}/{split}/{index}".encode()).digest()
-        value = int.from_bytes(digest[:4], "little") & 0x7FFFFFFE
-        return value | (split == "test")
 
     def make(self, split: str, index: int) -> GemEnv:
         return GemEnv(self.spec, _prototype(self.spec, split), self.task_seed(split, index))

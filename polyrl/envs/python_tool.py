@@ -36,18 +36,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
 from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env
-from polyrl.envs.builtin import (
-    CountdownBuilder,
-    CountdownTask,
-    ExpressionError,
-    _BuiltinBuilder,
-    _equals,
-    _render,
-    answer_value,
-    countdown_expression,
-    evaluate_expression,
-)
+from polyrl.envs.builtin.base import BuiltinBuilder
+from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownTask, countdown_expression, render_tree
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
 from polyrl.renderers.base import message_text
 
@@ -80,8 +72,9 @@ def _math_task(rng: random.Random) -> MathTask:
         n, k, m = rng.randint(200, 5000), rng.randint(3, 9), rng.randint(11, 19)
         code = "print(sum(i for i in range(1, {n}) if i % {k} == 0 or i % {m} == 0))"
         answer = sum(i for i in range(1, n + 1) if i % k == 0 or i % m == 0)
-        return MathTask(f"What is the sum of all integers from 1 to {n} (inclusive) that are divisible by {k} "
-                        f"or by {m}?", code.format(n=n + 1, k=k, m=m), code.format(n=n, k=k, m=m), answer)
+        question = (f"What is the sum of all integers from 1 to {n} (inclusive) that are divisible by {k} "
+                    f"or by {m}?")
+        return MathTask(question, code.format(n=n + 1, k=k, m=m), code.format(n=n, k=k, m=m), answer)
     if kind == "power_mod":
         a, e, m = rng.randint(2, 99), rng.randint(20, 200), rng.randint(1000, 9999)
         return MathTask(f"What is {a}^{e} mod {m}?", f"print(pow({a}, {e}, {m}))",
@@ -130,7 +123,8 @@ class PythonToolEnv(Env):
         self.tool_calls = self.tool_errors = 0
 
     def observation(self) -> Observation:
-        prompt = f"{self.question} You may run Python with the python tool. Put the final answer in \\boxed{{}}."
+        prompt = (f"{self.question} You may run Python with the python tool. "
+                  "Put the final answer in \\boxed{}.")
         return Observation([{"role": "user", "content": prompt}], [PYTHON_TOOL])
 
     async def reset(self) -> Observation:
@@ -154,7 +148,8 @@ class PythonToolEnv(Env):
             replies.append({"role": "tool", "tool_call_id": call_id or f"call_{i}", "content": content})
         if errors:
             self.tool_errors += len(errors)
-            replies.append({"role": "user", "content": "Tool call error: " + "; ".join(str(e) for e in errors)})
+            message = "Tool call error: " + "; ".join(str(e) for e in errors)
+            replies.append({"role": "user", "content": message})
         return StepResult(replies, 0.0, False)
 
     def _metrics(self, success: float) -> dict[str, float]:
@@ -174,7 +169,7 @@ def _countdown_score(task: CountdownTask):
 
 
 @register_env("python_tool")
-class PythonToolBuilder(_BuiltinBuilder):
+class PythonToolBuilder(BuiltinBuilder):
     """See the module docstring."""
 
     name = "python_tool"
@@ -212,7 +207,7 @@ class PythonToolBuilder(_BuiltinBuilder):
             question = (f"Use {numbers} to make {task.target}, each number exactly once, with + - * / and "
                         "parentheses; the answer is the expression.")
             return PythonToolEnv(question, _countdown_score(task), self.max_tool_calls, self.limits)
-        return PythonToolEnv(task.question, lambda text: _equals(answer_value(text), task.answer),
+        return PythonToolEnv(task.question, lambda text: same_number(answer_value(text), task.answer),
                              self.max_tool_calls, self.limits)
 
     def make(self, split: str, index: int) -> PythonToolEnv:
@@ -223,12 +218,16 @@ class PythonToolBuilder(_BuiltinBuilder):
         mistaken = self._demo_has_error(split, index)
         if kind == "countdown":
             rng = self._rng(split, index, "mistake")
-            expression = self.countdown.mistaken_expression(task, rng) if mistaken else _render(task.solution)
+            if mistaken:
+                expression = self.countdown.mistaken_expression(task, rng)
+            else:
+                expression = render_tree(task.solution)
             code, final = f"print({expression})", f"\\boxed{{{expression}}}"
         else:
             code, final = (task.wrong_code if mistaken else task.code), None
         messages = list(self._env(kind, task).observation().messages)
-        call = {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "python", "arguments": {"code": code}}}
         output = tool_reply(code, self.limits)
         final = final or f"\\boxed{{{output.strip()}}}"
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},

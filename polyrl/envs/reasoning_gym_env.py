@@ -42,12 +42,13 @@ import hashlib
 import re
 from typing import Any
 
-from polyrl.envs.base import (Env, EnvBuilder, Message, Observation, StepResult, ToolSpec, parse_prefixed_type,
-                               register_env)
+from polyrl.envs.answers import boxed_contents
+from polyrl.envs.base import (Env, EnvBuilder, Message, Observation, StepResult, ToolSpec,
+                               parse_prefixed_type, register_env)
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
 
-_ARGS = ("config", "answer_extraction", "answer_tag", "answer_regex", "system_prompt", "train_size", "test_size",
-         "success_threshold")
+_ARGS = ("config", "answer_extraction", "answer_tag", "answer_regex", "system_prompt", "train_size",
+         "test_size", "success_threshold")
 _EXTRACTIONS = ("answer_tag", "boxed", "last_line", "full", "regex")
 _BOXED_PROMPT = "Solve the problem. Put your final answer within \\boxed{}."
 _MAX_SPARES = 20
@@ -65,9 +66,7 @@ def _import_rg():
 
 
 def _boxed(text: str) -> str | None:
-    from polyrl.envs.builtin import _boxed_contents
-
-    found = [b.strip() for b in _boxed_contents(text)]
+    found = [b.strip() for b in boxed_contents(text)]
     return found[-1] if found else None
 
 
@@ -82,18 +81,21 @@ class _Spec:
     """Parsed and checked type + args of one ``reasoning_gym:`` entry."""
 
     def __init__(self, type_name: str, args: dict[str, Any]):
-        self.name = name = parse_prefixed_type(type_name, "reasoning_gym", "reasoning_gym:leg_counting", args, _ARGS)
+        self.name = name = parse_prefixed_type(type_name, "reasoning_gym", "reasoning_gym:leg_counting",
+                                               args, _ARGS)
         self.config = args.get("config") or {}
         if not isinstance(self.config, dict):
             raise ValueError(f"config must be a mapping of the data set's config fields, got {self.config!r}")
         for key in ("size", "seed"):
             if key in self.config:
-                raise ValueError(f"config.{key} is set by polyrl (use train_size/test_size; seeds follow the run seed)")
+                raise ValueError(f"config.{key} is set by polyrl "
+                                 "(use train_size/test_size; seeds follow the run seed)")
         self.train_size = _positive_int(args, "train_size", 10_000)
         self.test_size = _positive_int(args, "test_size", 200)
         self.extraction = args.get("answer_extraction", "answer_tag")
         if self.extraction not in _EXTRACTIONS:
-            raise ValueError(f"answer_extraction must be one of {', '.join(_EXTRACTIONS)}, got {self.extraction!r}")
+            raise ValueError(f"answer_extraction must be one of {', '.join(_EXTRACTIONS)}, "
+                             f"got {self.extraction!r}")
         self.tag = args.get("answer_tag", "answer")
         if not isinstance(self.tag, str) or not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
             raise ValueError(f"answer_tag must be a tag name such as 'answer', got {self.tag!r}")
@@ -122,7 +124,8 @@ class _Spec:
             raise ValueError(f"unknown reasoning-gym data set {name!r}{hint}")
         prompt = args.get("system_prompt")
         if prompt is None:
-            prompt = {"answer_tag": SYSTEM_PROMPTS["default"], "boxed": _BOXED_PROMPT}.get(self.extraction, "")
+            defaults = {"answer_tag": SYSTEM_PROMPTS["default"], "boxed": _BOXED_PROMPT}
+            prompt = defaults.get(self.extraction, "")
             if self.extraction == "answer_tag" and self.tag != "answer":
                 prompt = prompt.replace("<answer>", f"<{self.tag}>").replace("</answer>", f"</{self.tag}>")
         elif not isinstance(prompt, str):
@@ -159,7 +162,8 @@ class _Spec:
         matches = list(self.regex.finditer(text))  # type: ignore[union-attr]
         if not matches:
             return None
-        return (matches[-1].group(1) if self.regex.groups else matches[-1].group(0)).strip()  # type: ignore[union-attr]
+        last = matches[-1]
+        return (last.group(1) if self.regex.groups else last.group(0)).strip()  # type: ignore[union-attr]
 
     def format_answer(self, answer: str) -> str | None:
         return {"answer_tag": f"<{self.tag}>{answer}</{self.tag}>", "boxed": f"\\boxed{{{answer}}}",
@@ -217,7 +221,8 @@ class ReasoningGymBuilder(EnvBuilder):
         _Spec(type_name, args)
 
     def _seed(self, purpose: str) -> int:
-        digest = hashlib.sha256(f"polyrl/reasoning_gym/{self.spec.name}/{self.seed}/{purpose}".encode()).digest()
+        key = f"polyrl/reasoning_gym/{self.spec.name}/{self.seed}/{purpose}"
+        digest = hashlib.sha256(key.encode()).digest()
         return int.from_bytes(digest[:4], "little")
 
     def _dataset(self, purpose: str) -> Any:
@@ -250,7 +255,8 @@ class ReasoningGymBuilder(EnvBuilder):
             if str(item["question"]) not in self._test_questions:
                 return ds, item
         raise RuntimeError(f"reasoning-gym {self.spec.name!r}: train task {index} keeps coinciding with test "
-                           "questions; the data set's task space is too small for disjoint splits (lower test_size)")
+                           "questions; the data set's task space is too small for disjoint splits "
+                           "(lower test_size)")
 
     def num_tasks(self, split: str) -> int | None:
         return self.spec.test_size if split == "test" else self.spec.train_size

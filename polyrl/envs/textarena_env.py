@@ -45,9 +45,6 @@ here are config errors.
 from __future__ import annotations
 
 import contextlib
-import copy
-import difflib
-import hashlib
 import importlib
 import io
 import json
@@ -55,10 +52,12 @@ import random
 import re
 from typing import Any, Callable
 
-from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, parse_prefixed_type, register_env
-from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
+from polyrl.envs.base import Message, Observation, StepResult, register_env
+from polyrl.envs.game_adapter import GameBuilder, GameEnv, GameSpec, one_line
+from polyrl.envs.global_rng import PrivateGlobalRng
 
-_ARGS = ("opponent", "opponent_kwargs", "player_id", "num_players", "env_kwargs", "success_reward", "system_prompt")
+_ARGS = ("opponent", "opponent_kwargs", "player_id", "num_players", "env_kwargs", "success_reward",
+         "system_prompt")
 _GAME_ID = -1
 _MAX_OPPONENT_MOVES = 10_000
 _MOVE_LIST = re.compile(r"(?:available|valid|legal|possible)[^\n:]*(?:moves?|actions?)[^\n:]*:([^\n]*)", re.I)
@@ -73,7 +72,9 @@ def _import_textarena():
         with PrivateGlobalRng().active():
             import textarena
     except ImportError as exc:
-        raise ValueError(f"textarena environments need the textarena package ({exc}): pip install textarena") from exc
+        raise ValueError(
+            f"textarena environments need the textarena package ({exc}): pip install textarena"
+        ) from exc
     return textarena
 
 
@@ -85,7 +86,8 @@ def _innermost(env: Any) -> Any:
     return env
 
 
-def _format(observation: Any, role_mapping: dict[int, str] | None = None, skip_sender: int | None = None) -> str:
+def _format(observation: Any, role_mapping: dict[int, str] | None = None,
+            skip_sender: int | None = None) -> str:
     """textarena messages ``[(sender, text, type), ...]`` as ``[GAME] text`` lines (messages from
     ``skip_sender``, the policy's own moves already in the conversation, left out); strings as is."""
     if observation is None:
@@ -140,7 +142,9 @@ def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Call
         if set(spec) != {"actions"} or not isinstance(actions, list) or not actions or not all(
             isinstance(a, str) for a in actions
         ):
-            raise ValueError(f"opponent mapping must be {{actions: [non-empty list of strings]}}, got {spec!r}")
+            raise ValueError(
+                f"opponent mapping must be {{actions: [non-empty list of strings]}}, got {spec!r}"
+            )
         return lambda seed: _ScriptedOpponent("actions", seed, actions)
     if isinstance(spec, str) and ":" in spec:
         module_name, _, attr = spec.partition(":")
@@ -166,24 +170,19 @@ def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Call
 # ------------------------------------------------------------------------------------------ spec
 
 
-class _Spec:
+class _Spec(GameSpec):
     """Parsed and checked type + args of one ``textarena:`` entry."""
 
+    prefix, package, example, known_args = "textarena", "textarena", "textarena:TicTacToe-v0", _ARGS
+
     def __init__(self, type_name: str, args: dict[str, Any]):
-        self.env_id = env_id = parse_prefixed_type(type_name, "textarena", "textarena:TicTacToe-v0", args, _ARGS)
-        self.env_kwargs = args.get("env_kwargs") or {}
-        if not isinstance(self.env_kwargs, dict):
-            raise ValueError(f"env_kwargs must be a mapping, got {self.env_kwargs!r}")
-        self.success_reward = args.get("success_reward", 1.0)
-        if as_reward(self.success_reward) is None or isinstance(self.success_reward, bool):
-            raise ValueError(f"success_reward must be a number, got {self.success_reward!r}")
-        self.system_prompt = args.get("system_prompt")
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ValueError(f"system_prompt must be a string, got {self.system_prompt!r}")
+        super().__init__(type_name, args)
         self.player_id = args.get("player_id", 0)
-        if self.player_id != "alternate" and (not isinstance(self.player_id, int) or isinstance(self.player_id, bool)
-                                              or self.player_id < 0):
-            raise ValueError(f"player_id must be a seat number (0, 1, ...) or 'alternate', got {self.player_id!r}")
+        if self.player_id != "alternate" and (not isinstance(self.player_id, int)
+                                              or isinstance(self.player_id, bool) or self.player_id < 0):
+            raise ValueError(
+                f"player_id must be a seat number (0, 1, ...) or 'alternate', got {self.player_id!r}"
+            )
         num_players = args.get("num_players")
         if num_players is not None and (not isinstance(num_players, int) or isinstance(num_players, bool)
                                         or num_players < 1):
@@ -195,10 +194,7 @@ class _Spec:
         _import_textarena()
         from textarena.envs.registration import ENV_REGISTRY
 
-        if env_id not in ENV_REGISTRY:
-            close = difflib.get_close_matches(env_id, list(ENV_REGISTRY), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ValueError(f"unknown textarena env id {env_id!r}{hint}")
+        self.check_env_id(ENV_REGISTRY)
         self.num_players = num_players or self._detect_players()
         _prototype(self)  # created and reset once: unsupported games fail here
         if isinstance(self.player_id, int) and self.player_id >= self.num_players:
@@ -242,26 +238,30 @@ def _prototype(spec: _Spec, num_players: int | None = None) -> Any:
     if key not in _PROTOTYPES:
         sink = io.StringIO()
         try:
-            with PrivateGlobalRng(0).active(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            with (PrivateGlobalRng(0).active(), contextlib.redirect_stdout(sink),
+                  contextlib.redirect_stderr(sink)):
                 _PROTOTYPES[key] = _create(spec, n)
         except AssertionError as exc:  # textarena checks the player count with asserts
             raise _PlayerCountError(f"textarena {spec.env_id!r} with {n} players: {exc}") from exc
         except LookupError as exc:
             resource = re.search(r"Resource\s+(\S+)\s+not found", str(exc))
             name = resource.group(1) if resource else "its nltk data"
+            download = f"python -m nltk.downloader {name.strip(chr(39))}"
             raise ValueError(
                 f"textarena {spec.env_id!r} needs the nltk resource {name}, which is not installed here "
-                f"(textarena would try to download it): run `python -m nltk.downloader {name.strip(chr(39))}` "
+                f"(textarena would try to download it): run `{download}` "
                 "with network access, or point NLTK_DATA at a copy"
             ) from exc
         except SyntaxError as exc:
-            raise ValueError(f"textarena {spec.env_id!r} does not import on this Python (a bug in the installed "
-                             f"textarena): {exc}") from exc
+            raise ValueError(f"textarena {spec.env_id!r} does not import on this Python (a bug in the "
+                             f"installed textarena): {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - any failure of the package becomes one clear line
-            msg = " ".join(str(exc).split())[:300]
+            msg = one_line(exc)
             if "API key" in msg or "api_key" in msg:
                 msg += " (this game needs an external LLM service, which polyrl does not provide)"
-            raise ValueError(f"textarena {spec.env_id!r} cannot be created here: {type(exc).__name__}: {msg}") from exc
+            raise ValueError(
+                f"textarena {spec.env_id!r} cannot be created here: {type(exc).__name__}: {msg}"
+            ) from exc
     return _PROTOTYPES[key]
 
 
@@ -273,13 +273,14 @@ def _quiet() -> contextlib.AbstractContextManager:
     return contextlib.redirect_stdout(io.StringIO())
 
 
-class TextArenaEnv(Env):
+class TextArenaEnv(GameEnv):
     """One game: the policy's seat against the opponents, on a private global-RNG stream."""
 
+    spec: _Spec
+
     def __init__(self, spec: _Spec, seed: int, player: int):
-        self.spec, self.seed, self.player = spec, seed, player
-        self.rng = PrivateGlobalRng(seed)
-        self.env: Any = None
+        super().__init__(spec, seed)
+        self.player = player
         self.opponents: dict[int, Callable[[str], str]] = {}
         self.histories: dict[int, list[Any]] = {}
         self.opponent_moves = 0
@@ -321,21 +322,15 @@ class TextArenaEnv(Env):
 
     async def reset(self) -> Observation:
         with self.rng.active(), _quiet():
-            try:
-                self.env = copy.deepcopy(_prototype(self.spec))
-            except Exception:  # noqa: BLE001 - a game that cannot be copied is created afresh
-                self.env = _create(self.spec, self.spec.num_players)
+            self.env = self.fresh_game(_prototype(self.spec),
+                                       lambda: _create(self.spec, self.spec.num_players))
             self.env.reset(num_players=self.spec.num_players, seed=self.seed)
             if self.spec.num_players > 1 and self._run_opponents():
                 raise RuntimeError("the game ended before the policy's first move")
             pid, observation = self.inner.get_observation()
         if pid != self.player:
             raise RuntimeError(f"expected player {self.player} to move first, textarena says player {pid}")
-        messages: list[Message] = []
-        if self.spec.system_prompt:
-            messages.append({"role": "system", "content": self.spec.system_prompt})
-        messages.append({"role": "user", "content": self._text(observation)})
-        return Observation(messages)
+        return self.first_observation(self._text(observation))
 
     async def step(self, action: Message) -> StepResult:
         text = action.get("content") or ""
@@ -353,15 +348,12 @@ class TextArenaEnv(Env):
             closed = self.env.close()
         rewards, game_info = closed if isinstance(closed, tuple) and len(closed) == 2 else (closed, {})
         raw = (rewards or {}).get(self.player) if isinstance(rewards, dict) else None
-        reward = as_reward(raw)
+        reward, metrics = self.checked_reward(raw)
         info = (game_info or {}).get(self.player, {}) if isinstance(game_info, dict) else {}
-        metrics = {
-            "reward_invalid": float(reward is None),
-            "invalid_move": float(bool(info.get("invalid_move", False))) if isinstance(info, dict) else 0.0,
-            "opponent_moves": float(self.opponent_moves),
-        }
-        reward = 0.0 if reward is None else reward
-        metrics["success"] = float(reward >= float(self.spec.success_reward))
+        invalid_move = bool(info.get("invalid_move", False)) if isinstance(info, dict) else False
+        metrics["invalid_move"] = float(invalid_move)
+        metrics["opponent_moves"] = float(self.opponent_moves)
+        metrics["success"] = self.success(reward)
         final = self._text(pending)
         reason = info.get("reason") if isinstance(info, dict) else None
         if reason and str(reason) not in final:
@@ -370,23 +362,15 @@ class TextArenaEnv(Env):
 
 
 @register_env("textarena:")
-class TextArenaBuilder(EnvBuilder):
+class TextArenaBuilder(GameBuilder):
     """``textarena:<env_id>``: see the module docstring."""
 
-    def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str | None = None):
-        super().__init__(args, seed, type_name)
-        self.spec = _Spec(self.type_name, self.args)
+    spec_class = _Spec
+    spec: _Spec
 
     @classmethod
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         _Spec(type_name, args)
-
-    def task_seed(self, split: str, index: int) -> int:
-        """Seed of task ``index``: even for train, odd for test (never shared)."""
-        if split not in ("train", "test"):
-            raise ValueError(f"unknown split {split!r}")
-        digest = hashlib.sha256(f"polyrl/textarena/{self.spec.env_id}/{self.seed}/{split}/{index}".encode()).digest()
-        return (int.from_bytes(digest[:4], "little") & 0x7FFFFFFE) | (split == "test")
 
     def make(self, split: str, index: int) -> TextArenaEnv:
         player = self.spec.player_id

@@ -81,8 +81,8 @@ SIZES: dict[str, TinySize] = {
     # real row count, so logits, the LoRA on the unembedding and memory are as for the real model (the
     # real tokenizer also has fewer tokens, 151,669, than the embedding has rows).
     "qwen3-0.6b": TinySize(
-        1024, 28, 16, 8, 3072, 2048, head_dim=128, config_vocab_size=151936, max_positions=40960, rope_theta=1e6,
-        save_dtype="bfloat16",
+        1024, 28, 16, 8, 3072, 2048, head_dim=128, config_vocab_size=151936, max_positions=40960,
+        rope_theta=1e6, save_dtype="bfloat16",
     ),
 }
 
@@ -107,7 +107,7 @@ def _tool_text() -> list[str]:
     import ast
     import re
 
-    from polyrl.envs.builtin import CALCULATOR_TOOL
+    from polyrl.envs.builtin.calculator import CALCULATOR_TOOL
 
     literals = re.findall(r'"(?:[^"\\]|\\.)*"', chat_template())
     return [ast.literal_eval(s) for s in literals if "function" in s] + [json.dumps(CALCULATOR_TOOL)]
@@ -175,8 +175,12 @@ def tiny_config(spec: TinySize, tokenizer):
     """The transformers config of a tiny model of ``spec`` with ``tokenizer``, and its model class."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    moe = {"num_experts": spec.num_experts, "num_experts_per_tok": 2, "moe_intermediate_size": spec.intermediate_size}
-    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if spec.num_experts else (Qwen3Config, Qwen3ForCausalLM)
+    moe = {"num_experts": spec.num_experts, "num_experts_per_tok": 2,
+           "moe_intermediate_size": spec.intermediate_size}
+    if spec.num_experts:
+        config_class, model_class = Qwen3MoeConfig, Qwen3MoeForCausalLM
+    else:
+        config_class, model_class = Qwen3Config, Qwen3ForCausalLM
     config = config_class(
         **(moe if spec.num_experts else {}),
         vocab_size=spec.config_vocab_size or len(tokenizer),
@@ -213,7 +217,9 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     if size in PACKAGED:
         return import_gguf(packaged_gguf(size), out_dir)
     if size not in SIZES:
-        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}")
+        raise UserInputError(
+            f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}"
+        )
     spec = SIZES[size]
     out = Path(out_dir)
     try:
@@ -221,7 +227,8 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     except FileExistsError as exc:
         raise UserInputError(f"{out} is a file, not a directory for the model") from exc
     except (OSError, ValueError) as exc:  # no permission, a NUL in the path, ...
-        raise UserInputError(f"cannot create the model directory {out}: {getattr(exc, 'strerror', None) or exc}") from exc
+        reason = getattr(exc, "strerror", None) or exc
+        raise UserInputError(f"cannot create the model directory {out}: {reason}") from exc
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
     config, model_class = tiny_config(spec, tokenizer)
     torch.manual_seed(seed)

@@ -20,6 +20,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from polyrl.fileio import atomic_write_text
 from polyrl.report import data as D
 from polyrl.secrets import redact
 from polyrl.tracking.files import read_jsonl
@@ -31,9 +32,7 @@ STATIC_FILES = ("report.js", "report.css")
 def _write(path: Path, text: str) -> None:
     """Whole-file write through a temporary name (a reader never sees half a file); no fsync:
     everything here can be rebuilt from the run directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text, durable=False)
 
 
 def _write_if_changed(path: Path, text: str) -> bool:

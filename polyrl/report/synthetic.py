@@ -13,7 +13,7 @@ import random
 import re
 from pathlib import Path
 
-from polyrl.envs.builtin import CALCULATOR_TOOL
+from polyrl.envs.builtin.calculator import CALCULATOR_TOOL
 from polyrl.tracking.files import step_file
 
 ENVS = ("calculator", "guess_number", "arithmetic")

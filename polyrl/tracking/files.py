@@ -18,21 +18,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from polyrl.errors import UserInputError
+from polyrl.fileio import atomic_write_text
 from polyrl.secrets import redact, redact_pieces, redact_text
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power cut
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from polyrl.tracking.metrics_json import MetricsJson
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -114,11 +102,7 @@ class RunFiles:
         self.metrics_path = self.root / "metrics.jsonl"
         self.checkpoints_path = self.root / "checkpoints.jsonl"
         self.attempts_path = self.root / "attempts.jsonl"
-        self.metrics_json = None
-        if metrics_json:
-            from polyrl.tracking.metrics_json import MetricsJson
-
-            self.metrics_json = MetricsJson(self.root / "metrics.json")
+        self.metrics_json = MetricsJson(self.root / "metrics.json") if metrics_json else None
 
     def write_config(self, config: dict) -> None:
         atomic_write_text(self.root / "config.json", redacted_json(config, indent=2))

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from polyrl.tracking.files import atomic_write_text
+from polyrl.fileio import atomic_write_text
 
 
 class MetricsJson:

@@ -11,20 +11,23 @@ import json
 from pathlib import Path
 from typing import Any
 
+from polyrl.fileio import atomic_write_text
 from polyrl.secrets import redact, redact_text
-from polyrl.tracking.files import atomic_write_text
 
 RECORD = "wandb.json"
 
 
 class WandbLog:
-    def __init__(self, project: str, name: str | None, config: dict, directory: str, run_id: str | None = None):
+    def __init__(self, project: str, name: str | None, config: dict, directory: str,
+                 run_id: str | None = None):
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the optional extra
-            raise RuntimeError("wandb_project_name is set but wandb is not installed: pip install 'polyrl[wandb]'") from e
-        self.run = wandb.init(project=redact_text(project), name=name and redact_text(name), config=redact(config),
-                              dir=directory, id=run_id, resume="allow")
+            raise RuntimeError(
+                "wandb_project_name is set but wandb is not installed: pip install 'polyrl[wandb]'"
+            ) from e
+        self.run = wandb.init(project=redact_text(project), name=name and redact_text(name),
+                              config=redact(config), dir=directory, id=run_id, resume="allow")
         self._record(Path(directory))
 
     @property
@@ -33,14 +36,16 @@ class WandbLog:
 
     def _record(self, directory: Path) -> None:
         run = self.run
-        offline = bool(getattr(run.settings, "_offline", False)) or getattr(run.settings, "mode", "") == "offline"
+        settings = run.settings
+        offline = bool(getattr(settings, "_offline", False)) or getattr(settings, "mode", "") == "offline"
         record = {"id": run.id, "project": run.project, "entity": getattr(run, "entity", None) or None,
                   "name": run.name, "url": None if offline else (run.url or None), "offline": offline,
                   "dir": str(Path(run.dir).parent) if getattr(run, "dir", None) else None}
         atomic_write_text(directory / RECORD, json.dumps(redact(record), indent=2))
 
     def log(self, row: dict[str, Any], step: int) -> None:
-        """The numeric entries of ``row``; names with secrets masked (an environment names its own metrics)."""
+        """The numeric entries of ``row``; names with secrets masked (an environment names its own
+        metrics)."""
         self.run.log({redact_text(k): v for k, v in row.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:

@@ -31,8 +31,9 @@ import asyncio
 import time
 from typing import Any
 
+from polyrl.envs.answers import answer_value
 from polyrl.envs.base import EnvBuilder, Message, ToolSpec, register_env
-from polyrl.envs.builtin import CountdownBuilder, CountdownEnv, answer_value, countdown_expression
+from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownEnv, countdown_expression
 from polyrl.rollouts import Episode
 
 _ARGS = ("num_solvers", "task", "task_args", "judge_sees", "max_candidate_chars", "solver_max_tokens",
@@ -101,8 +102,8 @@ class SolverJudgeBuilder(EnvBuilder):
                 shown = text.strip()
             shown = shown[: self.max_chars] or "(empty)"
             parts += ["", f"Candidate {i}:", shown]
-        parts += ["", "Which candidate is correct? Check each one, then give the number of a correct candidate "
-                      "in \\boxed{}, e.g. \\boxed{1}."]
+        parts += ["", "Which candidate is correct? Check each one, then give the number of a correct "
+                      "candidate in \\boxed{}, e.g. \\boxed{1}."]
         return "\n".join(parts)
 
     async def rollout(self, ctx: Any) -> list[Episode]:

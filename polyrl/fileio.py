@@ -1,0 +1,28 @@
+"""Whole-file writes that a crash never tears: the text goes to a temporary name beside the file and
+is renamed over it, so a reader sees the old file or the new one, never half of either."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """Write ``text`` to ``path`` through a temporary name and a rename.
+
+    ``durable`` also fsyncs the file and its directory, so the new content survives a power cut;
+    leave it off for files that can be rebuilt (the HTML report).
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(path.parent, os.O_RDONLY)  # the rename itself survives a power cut
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
