@@ -623,6 +623,8 @@ def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limit
         ([_datum(long, "cross_entropy")], "holds 65 tokens; this server takes at most 64 per request"),
         ([too_wide], "declares shape [5, 5]; its K (second dimension) must be between 1 and 4 (--max-target-k)"),
         ([wide(16)] * 4, "hold 768 values (sparse ones counted dense); this server takes at most 512 per request"),
+        ([narrow, types.Datum(model_input=types.ModelInput(chunks=[]), loss_fn_inputs={})], "data[1]: model_input "
+         "is empty"),  # a datum costs a token at least, so the limits on tokens bound datums too
     ]
     for seq, (data, words) in enumerate(cases, start=1):
         r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, data), headers=PROTO)
@@ -690,28 +692,46 @@ def test_a_key_with_too_many_samples_in_flight_gets_429_and_the_sdk_waits(limite
     sdk.close("success").result()
 
 
-def test_a_key_with_too_many_tokens_in_flight_gets_429_but_never_for_what_others_wait_on(limited, tiny_model_dir):
-    """Queued forward_backward data counts against its key's tokens in flight; the operation that earlier
-    queued ones wait for (the SDK sends a batch's first chunk last) is always let in."""
+def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_would_wait(limited, tiny_model_dir):
+    """A key's forward_backward data and prompts not yet done count against its tokens in flight. Past it,
+    a request that would run now gets 429 (the SDK waits and resubmits); data that would wait for an
+    earlier seq_id gets 400 (the SDK sends a call's first chunk only once its later ones are accepted, so
+    a 429 would hang the call); the operation others wait for is always let in."""
     http = limited.http
-    model_id = _create_model(limited, tiny_model_dir, _session(limited))
+    session = _session(limited)
+    model_id = _create_model(limited, tiny_model_dir, session)
+    sixty = list(range(5, 65))
 
-    def fwdbwd(seq: int) -> httpx.Response:  # 60 tokens
+    def fwdbwd(seq: int) -> httpx.Response:
         return http.post("/forward_backward", headers=PROTO,
-                         content=_fwdbwd_body(model_id, seq, [_datum(list(range(5, 65)), "cross_entropy")]))
+                         content=_fwdbwd_body(model_id, seq, [_datum(sixty, "cross_entropy")]))
 
-    queued = [fwdbwd(2), fwdbwd(3)]  # both wait for seq_id 1: 120 tokens in flight
+    queued = [fwdbwd(2), fwdbwd(3)]  # both wait for seq_id 1: 120 tokens
     assert all(r.status_code == 200 for r in queued), [r.text for r in queued]
     r = fwdbwd(4)
-    assert r.status_code == 429 and "Retry-After" in r.headers, r.text
-    assert "this key has 120 tokens (forward_backward data and sampling prompts) in flight; 60 more would pass " \
-           "its limit of 128 (--max-tokens-in-flight)" in r.json()["error"]
+    assert r.status_code == 400 and "waiting for earlier seq_ids would reach 180 tokens, past its limit of 128 " \
+        "(--max-tokens-in-flight)" in r.json()["error"], r.text
     first = fwdbwd(1)
     assert first.status_code == 200, first.text
     for r in [first, *queued]:
         assert "loss:sum" in _retrieve(limited, r.json()["request_id"])["metrics"]
+
+    # two sampling prompts held in flight (their sampler waits for another model's seq_id 1) ...
+    other_model = _create_model(limited, tiny_model_dir, session, seq=1)
+    http.post("/save_weights_for_sampler", json={"model_id": other_model, "seq_id": 2, "sampling_session_seq_id": 0})
+    held = [http.post("/asample", json={"sampling_session_id": f"{session}:sample:0", "num_samples": 1,
+                                        "prompt": {"chunks": [{"type": "encoded_text", "tokens": sixty}]},
+                                        "sampling_params": {"max_tokens": 1}}) for _ in range(2)]
+    assert all(r.status_code == 200 for r in held), [r.text for r in held]
+    r = fwdbwd(5)  # ... so data that would run now waits: 429
+    assert r.status_code == 429 and float(r.headers["Retry-After"]) > 0, r.text
+    assert "this key has 120 tokens (forward_backward data and sampling prompts) in flight; 60 more would pass " \
+           "its limit of 128 (--max-tokens-in-flight)" in r.json()["error"]
+    http.post("/optim_step", json={"model_id": other_model, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    for r in held:
+        assert len(_retrieve(limited, r.json()["request_id"])["sequences"]) == 1
     r = _post_until_admitted(http, "/forward_backward", headers=PROTO,
-                             content=_fwdbwd_body(model_id, 4, [_datum(list(range(5, 65)), "cross_entropy")]))
+                             content=_fwdbwd_body(model_id, 5, [_datum(sixty, "cross_entropy")]))
     assert "loss:sum" in _retrieve(limited, r.json()["request_id"])["metrics"]
 
 

@@ -27,7 +27,8 @@ LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's 
     ("--max-request-tokens", 1 << 20, "model_input tokens in one forward_backward request, or one prompt"),
     ("--max-request-datums", 1024, "datums in one forward_backward request (the SDK splits larger batches)"),
     ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets"),
-    ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done"),
+    ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done "
+                                        "(one forward_backward call's chunks must fit in it together)"),
     ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
     ("--max-checkpoints", 1000, "per key: checkpoints kept in the store; past it a save gets 403 until some "
                                 "are deleted"),

@@ -319,6 +319,8 @@ def _datum_size(d: pb.Datum, max_k: int) -> tuple[int, int]:
         if size % 4:
             raise ValueError(f"model_input tokens are {size} bytes, not a whole number of int32s")
         n += size // 4
+    if n == 0:  # every datum costs at least a token, so the limits on tokens bound datums too
+        raise ValueError("model_input is empty")
     return n, sum(_tensor_size(name, t, n, max_k) for name, t in d.loss_fn_inputs.items())
 
 

@@ -65,7 +65,8 @@ class ServeConfig:
     max_target_k: int = 128
     # What one API key may have at once, so that no key starves the others: tokens of forward_backward
     # data and sampling prompts accepted and not yet done, and samples likewise (429 with Retry-After past
-    # them: the SDK waits and retries); checkpoints stored (403 past it, until some are deleted).
+    # them: the SDK waits and retries; 400 for data that would wait for an earlier seq_id, which a 429
+    # would hang); checkpoints stored (403 past it, until some are deleted).
     max_tokens_in_flight: int = 1 << 22
     max_samples_in_flight: int = 8192
     max_checkpoints: int = 1000
@@ -320,20 +321,43 @@ class Server:
                 raise ValueError("forward_backward got no data")
             return self.engine.forward_backward(rec.ready.result(), data, loss_fn, config, backward)
 
-        new = rec.ops.accepts(fb.seq_id)
-        if new and not rec.ops.unblocks(fb.seq_id):  # an operation others wait for is always let in
+        new, ahead = rec.ops.accepts(fb.seq_id), fb.seq_id > rec.ops.next_seq
+        if new and ahead:
+            self._waiting_room(rec, fb.seq_id, fb.tokens)
+        elif new and not rec.ops.waiting:  # one that others wait for is always let in
             self._in_flight_room(owner, "tokens", fb.tokens)
         rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
         if new:
             self.usage.hold(owner, self.futures.get(rid).future, tokens=fb.tokens)
+            if ahead:
+                rec.waiting_tokens[fb.seq_id] = fb.tokens
         return {"request_id": rid, "model_id": rec.model_id}
+
+    def _waiting_room(self, rec: ModelRecord, seq_id: int, tokens: int) -> None:
+        """A 400 (using up ``seq_id``) when data waiting for earlier seq_ids would pass the key's tokens in
+        flight. Not a 429: the SDK sends a call's later chunks first and its first only once all of those
+        are accepted, so a chunk turned away for now would leave the call waiting for good."""
+        waiting = 0
+        for r in self.models.values():
+            if r.owner == rec.owner:
+                r.waiting_tokens = {s: n for s, n in r.waiting_tokens.items() if s in r.ops.waiting}
+                waiting += sum(r.waiting_tokens.values())
+        limit = self.config.max_tokens_in_flight
+        if waiting and waiting + tokens > limit:
+            e = RequestError(400, f"this key's forward_backward data waiting for earlier seq_ids would reach "
+                                  f"{waiting + tokens} tokens, past its limit of {limit} "
+                                  "(--max-tokens-in-flight); a forward_backward call's chunks wait together "
+                                  "for its first: send smaller calls")
+            rec.ops.refuse(seq_id, e)
+            raise e
 
     _IN_FLIGHT = {"tokens": ("max_tokens_in_flight", "tokens (forward_backward data and sampling prompts)"),
                   "samples": ("max_samples_in_flight", "samples")}
 
     def _in_flight_room(self, owner: str, what: str, amount: int) -> None:
         """A 429 the SDK waits out (Retry-After) when ``amount`` more would pass the key's limit; a key with
-        nothing in flight always gets one request in (that request's own size is bounded elsewhere)."""
+        nothing in flight always gets one request in (that request's own size is bounded elsewhere).
+        Only for requests nothing waits on (see :meth:`_waiting_room`)."""
         name, label = self._IN_FLIGHT[what]
         limit, held = getattr(self.config, name), self.usage.held(owner, what)
         if held and held + amount > limit:

@@ -170,10 +170,6 @@ class OrderedOps:
         ahead = self.next_seq <= seq < self.next_seq + self.max_ahead
         return ahead and seq not in self.seen and not self.closed
 
-    def unblocks(self, seq: int) -> bool:
-        """Whether operations already wait for ``seq``: turning it away could leave them waiting for good."""
-        return seq == self.next_seq and bool(self.waiting)
-
     def refuse(self, seq: int, error: RequestError) -> None:
         """Record ``seq`` as failed (its POST was malformed) so later operations need not wait for it."""
         if seq in self.seen or seq < self.next_seq or seq >= self.next_seq + self.max_ahead or self.closed:
@@ -252,6 +248,7 @@ class ModelRecord:
     ops: OrderedOps
     create_request_id: str
     last_request: float = field(default_factory=time.time)
+    waiting_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens of data behind a gap
 
 
 @dataclass
