@@ -1109,6 +1109,21 @@ def test_api_keys_from_options_file_and_environment(tmp_path, monkeypatch):
     assert not generated and keys == ["tml-arg", "tml-from-file", "tml-second", "tml-env-1", "tml-env-2"]
 
 
+def test_limits_on_the_command_line_default_to_the_servers():
+    import argparse
+    import dataclasses
+
+    from polyrl.serve.main import add_arguments, config_from_args
+    from polyrl.serve.server import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given, default = config_from_args(parser.parse_args([]), [KEY]), ServeConfig()
+    names = [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_") or "timeout" in f.name]
+    assert len(names) >= 10
+    assert {n: getattr(given, n) for n in names} == {n: getattr(default, n) for n in names}
+
+
 def test_serve_command_line_errors_are_one_line(tmp_path):
     import socket
 
