@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -510,6 +511,340 @@ def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
     assert len(_retrieve(served, r.json()["request_id"])["sequences"][0]["tokens"]) >= 1
 
 
+def _sparse(shape: list[int], rows: int | None = None) -> types.TensorData:
+    """A sparse loss input that declares ``shape`` and lists no value: small on the wire, huge if densified."""
+    rows = shape[0] if rows is None else rows
+    return types.TensorData(data=[], dtype="float32", shape=shape, sparse_crow_indices=[0] * (rows + 1),
+                            sparse_col_indices=[])
+
+
+def test_declared_shapes_are_checked_before_anything_is_allocated(served, training, tiny_model_dir, tokenizer):
+    """A small request whose sparse ``weights`` declares [20000, 20000] (1.6 GB dense) is a 400 naming the
+    field, the shape and the bound, and the server's memory stays where it was; so is every other shape
+    that does not fit its datum. A sparse input that fits trains."""
+    tokens = _tokens(tokenizer)
+    n = len(tokens)
+    rss_before = served.rss_bytes()
+    huge = _datum(tokens, "cross_entropy")
+    huge.loss_fn_inputs["weights"] = _sparse([20000, 20000])
+    assert len(_fwdbwd_body(training.model_id, 1, [huge])) > 150_000  # the row offsets are most of it
+    with pytest.raises(tinker.BadRequestError) as err:  # the real SDK sends it
+        training.forward_backward([huge], "cross_entropy").result(timeout=60)
+    assert "loss_fn_inputs['weights']" in str(err.value) and "[20000, 20000]" in str(err.value), str(err.value)
+    assert f"the datum's {n} tokens" in str(err.value)
+
+    def with_input(name: str, td: types.TensorData) -> types.Datum:
+        d = _datum(tokens, "cross_entropy")
+        d.loss_fn_inputs[name] = td
+        return d
+
+    unsorted = types.TensorData(data=[1.0, 1.0], dtype="float32", shape=[n, 4], sparse_crow_indices=[0, 2] + [2] * n,
+                                sparse_col_indices=[3, 1])
+    cases = [  # (datum, the field, what the error says)
+        (with_input("weights", _sparse([60000, 60000])), "weights", f"[60000, 60000]; a loss input is (N,) or (N, K) "
+                                                                    f"with N the datum's {n} tokens"),
+        (with_input("weights", _sparse([n, 10**6])), "weights", f"[{n}, 1000000]; its K (second dimension) must be "
+                                                                "between 1 and 128"),
+        (with_input("weights", _sparse([n, 0])), "weights", "between 1 and 128"),
+        (with_input("weights", _sparse([n, -4])), "weights", "between 1 and 128"),
+        (with_input("weights", _sparse([n], rows=n)), "weights", f"sparse but declares shape [{n}]"),
+        (with_input("weights", _sparse([n, 4], rows=n + 5)), "weights", "not a valid sparse (CSR) tensor"),
+        (with_input("weights", unsorted), "weights", "not a valid sparse (CSR) tensor"),
+        (with_input("weights", types.TensorData(data=[0.5] * n * 200, dtype="float32", shape=[n, 200])), "weights",
+         "between 1 and 128"),
+        (with_input("weights", types.TensorData(data=[0.5] * 8 * n, dtype="float32", shape=[n, 2, 4])), "weights",
+         f"[{n}, 2, 4]"),
+        (with_input("target_tokens", types.TensorData(data=tokens + [1], dtype="int64", shape=[n + 1])),
+         "target_tokens", f"[{n + 1}]"),
+        (with_input("target_tokens", types.TensorData(data=tokens + [1, 2], dtype="int64")), "target_tokens",
+         f"[{n + 2}]"),
+        (with_input("unused_extra", _sparse([30000, 30000])), "unused_extra", "[30000, 30000]"),
+    ]
+    http = served.http
+    model_id = _create_model(served, tiny_model_dir, _session(served))
+    for seq, (datum, field, words) in enumerate(cases, start=1):
+        r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, [datum]), headers=PROTO)
+        error = r.json()["error"]
+        assert r.status_code == 400 and f"loss_fn_inputs[{field!r}]" in error and words in error, (seq, error)
+        assert error.startswith("data[0]: ") and "\n" not in error
+    grown = served.rss_bytes() - rss_before
+    assert grown < 200 << 20, f"server memory grew by {grown >> 20} MiB"
+    # a sparse (N, 1) weights input that fits is used as it is; the model trains on
+    weights = types.TensorData(data=[0.5] * n, dtype="float32", shape=[n, 1], sparse_crow_indices=list(range(n + 1)),
+                               sparse_col_indices=[0] * n)
+    out = training.forward_backward([with_input("weights", weights)], "cross_entropy").result(timeout=60)
+    assert np.isfinite(out.metrics["loss:sum"])
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": len(cases) + 1,
+                                       "adam_params": {"learning_rate": 1e-3}})
+    assert "metrics" in _retrieve(served, r.json()["request_id"])  # the refused requests held nothing up
+
+
+# ------------------------------------------------------------------ limits: per request, per key, slow clients
+@pytest.fixture(scope="module")
+def limited(tiny_model_dir, tmp_path_factory):
+    """A server with small limits, to reach each of them."""
+    s = Served(tiny_model_dir, tmp_path_factory.mktemp("limited-store"), "--long-poll", "1",
+               "--max-request-tokens", "64", "--max-request-datums", "4", "--max-target-k", "4",
+               "--max-tokens-in-flight", "128", "--max-samples-in-flight", "8", "--max-checkpoints", "3",
+               "--header-timeout", "1", "--body-timeout", "1")
+    yield s
+    s.stop()
+
+
+def _post_until_admitted(http: httpx.Client, url: str, **kwargs) -> httpx.Response:
+    """POST, waiting out 429s as the SDK does (a key's in-flight amounts are released just after its
+    requests finish)."""
+    for _ in range(100):
+        r = http.post(url, **kwargs)
+        if r.status_code != 429:
+            return r
+        time.sleep(float(r.headers["Retry-After"]) / 10)
+    raise AssertionError(f"{url} still refused: {r.text}")
+
+
+def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limited, tiny_model_dir):
+    http = limited.http
+    session = _session(limited)
+    model_id = _create_model(limited, tiny_model_dir, session)
+    long = list(range(5, 70))  # 65 tokens
+
+    def wide(n: int) -> types.Datum:  # 16 tokens, three (16, 4) inputs: 192 values
+        d = _datum(list(range(5, 5 + n)), "cross_entropy")
+        for name in ("target_tokens", "weights", "mask"):
+            d.loss_fn_inputs[name] = types.TensorData(data=[1] * n * 4, dtype="int64" if name == "target_tokens"
+                                                      else "float32", shape=[n, 4])
+        return d
+
+    narrow = _datum([5, 6, 7, 8, 9], "cross_entropy")
+    too_wide = _datum([5, 6, 7, 8, 9], "cross_entropy")
+    too_wide.loss_fn_inputs["weights"] = types.TensorData(data=[1.0] * 25, dtype="float32", shape=[5, 5])
+    cases = [
+        ([narrow] * 5, "holds 5 datums; this server takes at most 4 per request (--max-request-datums)"),
+        ([_datum(long, "cross_entropy")], "holds 65 tokens; this server takes at most 64 per request"),
+        ([too_wide], "declares shape [5, 5]; its K (second dimension) must be between 1 and 4 (--max-target-k)"),
+        ([wide(16)] * 4, "hold 768 values (sparse ones counted dense); this server takes at most 512 per request"),
+        ([narrow, types.Datum(model_input=types.ModelInput(chunks=[]), loss_fn_inputs={})], "data[1]: model_input "
+         "is empty"),  # a datum costs a token at least, so the limits on tokens bound datums too
+    ]
+    for seq, (data, words) in enumerate(cases, start=1):
+        r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, data), headers=PROTO)
+        assert r.status_code == 400 and words in r.json()["error"], (seq, r.text)
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": len(cases) + 1,
+                                       "adam_params": {"learning_rate": 1e-3}})
+    assert "metrics" in _retrieve(limited, r.json()["request_id"])  # the refused ones used up their seq_ids
+    http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
+                                                "base_model": tiny_model_dir})
+    for tokens, n, words in ((long, 1, "prompt of 65 tokens is longer than this server takes (64"),
+                             ([5, 6], 9, "num_samples 9 is more than this server lets a key have in flight (8")):
+        r = http.post("/asample", json={"sampling_session_id": f"{session}:sample:0", "num_samples": n,
+                                        "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                                        "sampling_params": {"max_tokens": 2}})
+        assert r.status_code == 400 and words in r.json()["error"] and r.json()["category"] == "user", r.text
+
+    config = http.post("/client/config", json={}).json()
+    assert config["fwdbwd_max_chunk_len"] == 4 and config["fwdbwd_max_chunk_bytes_count"] == 12 * 64
+    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
+    data = [_datum([5 + i, 6, 7, 8, 9], "cross_entropy") for i in range(10)]
+    data += [_datum(list(range(5 + i, 35 + i)), "cross_entropy") for i in range(3)]  # 30 tokens each
+    out = tc.forward_backward(data, "cross_entropy").result(timeout=120)  # 13 datums, 240 tokens in all
+    assert len(out.loss_fn_outputs) == 13 and np.isfinite(out.metrics["loss:sum"])
+    assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [5] * 10 + [30] * 3
+    sdk.close("success").result()
+
+
+def test_a_key_with_too_many_samples_in_flight_gets_429_and_the_sdk_waits(limited, tiny_model_dir):
+    """Past a key's samples in flight, sampling requests get 429 with Retry-After (the SDK backs off and
+    resubmits); another key samples on meanwhile."""
+    http, other = limited.http, limited.other
+    session = _session(limited)
+    model_id = _create_model(limited, tiny_model_dir, session)
+    # a sampler of weights that an operation waiting for seq_id 1 will save: its samples stay in flight
+    r = http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 2, "sampling_session_seq_id": 0})
+    assert r.status_code == 200, r.text
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
+
+    def asample(client: httpx.Client, sampler: str, n: int) -> httpx.Response:
+        return client.post("/asample", json={"sampling_session_id": sampler, "num_samples": n, "prompt": prompt,
+                                             "sampling_params": {"max_tokens": 2}})
+
+    held = asample(http, f"{session}:sample:0", 5)
+    assert held.status_code == 200, held.text
+    r = asample(http, f"{session}:sample:0", 4)
+    assert r.status_code == 429 and float(r.headers["Retry-After"]) > 0, r.text
+    assert "this key has 5 samples in flight; 4 more would pass its limit of 8 (--max-samples-in-flight)" in \
+        r.json()["error"] and r.json()["category"] == "user"
+    other_session = _session(limited, other)
+    other.post("/create_sampling_session", json={"session_id": other_session, "sampling_session_seq_id": 0,
+                                                 "base_model": tiny_model_dir})
+    r = asample(other, f"{other_session}:sample:0", 8)
+    assert len(_retrieve(limited, r.json()["request_id"], http=other)["sequences"]) == 8
+
+    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    waiting = sdk.create_sampling_client(base_model=tiny_model_dir).result().sample(
+        types.ModelInput.from_ints([5, 6, 7]), 4, types.SamplingParams(max_tokens=2)).future()
+    time.sleep(2)
+    assert not waiting.done()  # refused (429) and retrying: nothing can finish while the 5 samples are held
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    assert "metrics" in _retrieve(limited, r.json()["request_id"])  # seq_id 1 came: the held samples run
+    assert len(_retrieve(limited, held.json()["request_id"])["sequences"]) == 5
+    assert len(waiting.result(timeout=120).sequences) == 4
+    sdk.close("success").result()
+
+
+def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_would_wait(limited, tiny_model_dir):
+    """A key's forward_backward data and prompts not yet done count against its tokens in flight. Past it,
+    a request that would run now gets 429 (the SDK waits and resubmits); data that would wait for an
+    earlier seq_id gets 400 (the SDK sends a call's first chunk only once its later ones are accepted, so
+    a 429 would hang the call); the operation others wait for is always let in."""
+    http = limited.http
+    session = _session(limited)
+    model_id = _create_model(limited, tiny_model_dir, session)
+    sixty = list(range(5, 65))
+
+    def fwdbwd(seq: int) -> httpx.Response:
+        return http.post("/forward_backward", headers=PROTO,
+                         content=_fwdbwd_body(model_id, seq, [_datum(sixty, "cross_entropy")]))
+
+    queued = [fwdbwd(2), fwdbwd(3)]  # both wait for seq_id 1: 120 tokens
+    assert all(r.status_code == 200 for r in queued), [r.text for r in queued]
+    r = fwdbwd(4)
+    assert r.status_code == 400 and "waiting for earlier seq_ids would reach 180 tokens, past its limit of 128 " \
+        "(--max-tokens-in-flight)" in r.json()["error"], r.text
+    first = fwdbwd(1)
+    assert first.status_code == 200, first.text
+    for r in [first, *queued]:
+        assert "loss:sum" in _retrieve(limited, r.json()["request_id"])["metrics"]
+
+    # two sampling prompts held in flight (their sampler waits for another model's seq_id 1) ...
+    other_model = _create_model(limited, tiny_model_dir, session, seq=1)
+    http.post("/save_weights_for_sampler", json={"model_id": other_model, "seq_id": 2, "sampling_session_seq_id": 0})
+    held = [http.post("/asample", json={"sampling_session_id": f"{session}:sample:0", "num_samples": 1,
+                                        "prompt": {"chunks": [{"type": "encoded_text", "tokens": sixty}]},
+                                        "sampling_params": {"max_tokens": 1}}) for _ in range(2)]
+    assert all(r.status_code == 200 for r in held), [r.text for r in held]
+    r = fwdbwd(5)  # ... so data that would run now waits: 429
+    assert r.status_code == 429 and float(r.headers["Retry-After"]) > 0, r.text
+    assert "this key has 120 tokens (forward_backward data and sampling prompts) in flight; 60 more would pass " \
+           "its limit of 128 (--max-tokens-in-flight)" in r.json()["error"]
+    http.post("/optim_step", json={"model_id": other_model, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    for r in held:
+        assert len(_retrieve(limited, r.json()["request_id"])["sequences"]) == 1
+    r = _post_until_admitted(http, "/forward_backward", headers=PROTO,
+                             content=_fwdbwd_body(model_id, 5, [_datum(sixty, "cross_entropy")]))
+    assert "loss:sum" in _retrieve(limited, r.json()["request_id"])["metrics"]
+
+
+def test_a_key_keeps_at_most_max_checkpoints(limited, tiny_model_dir):
+    """Past --max-checkpoints a save is a 403 saying to delete some (its seq_id used up); replacing a
+    checkpoint adds none; deleting one makes room; another key has its own quota."""
+    http = limited.http
+    model_id = _create_model(limited, tiny_model_dir, _session(limited))
+    kept = http.get("/checkpoints").json()["cursor"]["total_count"]
+    seq = 1
+
+    def save(path: str, kind: str = "save_weights", client: httpx.Client = http, model: str = model_id):
+        nonlocal seq
+        r = client.post(f"/{kind}", json={"model_id": model, "seq_id": seq, "path": path})
+        seq += 1
+        return r
+
+    for i in range(3 - kept):
+        r = save(f"c{i}", "save_weights" if i % 2 else "save_weights_for_sampler")
+        _retrieve(limited, r.json()["request_id"])
+    assert http.get("/checkpoints").json()["cursor"]["total_count"] == 3
+    for kind in ("save_weights", "save_weights_for_sampler"):
+        r = save("one-too-many", kind)
+        assert r.status_code == 403 and r.json()["category"] == "user", r.text
+        assert "this key keeps 3 checkpoints, the most this server allows per key (--max-checkpoints 3); delete some" \
+            in r.json()["error"]
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": seq, "adam_params": {"learning_rate": 1e-3}})
+    seq += 1
+    assert "metrics" in _retrieve(limited, r.json()["request_id"])  # the refused saves held nothing up
+    r = save("c0", "save_weights_for_sampler")  # replaces one: allowed
+    assert _retrieve(limited, r.json()["request_id"])["path"].endswith("/sampler_weights/c0")
+    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
+    with pytest.raises(tinker.PermissionDeniedError, match="delete some"):
+        tc.save_state("sdk-save").result(timeout=60)
+    http.delete(f"/training_runs/{model_id}/checkpoints/sampler_weights/c0").raise_for_status()
+    assert tc.save_state("sdk-save").result(timeout=60).path.endswith("/weights/sdk-save")
+    sdk.close("success").result()
+    # the other key's quota is its own
+    other_model = _create_model(limited, tiny_model_dir, _session(limited, limited.other), http=limited.other)
+    seq = 1
+    r = save("theirs", client=limited.other, model=other_model)
+    assert _retrieve(limited, r.json()["request_id"], http=limited.other)["path"].endswith("/weights/theirs")
+
+
+def _drip_until_closed(sock, drip: bytes, bound_s: float = 30.0) -> tuple[float, bytes]:
+    """Send ``drip`` a byte every 0.2 s, reading meanwhile; (seconds until the server closed the connection,
+    what it answered). An AssertionError if it is still open after ``bound_s``."""
+    import select
+
+    start, sent, answer = time.monotonic(), 0, b""
+    while time.monotonic() - start < bound_s:
+        if select.select([sock], [], [], 0.2)[0]:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                return time.monotonic() - start, answer
+            answer += data
+        elif sent < len(drip):
+            try:
+                sock.sendall(drip[sent:sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - start, answer
+            sent += 1
+    raise AssertionError(f"the server kept a slow client's connection open for {bound_s} s ({sent} bytes sent)")
+
+
+def _exchange(sock, request: bytes) -> bytes:
+    """One request on a kept-alive connection; the response's status line."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed; got {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n")[0]
+
+
+def test_slow_clients_are_closed(limited):
+    """A connection whose request headers, or body, trickle in (or never come) is closed once --header-timeout
+    or --body-timeout (1 s here) has passed, however steadily it drips; a kept-alive connection that idles
+    between requests is not."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(limited.url)
+    head = (f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n").encode()
+    cases = {  # what is sent at once, what is dripped
+        "silent": (b"", b""),
+        "headers": (b"", b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 10_000),
+        "body": (head, b"{" + b" " * 99_999),
+    }
+    for what, (prefix, drip) in cases.items():
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(prefix)
+            _, answer = _drip_until_closed(sock, drip)
+            if what != "body":
+                assert answer.startswith(b"HTTP/1.1 408"), (what, answer)
+    healthz = f"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        assert _exchange(sock, healthz) == b"HTTP/1.1 200 OK"
+        time.sleep(2.5)  # idle between requests, longer than the header timeout
+        assert _exchange(sock, healthz) == b"HTTP/1.1 200 OK"
+    assert limited.alive()
+
+
 def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tiny_model_dir, tmp_path):
     """A session's end releases its models, samplers and results; deleting the last adapter of a base
     model leaves that base model's own sampling working."""
@@ -774,6 +1109,21 @@ def test_api_keys_from_options_file_and_environment(tmp_path, monkeypatch):
     assert not generated and keys == ["tml-arg", "tml-from-file", "tml-second", "tml-env-1", "tml-env-2"]
 
 
+def test_limits_on_the_command_line_default_to_the_servers():
+    import argparse
+    import dataclasses
+
+    from polyrl.serve.main import add_arguments, config_from_args
+    from polyrl.serve.server import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given, default = config_from_args(parser.parse_args([]), [KEY]), ServeConfig()
+    names = [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_") or "timeout" in f.name]
+    assert len(names) >= 10
+    assert {n: getattr(given, n) for n in names} == {n: getattr(default, n) for n in names}
+
+
 def test_serve_command_line_errors_are_one_line(tmp_path):
     import socket
 
@@ -787,6 +1137,8 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
             (["--models", str(tmp_path / "no-such-model")], "no such model directory"),
             (["--api-key-file", str(tmp_path / "no-keys")], "no-keys"),
             (["--device", "warp-drive"], "--device"),
+            (["--max-checkpoints", "0"], "--max-checkpoints must be a positive integer"),
+            (["--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
         ]
         for args, words in cases:
             done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY, "--no-preload",
@@ -857,6 +1209,8 @@ class Actor:
         self.request_ids: list[str] = []
         self.other: Actor | None = None
         self.failures: list[str] = []
+        self.statuses: Counter[int] = Counter()
+        self.huge_shapes = 0
         self.sent = 0
         self.n = 0  # for unique names and seq ids of new models / samplers
         self.start_session()
@@ -867,7 +1221,14 @@ class Actor:
         self.request_ids = []  # a finished session's results are gone
         self.model_id = _create_model(self.served, self.model_dir, self.session, http=self.http)
         self.seq = 1
-        r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(), "path": "seed"})
+        for _ in range(20):
+            r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(), "path": "seed"})
+            if r.status_code != 403:
+                break
+            # the key keeps as many checkpoints as it may: delete one, as its owner must (the refusal used the seq_id)
+            oldest = self.http.get("/checkpoints").json()["checkpoints"][-1]
+            run_id = oldest["tinker_path"][len("tinker://"):].split("/")[0]
+            self.http.delete(f"/training_runs/{run_id}/checkpoints/{oldest['checkpoint_id']}")
         self.checkpoint = _retrieve(self.served, r.json()["request_id"], http=self.http)["path"]
         self.http.post("/create_sampling_session", json={"session_id": self.session, "sampling_session_seq_id": 0,
                                                          "base_model": self.model_dir})
@@ -902,7 +1263,8 @@ class Actor:
                                        "optimizer": rng.random() < 0.5}),
             ("POST", "/create_sampling_session", {"session_id": self.session, "sampling_session_seq_id": n,
                                                   "model_path": self.checkpoint}),
-            ("POST", "/asample", {"sampling_session_id": self.sampler, "seq_id": n, "num_samples": 2, "prompt": prompt,
+            ("POST", "/asample", {"sampling_session_id": self.sampler, "seq_id": n, "prompt": prompt,
+                                  "num_samples": rng.choice([2, 2, 4, 7]),  # past --max-samples-in-flight: 400 or 429
                                   "prompt_logprobs": rng.random() < 0.3,
                                   "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "seed": n}}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
@@ -930,7 +1292,7 @@ class Actor:
         msg = pb.ForwardBackwardRequest()
         msg.ParseFromString(_fwdbwd_body(self.model_id, self.next_seq(), [_datum([5, 6, 7, 8, 9], loss)], loss))
         if self.rng.random() < 0.5:  # mutate the protobuf's fields
-            choice = self.rng.randrange(6)
+            choice = self.rng.randrange(9)
             if choice == 0:
                 msg.seq_id = self.rng.choice([0, -5, 3_000_000, 2**31 - 1, self.seq + 2])
             elif choice == 1:
@@ -943,6 +1305,13 @@ class Actor:
                 msg.data[0].loss_fn_inputs["advantages"].dense = bad.tobytes()
             elif choice == 4:
                 msg.data[0].loss_fn_inputs["target_tokens"].shape[:] = [7, 3]
+            elif choice in (5, 6, 7):  # a sparse input declaring a shape gigabytes large, in a few bytes
+                self.huge_shapes += 1
+                t = msg.data[0].loss_fn_inputs[self.rng.choice(["weights", "advantages", "target_tokens", "extra"])]
+                t.Clear()
+                t.dtype = pb.DTYPE_FLOAT32
+                t.shape[:] = self.rng.choice([[20000, 20000], [60000, 60000], [5, 10**9], [5], [-1, 5], [5, 0]])
+                t.sparse_csr.crow_indices = np.zeros(max(t.shape[0], 0) + 1, dtype=np.int64).tobytes()
             else:
                 msg.loss_fn_config["clip_low_threshold"] = float("nan")
         body = msg.SerializeToString()
@@ -1041,17 +1410,19 @@ class Actor:
                 self.failures.append(f"{method} {url[:120]}: {type(e).__name__}: {e}")
                 return
             self.sent += 1
+            self.statuses[r.status_code] += 1
             self.check(method, url, body, foreign, r)
 
 
 @pytest.mark.slow
 def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_path):
     """1,200 seeded, mutated requests from two keys at once: never a 5xx or a server-side failure, never
-    another key's things, memory bounded; afterwards the official SDK still trains and samples."""
+    another key's things, memory bounded (sparse inputs declaring huge shapes among them), each key's
+    checkpoint quota kept; afterwards the official SDK still trains and samples."""
     from concurrent.futures import ThreadPoolExecutor
 
     served = Served(tiny_model_dir, tmp_path / "store", "--long-poll", "0.2", "--max-body-mb", "1",
-                    "--seq-gap-timeout", "1")
+                    "--seq-gap-timeout", "1", "--max-samples-in-flight", "6", "--max-checkpoints", "5")
     try:
         a, b = Actor(served, KEY, 1, tiny_model_dir), Actor(served, OTHER_KEY, 2, tiny_model_dir)
         a.other, b.other = b, a
@@ -1066,8 +1437,15 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
         grown = served.rss_bytes() - rss_before
         assert grown < 300 << 20, f"server memory grew by {grown >> 20} MiB"
         assert served.alive()
+        assert a.huge_shapes + b.huge_shapes >= 3
+        assert a.statuses[403] > 0 and b.statuses[403] > 0  # the checkpoint quota was reached ...
         for actor in (a, b):
             actor.http.post(f"/sessions/{actor.session}/finish", json={})
+            kept = actor.http.get("/checkpoints", params={"limit": 1000}).json()["checkpoints"]
+            assert len(kept) <= 5, [c["tinker_path"] for c in kept]  # ... and held, per key
+            for c in kept:  # make room for the SDK's save below
+                run_id = c["tinker_path"][len("tinker://"):].split("/")[0]
+                actor.http.delete(f"/training_runs/{run_id}/checkpoints/{c['checkpoint_id']}").raise_for_status()
 
         tokens = [5, 6, 7, 8, 9]
         paths = {}

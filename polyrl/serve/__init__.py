@@ -3,8 +3,8 @@
 ``tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...")`` (and so the
 tinker-cookbook, and polyrl's own ``backend: tinker``) then trains and samples on this machine.
 
-Modules: :mod:`~polyrl.serve.app` (routes, auth, body limits), :mod:`~polyrl.serve.server`
-(operations on the engine), :mod:`~polyrl.serve.state` (futures, per-model order, sessions),
+Modules: :mod:`~polyrl.serve.app` (routes, auth, body limits, read timeouts), :mod:`~polyrl.serve.server`
+(operations on the engine, per-key quotas), :mod:`~polyrl.serve.state` (futures, per-model order, sessions),
 :mod:`~polyrl.serve.protocol` (wire formats), :mod:`~polyrl.serve.runs` (training runs and
 checkpoints), :mod:`~polyrl.serve.main` (the command line).
 """

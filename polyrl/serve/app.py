@@ -2,7 +2,8 @@
 
 Every route needs a valid ``X-API-Key``, whose digest is the caller's ``owner``; bodies are capped
 at ``max_body_bytes`` (413); refused requests get a 4xx with ``{"error": ..., "category": "user"}``
-and the server keeps serving.
+and the server keeps serving. :func:`read_timeout_protocol` closes connections whose request
+headers or body do not arrive in time.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import io
 import logging
 from typing import Any
 
+import h11
+
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
@@ -26,14 +31,22 @@ from polyrl.serve.server import Server
 
 log = logging.getLogger("polyrl.serve")
 PROTOBUF = "application/x-protobuf"
-CLIENT_CONFIG = {
-    "pjwt_auth_enabled": False,
-    "parallel_fwdbwd_chunks": True,
-    "proto_compress_fwdbwd": False,
-    "sample_use_retrieve_futures": False,
-    "custom_loss_server_side": False,
-    "sample_join_sampling_session": False,
-}
+SDK_CHUNK_BYTES = 5_000_000  # the SDK's own limit on a forward_backward request's estimated size
+MIN_BYTES_PER_TOKEN = 12  # in the SDK's estimate: an int32 token and at least an int64 target per token
+
+
+def sdk_config(limits: P.RequestLimits) -> dict:
+    """What the SDK asks for first; its forward_backward chunks then stay within ``limits``."""
+    return {
+        "pjwt_auth_enabled": False,
+        "parallel_fwdbwd_chunks": True,
+        "proto_compress_fwdbwd": False,
+        "sample_use_retrieve_futures": False,
+        "custom_loss_server_side": False,
+        "sample_join_sampling_session": False,
+        "fwdbwd_max_chunk_len": limits.max_datums,
+        "fwdbwd_max_chunk_bytes_count": min(SDK_CHUNK_BYTES, MIN_BYTES_PER_TOKEN * limits.max_tokens),
+    }
 
 
 def key_owner(key: bytes) -> str:
@@ -58,6 +71,66 @@ class ApiKeyMiddleware:
                 return
             scope.setdefault("state", {})["owner"] = key_owner(given)
         await self.app(scope, receive, send)
+
+
+def read_timeout_protocol(header_s: float, body_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers take more than ``header_s``
+    seconds (from the connection's start, or the next request's first byte) or whose body takes more than
+    ``body_s`` (from the end of its headers). Deadlines, not idle timers: a client dripping a byte a
+    second is closed too. An idle kept-alive connection is left to uvicorn's keep-alive timeout."""
+
+    class ReadTimeoutProtocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _phase: str | None = None  # "headers" or "body" while a deadline runs
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm("headers", header_s)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch(arrived=True)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch(arrived=False)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._arm(None, 0)
+            super().connection_lost(exc)
+
+        def _watch(self, arrived: bool) -> None:
+            """Follow the request's progress (h11's state of the client's side) after bytes came or a response
+            went out: a request begun but without all its headers, one still sending its body, or neither."""
+            state = self.conn.their_state
+            if state is h11.IDLE and (arrived or self.conn.trailing_data[0]):
+                self._arm("headers", header_s)
+            elif state is h11.SEND_BODY:
+                self._arm("body", body_s)
+            elif state is not h11.IDLE:
+                self._arm(None, 0)
+
+        def _arm(self, phase: str | None, seconds: float) -> None:
+            if phase == self._phase:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+            self._phase, self._timer = phase, None
+            if phase is not None:
+                self._timer = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self) -> None:
+            phase, self._timer = self._phase, None
+            if self.transport.is_closing():
+                return
+            seconds = header_s if phase == "headers" else body_s
+            log.debug("closing %s: its request %s took more than %.0f s", self.client, phase, seconds)
+            if phase == "headers" and self.conn.our_state is h11.IDLE:
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
+                                     b"content-length: 0\r\n\r\n")
+            self.transport.close()
+
+    return ReadTimeoutProtocol
 
 
 def create_app(server: Server) -> FastAPI:
@@ -87,7 +160,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, e: RequestError):
-        return JSONResponse({"error": e.message, "category": e.category}, e.status)
+        headers = {"Retry-After": f"{e.retry_after:g}"} if e.retry_after is not None else None
+        return JSONResponse({"error": e.message, "category": e.category}, e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -111,11 +185,14 @@ def create_app(server: Server) -> FastAPI:
         if declared.isdigit() and int(declared) > limit:
             raise RequestError(413, f"request body of {int(declared)} bytes exceeds the server's limit of {limit} bytes")
         parts, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(413, f"request body exceeds the server's limit of {limit} bytes")
-            parts.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(413, f"request body exceeds the server's limit of {limit} bytes")
+                parts.append(chunk)
+        except ClientDisconnect:  # gone (or closed for being too slow): nobody reads the answer
+            raise RequestError(400, "the client disconnected before its request body arrived") from None
         data = b"".join(parts)
         if request.headers.get("content-encoding", "").lower() == "zstd":
             import zstandard
@@ -148,7 +225,7 @@ def create_app(server: Server) -> FastAPI:
     # ---- client set-up, sessions, telemetry -------------------------------------------------------
     @app.post(f"{api}/client/config")
     async def client_config(request: Request):
-        return ok(CLIENT_CONFIG)
+        return ok(sdk_config(server.limits))
 
     @app.post(f"{api}/client/dynamic_config")
     async def dynamic_config(request: Request):
@@ -197,8 +274,8 @@ def create_app(server: Server) -> FastAPI:
     async def forward_backward(request: Request):
         data = await body(request)
         try:
-            fb = P.decode_forward_backward(data) if len(data) < (1 << 20) else \
-                await asyncio.to_thread(P.decode_forward_backward, data)
+            fb = P.decode_forward_backward(data, server.limits) if len(data) < (1 << 20) else \
+                await asyncio.to_thread(P.decode_forward_backward, data, server.limits)
         except RequestError as e:
             ids = P.peek_forward_backward_ids(data)
             if ids is not None and ids[1] >= 1:

@@ -23,6 +23,16 @@ if TYPE_CHECKING:
     from polyrl.serve.server import ServeConfig
 
 KEYS_ENV = "POLYRL_SERVE_API_KEYS"
+LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's in-flight limit 429 (retried)
+    ("--max-request-tokens", 1 << 20, "model_input tokens in one forward_backward request, or one prompt"),
+    ("--max-request-datums", 1024, "datums in one forward_backward request (the SDK splits larger batches)"),
+    ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets"),
+    ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done "
+                                        "(one forward_backward call's chunks must fit in it together)"),
+    ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
+    ("--max-checkpoints", 1000, "per key: checkpoints kept in the store; past it a save gets 403 until some "
+                                "are deleted"),
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while the engine is idle, hold sampling requests until none arrived for this long "
                         "(3x once several wait, at most 100x in all) so a rollout's requests decode in one batch; 0: off")
     p.add_argument("--no-preload", action="store_true", help="load models on first use, not at start-up")
+    limits = p.add_argument_group("limits", "what one request, and one API key, may take (so that no key "
+                                            "starves the others)")
+    for flag, default, text in LIMITS:
+        limits.add_argument(flag, type=int, default=default, metavar="N", help=f"{text} (default {default})")
+    limits.add_argument("--header-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a request's headers may take to arrive; slower clients are closed "
+                             "(default 30)")
+    limits.add_argument("--body-timeout", type=float, default=120.0, metavar="S",
+                        help="seconds a request's body may take to arrive after its headers (default 120)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
 
@@ -84,7 +103,11 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
                        gradient_checkpointing=checkpointing, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,
-                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload)
+                       sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload,
+                       max_request_tokens=args.max_request_tokens, max_request_datums=args.max_request_datums,
+                       max_target_k=args.max_target_k, max_tokens_in_flight=args.max_tokens_in_flight,
+                       max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
+                       header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
 
 def _is_loopback(host: str) -> bool:
@@ -104,6 +127,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserInputError("--long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a poll at 45)")
     if not args.max_body_mb > 0 or not args.seq_gap_timeout > 0:
         raise UserInputError("--max-body-mb and --seq-gap-timeout must be positive")
+    for flag, _, _ in LIMITS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            raise UserInputError(f"{flag} must be a positive integer, got {value}")
+    for flag in ("--header-timeout", "--body-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not 0 < value < float("inf"):
+            raise UserInputError(f"{flag} must be a positive number of seconds, got {value}")
     for name in args.models:
         resolve_model_path(name)
 
@@ -134,7 +165,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import uvicorn
 
-    from polyrl.serve.app import create_app
+    from polyrl.serve.app import create_app, read_timeout_protocol
     from polyrl.serve.server import Server
 
     try:
@@ -162,8 +193,10 @@ def run(args: argparse.Namespace) -> None:
                     print(f"API key: {keys[0]}  (pass api_key=... or set TINKER_API_KEY)", flush=True)
                 print(f"polyrl serve listening on {url}", flush=True)
 
+    cfg = server.config
     config = uvicorn.Config(create_app(server), log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=3, timeout_keep_alive=75)
+                            timeout_graceful_shutdown=3, timeout_keep_alive=75,
+                            http=read_timeout_protocol(cfg.header_timeout_s, cfg.body_timeout_s))
     _Server(config).run(sockets=[sock])
 
 

@@ -21,13 +21,15 @@ from tinker.proto import tinker_public_pb2 as pb
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP ``status`` with ``{"error": message, "category": ...}``."""
+    """A request the server refuses: HTTP ``status`` with ``{"error": message, "category": ...}``.
+    ``retry_after`` (seconds) goes out as a ``Retry-After`` header, for a refusal that passes (429)."""
 
-    def __init__(self, status: int, message: str, category: str = "user"):
+    def __init__(self, status: int, message: str, category: str = "user", retry_after: float | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.category = category
+        self.retry_after = retry_after
 
 
 # ---- JSON requests ---------------------------------------------------------------------------------
@@ -231,6 +233,25 @@ class ForwardBackwardReq:
     loss_fn: str
     loss_fn_config: dict[str, Any]
     forward_only: bool
+    tokens: int = 0  # model_input tokens of all datums
+
+
+VALUES_PER_TOKEN = 8
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one ``forward_backward`` request may hold; checked on the protobuf's declared sizes, before
+    anything is decoded, so a small body cannot make the server allocate a large tensor."""
+
+    max_tokens: int = 1 << 20  # model_input tokens of all datums
+    max_datums: int = 1024
+    max_k: int = 128  # K of an (N, K) loss input, such as top-K targets
+
+    @property
+    def max_values(self) -> int:
+        """Loss-input values of all datums, sparse tensors counted at their dense size."""
+        return VALUES_PER_TOKEN * self.max_tokens
 
 
 def peek_forward_backward_ids(body: bytes) -> tuple[str, int] | None:
@@ -243,7 +264,7 @@ def peek_forward_backward_ids(body: bytes) -> tuple[str, int] | None:
         return None
 
 
-def decode_forward_backward(body: bytes) -> ForwardBackwardReq:
+def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()) -> ForwardBackwardReq:
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -260,46 +281,118 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardReq:
     for k, v in config.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise RequestError(400, f"loss_fn_config[{k!r}] is {v}; it must be a finite number")
+    if len(msg.data) > limits.max_datums:
+        raise RequestError(400, f"forward_backward request holds {len(msg.data)} datums; this server takes "
+                                f"at most {limits.max_datums} per request (--max-request-datums)")
+    tokens = values = 0
+    for i, d in enumerate(msg.data):
+        try:
+            n, v = _datum_size(d, limits.max_k)
+        except ValueError as e:
+            raise RequestError(400, f"data[{i}]: {e}") from None
+        tokens, values = tokens + n, values + v
+    if tokens > limits.max_tokens:
+        raise RequestError(400, f"forward_backward request holds {tokens} tokens; this server takes at most "
+                                f"{limits.max_tokens} per request (--max-request-tokens)")
+    if values > limits.max_values:
+        raise RequestError(400, f"forward_backward request's loss_fn_inputs hold {values} values (sparse "
+                                f"ones counted dense); this server takes at most {limits.max_values} per "
+                                f"request ({VALUES_PER_TOKEN} per token of --max-request-tokens)")
     data = []
     for i, d in enumerate(msg.data):
         try:
             data.append(_decode_datum(d))
         except (ValueError, TypeError) as e:
             raise RequestError(400, f"data[{i}]: {e}") from None
-    return ForwardBackwardReq(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only)
+    return ForwardBackwardReq(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only, tokens)
 
 
-def _decode_datum(d: pb.Datum) -> types.Datum:
-    chunks = []
+def _datum_size(d: pb.Datum, max_k: int) -> tuple[int, int]:
+    """(tokens, loss-input values) of a datum, from what its protobuf declares; a ValueError for a shape
+    that does not fit the datum. Nothing is decoded or allocated here."""
+    n = 0
     for c in d.model_input:
         kind = c.WhichOneof("chunk")
         if kind != "encoded_text":
             raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text tokens only")
-        chunks.append(types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist()))
+        size = len(c.encoded_text.tokens)
+        if size % 4:
+            raise ValueError(f"model_input tokens are {size} bytes, not a whole number of int32s")
+        n += size // 4
+    if n == 0:  # every datum costs at least a token, so the limits on tokens bound datums too
+        raise ValueError("model_input is empty")
+    return n, sum(_tensor_size(name, t, n, max_k) for name, t in d.loss_fn_inputs.items())
+
+
+def _tensor_size(name: str, t: pb.Tensor, n: int, max_k: int) -> int:
+    """The dense size of a loss input that is (n,) or (n, K) with 1 <= K <= max_k."""
+    field = f"loss_fn_inputs[{name!r}]"
+    if t.dtype not in _NP_DTYPES:
+        dtype = pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype
+        raise ValueError(f"{field} has unsupported dtype {dtype}")
+    shape = list(t.shape)
+    if t.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise ValueError(f"{field} is sparse but declares shape {shape}; a sparse loss input is 2-D: "
+                             "(tokens, K)")
+    elif not shape:
+        shape = [len(t.dense) // np.dtype(_NP_DTYPES[t.dtype]).itemsize]
+    if len(shape) > 2 or shape[0] != n:
+        raise ValueError(f"{field} declares shape {shape}; a loss input is (N,) or (N, K) with N the datum's "
+                         f"{n} tokens")
+    if len(shape) == 2 and not 1 <= shape[1] <= max_k:
+        raise ValueError(f"{field} declares shape {shape}; its K (second dimension) must be between 1 and "
+                         f"{max_k} (--max-target-k)")
+    return math.prod(shape)
+
+
+def _valid_csr(crow: np.ndarray, col: np.ndarray, nnz: int, shape: list[int]) -> bool:
+    """The invariants torch checks when it densifies a CSR tensor (a failure there would be the server's)."""
+    rows, cols = shape
+    if len(crow) != rows + 1 or len(col) != nnz or crow[0] != 0 or crow[-1] != nnz:
+        return False
+    if (np.diff(crow) < 0).any():
+        return False
+    if nnz == 0:
+        return True
+    if col.min() < 0 or col.max() >= cols:
+        return False
+    same_row = np.ones(nnz - 1, dtype=bool)  # col[j] and col[j + 1] lie in one row
+    starts = crow[1:-1]
+    same_row[starts[(starts > 0) & (starts < nnz)] - 1] = False
+    return bool((np.diff(col)[same_row] > 0).all())
+
+
+def _decode_datum(d: pb.Datum) -> types.Datum:
+    chunks = [types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
+              for c in d.model_input]
     inputs = {name: _decode_tensor(name, t) for name, t in d.loss_fn_inputs.items()}
     return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
 
 
 def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
-    if t.dtype not in _NP_DTYPES:
-        raise ValueError(f"loss_fn_inputs[{name!r}] has unsupported dtype {pb.DType.Name(t.dtype)}")
+    """A loss input whose declared shape :func:`_tensor_size` accepted."""
     np_dtype, dtype = _NP_DTYPES[t.dtype], _TENSOR_DTYPES[t.dtype]
     shape = list(t.shape) or None
+    field = f"loss_fn_inputs[{name!r}]"
     if t.HasField("sparse_csr"):
         csr = t.sparse_csr
         values = np.frombuffer(csr.values, dtype=np_dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(csr.col_indices, dtype=np.int64)
+        if not _valid_csr(crow, col, len(values), shape):
+            raise ValueError(f"{field} is not a valid sparse (CSR) tensor of shape {shape}: it needs "
+                             f"{shape[0] + 1} row offsets rising from 0 to its number of values, and per "
+                             "value a column in [0, K), increasing within each row")
         if values.dtype.kind == "f" and not np.isfinite(values).all():
-            raise ValueError(f"loss_fn_inputs[{name!r}] holds values that are not finite (NaN or infinity)")
-        return types.TensorData(
-            data=values, dtype=dtype, shape=shape,
-            sparse_crow_indices=np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
-            sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
-        )
+            raise ValueError(f"{field} holds values that are not finite (NaN or infinity)")
+        return types.TensorData(data=values, dtype=dtype, shape=shape, sparse_crow_indices=crow.tolist(),
+                                sparse_col_indices=col.tolist())
     arr = np.frombuffer(t.dense, dtype=np_dtype)
     if shape is not None and math.prod(shape) != arr.size:
-        raise ValueError(f"loss_fn_inputs[{name!r}] has {arr.size} values but shape {shape}")
+        raise ValueError(f"{field} has {arr.size} values but shape {shape}")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # one NaN would poison the adapter's weights
-        raise ValueError(f"loss_fn_inputs[{name!r}] holds values that are not finite (NaN or infinity)")
+        raise ValueError(f"{field} holds values that are not finite (NaN or infinity)")
     return types.TensorData(data=arr, dtype=dtype, shape=shape)
 
 

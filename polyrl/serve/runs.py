@@ -50,6 +50,7 @@ def _iso(ts: float) -> str:
 class Runs:
     def __init__(self, store: Store):
         self.store = store
+        self._owners: dict[str, str] = {}  # run id -> owner read from its run.json (which never changes)
 
     # ---- run.json ---------------------------------------------------------------------------------
     def record(self, run_id: str, owner: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
@@ -81,8 +82,28 @@ class Runs:
         d = self.store.run_directory(run_id)
         if not (d / RUN_FILE).exists():
             return "" if d.is_dir() else None
+        if run_id in self._owners:
+            return self._owners[run_id]
         info = self.info(run_id)
-        return str(info.get("owner") or "") if info is not None else UNREADABLE
+        if info is None:
+            return UNREADABLE
+        owner = self._owners[run_id] = str(info.get("owner") or "")
+        return owner
+
+    # ---- what a key keeps ----------------------------------------------------------------------------
+    def count_checkpoints(self, run_ids: list[str]) -> int:
+        """Checkpoints stored under these runs (directories only: no metadata is read)."""
+        count = 0
+        for run_id in run_ids:
+            for kind in KINDS:
+                base = self.store.run_directory(run_id) / kind
+                if base.is_dir():
+                    count += sum(1 for d in base.iterdir() if not d.name.startswith(".")
+                                 and (d / "polyrl.json").exists())
+        return count
+
+    def has_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
+        return (self.store.run_directory(run_id) / kind / name / "polyrl.json").exists()
 
     # ---- REST views ---------------------------------------------------------------------------------
     def checkpoints(self, run_id: str) -> list[dict]:

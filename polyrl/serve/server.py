@@ -32,7 +32,8 @@ from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
 from polyrl.serve.state import (
-    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, error_body, wait_done,
+    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, error_body,
+    wait_done,
 )
 
 log = logging.getLogger("polyrl.serve")
@@ -57,6 +58,21 @@ class ServeConfig:
     max_samplers_per_session: int = 64
     max_seq_ahead: int = 1024  # how far past a model's next seq_id an operation may arrive (and wait)
     preload: bool = True
+    # What one request may hold (400 past it): model_input tokens of a forward_backward (or a sampling
+    # prompt), datums of a forward_backward, K of an (N, K) loss input.
+    max_request_tokens: int = 1 << 20
+    max_request_datums: int = 1024
+    max_target_k: int = 128
+    # What one API key may have at once, so that no key starves the others: tokens of forward_backward
+    # data and sampling prompts accepted and not yet done, and samples likewise (429 with Retry-After past
+    # them: the SDK waits and retries; 400 for data that would wait for an earlier seq_id, which a 429
+    # would hang); checkpoints stored (403 past it, until some are deleted).
+    max_tokens_in_flight: int = 1 << 22
+    max_samples_in_flight: int = 8192
+    max_checkpoints: int = 1000
+    # A connection's request headers, then its body, must arrive within these (slow clients are closed).
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 120.0
 
 
 def _json(model: Any) -> dict:
@@ -75,6 +91,10 @@ class Server:
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, SamplerRecord] = {}
         self.outstanding = Outstanding()
+        self.usage = Usage()
+        self.saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
+        self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
+                                      config.max_target_k)
         quiet = config.sample_quiet_ms / 1000
         self.gate = SampleGate(self._submit_sample, self.outstanding.__bool__, quiet, 3 * quiet, 100 * quiet)
         self.served: dict[str, str] = {}  # any spelling of a served model -> its canonical name
@@ -301,8 +321,50 @@ class Server:
                 raise ValueError("forward_backward got no data")
             return self.engine.forward_backward(rec.ready.result(), data, loss_fn, config, backward)
 
+        new, ahead = rec.ops.accepts(fb.seq_id), fb.seq_id > rec.ops.next_seq
+        if new and ahead:
+            self._waiting_room(rec, fb.seq_id, fb.tokens)
+        elif new and not rec.ops.waiting:  # one that others wait for is always let in
+            self._in_flight_room(owner, "tokens", fb.tokens)
         rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
+        if new:
+            self.usage.hold(owner, self.futures.get(rid).future, tokens=fb.tokens)
+            if ahead:
+                rec.waiting_tokens[fb.seq_id] = fb.tokens
         return {"request_id": rid, "model_id": rec.model_id}
+
+    def _waiting_room(self, rec: ModelRecord, seq_id: int, tokens: int) -> None:
+        """A 400 (using up ``seq_id``) when data waiting for earlier seq_ids would pass the key's tokens in
+        flight. Not a 429: the SDK sends a call's later chunks first and its first only once all of those
+        are accepted, so a chunk turned away for now would leave the call waiting for good."""
+        waiting = 0
+        for r in self.models.values():
+            if r.owner == rec.owner:
+                r.waiting_tokens = {s: n for s, n in r.waiting_tokens.items() if s in r.ops.waiting}
+                waiting += sum(r.waiting_tokens.values())
+        limit = self.config.max_tokens_in_flight
+        if waiting and waiting + tokens > limit:
+            e = RequestError(400, f"this key's forward_backward data waiting for earlier seq_ids would reach "
+                                  f"{waiting + tokens} tokens, past its limit of {limit} "
+                                  "(--max-tokens-in-flight); a forward_backward call's chunks wait together "
+                                  "for its first: send smaller calls")
+            rec.ops.refuse(seq_id, e)
+            raise e
+
+    _IN_FLIGHT = {"tokens": ("max_tokens_in_flight", "tokens (forward_backward data and sampling prompts)"),
+                  "samples": ("max_samples_in_flight", "samples")}
+
+    def _in_flight_room(self, owner: str, what: str, amount: int) -> None:
+        """A 429 the SDK waits out (Retry-After) when ``amount`` more would pass the key's limit; a key with
+        nothing in flight always gets one request in (that request's own size is bounded elsewhere).
+        Only for requests nothing waits on (see :meth:`_waiting_room`)."""
+        name, label = self._IN_FLIGHT[what]
+        limit, held = getattr(self.config, name), self.usage.held(owner, what)
+        if held and held + amount > limit:
+            flag = "--" + name.replace("_", "-")
+            raise RequestError(429, f"this key has {held} {label} in flight; {amount} more would pass its "
+                                    f"limit of {limit} ({flag}); retry once earlier requests finish",
+                               retry_after=1)
 
     def refuse_op(self, model_id: str, seq_id: int, error: RequestError, owner: str) -> None:
         """A malformed operation still uses up its seq_id, so the model's later operations need not wait."""
@@ -332,6 +394,29 @@ class Server:
             rec.ops.refuse(seq_id, e)
             raise
 
+    def _save(self, rec: ModelRecord, seq_id: int, kind: str, name: str, run) -> dict:
+        """Submit a checkpoint save, unless the key already keeps ``max_checkpoints``: then a 403 (which
+        uses up ``seq_id``) until it deletes some. Replacing a checkpoint that exists adds none."""
+        new = rec.ops.accepts(seq_id) and not self.runs.has_checkpoint(rec.model_id, kind, name)
+        if new:
+            limit = self.config.max_checkpoints
+            kept = self.runs.count_checkpoints(self._own_runs(rec.owner))
+            saving = [x for x in self.saving.get(rec.owner, []) if not x[0].done()]
+            self.saving[rec.owner] = saving
+            coming = sum(not self.runs.has_checkpoint(*target) for _, target in saving)  # not on disk yet
+            if kept + coming >= limit:
+                pending = f" and is saving {coming} more" if coming else ""
+                e = RequestError(403, f"this key keeps {kept} checkpoints{pending}, the most this server "
+                                      f"allows per key (--max-checkpoints {limit}); delete some "
+                                      "(RestClient.delete_checkpoint, or DELETE "
+                                      "/api/v1/training_runs/<run>/checkpoints/<id>) to save more")
+                rec.ops.refuse(seq_id, e)
+                raise e
+        rid = rec.ops.submit(seq_id, run, dict)
+        if new:
+            self.saving[rec.owner].append((self.futures.get(rid).future, (rec.model_id, kind, name)))
+        return {"request_id": rid, "model_id": rec.model_id}
+
     def save_weights(self, req: P.SaveWeightsReq, owner: str) -> dict:
         rec = self._model(req.model_id, owner)
         name = self._checkpoint_name(rec, req.seq_id, req.path or f"ckpt-{int(time.time() * 1000)}")
@@ -340,7 +425,7 @@ class Server:
             path = self.engine.save_state(rec.ready.result(), name, req.overwrite, req.user_metadata)
             return {"path": path, "type": "save_weights"}
 
-        return {"request_id": rec.ops.submit(req.seq_id, run, dict), "model_id": rec.model_id}
+        return self._save(rec, req.seq_id, "weights", name, run)
 
     def save_for_sampler(self, req: P.SaveForSamplerReq, owner: str) -> dict:
         rec = self._model(req.model_id, owner)
@@ -351,7 +436,7 @@ class Server:
                 path = self.engine.save_for_sampler(rec.ready.result(), name, req.user_metadata)
                 return {"path": path, "type": "save_weights_for_sampler"}
 
-            return {"request_id": rec.ops.submit(req.seq_id, run, dict), "model_id": rec.model_id}
+            return self._save(rec, req.seq_id, "sampler_weights", name, run)
         if req.sampling_session_seq_id is None:
             raise RequestError(400, "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
         if req.seq_id in rec.ops.seen:
@@ -422,9 +507,20 @@ class Server:
         if req.seq_id is not None and req.seq_id in rec.seen:
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
+        n_prompt, cfg = req.prompt.length, self.config
+        if n_prompt > cfg.max_request_tokens:
+            raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
+                                    f"({cfg.max_request_tokens}, --max-request-tokens)")
+        if req.num_samples > cfg.max_samples_in_flight:
+            raise RequestError(400, f"num_samples {req.num_samples} is more than this server lets a key "
+                                    f"have in flight ({cfg.max_samples_in_flight}, --max-samples-in-flight); "
+                                    "ask in smaller requests")
+        self._in_flight_room(owner, "samples", req.num_samples)
+        self._in_flight_room(owner, "tokens", n_prompt)
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
         last_n = req.prompt_logprobs_last_n
         out: Future = Future()
+        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
         rid = self.futures.add(out, lambda r: P.sample_response_json(r, ids, last_n),
                                lambda r: P.encode_sample_response(r, last_n), owner=owner, session_id=rec.session_id)
         if req.seq_id is not None:

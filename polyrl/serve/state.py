@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -164,6 +165,11 @@ class OrderedOps:
         self._drain()
         return rid
 
+    def accepts(self, seq: int) -> bool:
+        """Whether ``submit(seq, ...)`` would queue a new operation (not a retry, not a refusal)."""
+        ahead = self.next_seq <= seq < self.next_seq + self.max_ahead
+        return ahead and seq not in self.seen and not self.closed
+
     def refuse(self, seq: int, error: RequestError) -> None:
         """Record ``seq`` as failed (its POST was malformed) so later operations need not wait for it."""
         if seq in self.seen or seq < self.next_seq or seq >= self.next_seq + self.max_ahead or self.closed:
@@ -242,6 +248,7 @@ class ModelRecord:
     ops: OrderedOps
     create_request_id: str
     last_request: float = field(default_factory=time.time)
+    waiting_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens of data behind a gap
 
 
 @dataclass
@@ -329,3 +336,29 @@ class Outstanding:
 
     def __repr__(self) -> str:
         return f"Outstanding({self._n})"
+
+
+class Usage:
+    """What each key has in flight (tokens, samples): an amount is held from when a request is accepted
+    until its future is done (released by a done callback, a moment after ``done()`` turns true; what it
+    limits answers 429, which clients retry). Futures complete on the engine's thread, hence the lock."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Counter] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, owner: str, until: Future, **amounts: int) -> None:
+        with self._lock:
+            self._held.setdefault(owner, Counter()).update(amounts)
+        until.add_done_callback(lambda _: self._release(owner, amounts))
+
+    def _release(self, owner: str, amounts: dict[str, int]) -> None:
+        with self._lock:
+            held = self._held[owner]
+            held.subtract(amounts)
+            if not +held:
+                del self._held[owner]
+
+    def held(self, owner: str, what: str) -> int:
+        with self._lock:
+            return self._held.get(owner, Counter())[what]
