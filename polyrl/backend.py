@@ -200,13 +200,21 @@ def update_refused(exc: BaseException) -> bool:
 
 
 def _is_service_error(exc: BaseException) -> bool:
-    """Errors the Tinker SDK raises once it gave up on a request."""
+    """Errors the Tinker SDK raises once it gave up on a request (some as a ``ValueError`` raised from
+    the SDK's own error)."""
     try:
         import tinker
         from tinker.lib.retryable_exception import RetryableException
     except ImportError:  # pragma: no cover - the SDK is a dependency
         return False
-    return isinstance(exc, (tinker.TinkerError, RetryableException))
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (tinker.TinkerError, RetryableException)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
 
 
 def _one_line(exc: BaseException) -> str:

@@ -164,9 +164,9 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                          settings, seed)
     try:
         obs = await call_env(env.reset)
+        check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
         episode.messages = list(obs.messages)
         episode.tools = list(obs.tools)
-        check_observation_bytes([obs.messages, obs.tools], settings)
         prompt = renderer.initial_prompt(obs.messages, obs.tools or None)
         episode.append(check_observation_tokens(prompt, settings))
         for turn in range(settings.max_turns):
@@ -174,13 +174,13 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
             result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
+            check_observation_bytes(result.messages, settings)
             episode.messages.extend(result.messages)
             if result.done:
                 episode.done_by_env = True
                 break
             if turn + 1 < settings.max_turns:
                 finished = episode.stop_reasons[-1] == "stop"
-                check_observation_bytes(result.messages, settings)
                 episode.append(check_observation_tokens(
                     renderer.continuation(result.messages, assistant_finished=finished), settings))
     finally:

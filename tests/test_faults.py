@@ -420,7 +420,7 @@ def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_di
                                 [Episode("x", "train", 0, 0)], renderer, policy, _settings(), [None]))
     assert out[0].error == ("ObservationTooLarge: the observation holds more than 1,048,576 bytes "
                             "(max_observation_bytes)"), out[0].error
-    assert max(encoded, default=0) < 1_000_000  # never tokenized
+    assert max(encoded, default=0) < 1_000_000 and out[0].messages == []  # neither tokenized nor kept
     out = asyncio.run(run_group(_OneEnv({"env": lambda: _Talkative(2_000, first=False)}),
                                 [Episode("x", "train", 0, 0)], renderer, policy,
                                 _settings(max_observation_tokens=500), [None]))
@@ -503,6 +503,48 @@ def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
     with pytest.raises(RunStoppedError, match=r"did not answer for 1s .* while waiting forever"):
         asyncio.run(long_outage())
     assert time.monotonic() - start < 5
+
+
+def test_service_lost_is_told_from_other_failures():
+    """Only a 404 for the run's own session, model, sampler or pending request (as the SDK reports it:
+    often a ValueError raised from the 404) means the service lost the run; a missing checkpoint or
+    any other failure does not."""
+    import httpx
+    import tinker
+
+    from polyrl.backend import ServiceGuard, service_lost
+
+    def not_found(endpoint: str, error: str) -> tinker.NotFoundError:
+        request = httpx.Request("POST", f"http://127.0.0.1:1/api/v1/{endpoint}")
+        return tinker.NotFoundError("Error code: 404", response=httpx.Response(404, request=request),
+                                    body={"error": error})
+
+    def raised_from(cause: BaseException) -> ValueError:
+        try:
+            raise ValueError(f"Error retrieving result: {cause} with status 404") from cause
+        except ValueError as exc:
+            return exc
+
+    lost = raised_from(not_found("retrieve_future", "unknown or expired request_id 'abc'"))
+    assert service_lost(lost) == "retrieve_future: 404 unknown or expired request_id 'abc'"
+    assert service_lost(not_found("forward_backward", "unknown model_id 'm'")) == \
+        "forward_backward: 404 unknown model_id 'm'"
+    assert service_lost(not_found("load_weights", "checkpoint tinker://x/weights/1 not found")) is None
+    assert service_lost(ValueError("something else")) is None
+
+    async def failing(exc: BaseException) -> None:
+        raise exc
+
+    from polyrl.errors import RunStoppedError, ServiceLostError
+
+    guard = ServiceGuard("http://127.0.0.1:1", timeout=30)
+    with pytest.raises(ServiceLostError, match=r"lost this run's session or requests while training step 3 "
+                                               r"\(retrieve_future: 404 unknown or expired request_id 'abc'\)"):
+        asyncio.run(guard.watch("training step 3", failing(lost)))
+    other = raised_from(not_found("load_weights", "checkpoint not found"))
+    with pytest.raises(RunStoppedError, match="failed while resuming: ValueError") as info:
+        asyncio.run(guard.watch("resuming", failing(other)))
+    assert not isinstance(info.value, ServiceLostError)
 
 
 def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path):
