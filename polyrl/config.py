@@ -417,6 +417,10 @@ class TrainConfig(BaseModel):
             problems.append(("batch_size", f"{self.batch_size} groups of up to {widest} episodes is "
                                            f"{self.batch_size * widest} episodes a step, more than "
                                            f"{MAX_EPISODES_PER_STEP} (lower batch_size or num_rollouts)"))
+        for name, env in self.environments.items():
+            if env.nonterminal_reward is not None and abs(env.nonterminal_reward) > self.max_abs_reward:
+                problems.append((f"environments.{name}.nonterminal_reward", f"{env.nonterminal_reward:g} is past "
+                                 f"max_abs_reward={self.max_abs_reward:g}: every unfinished episode would fail"))
         if self.gamma != 1.0 and self.advantage_estimator != "rebn":
             problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
         if self.normalize_advantages_by_std and self.advantage_estimator == "rebn":

@@ -331,3 +331,12 @@ def test_json_config_is_read_as_json(tmp_path):
     assert "bad.json: invalid JSON: line 2, column" in error_of(tmp_path / "bad.json")
     (tmp_path / "nan.json").write_text('{"model_name": "tiny", "environments": {"arithmetic": {"args": {"x": NaN}}}}')
     assert "invalid JSON: NaN is not a number JSON allows" in error_of(tmp_path / "nan.json")
+
+
+def test_nonterminal_reward_within_the_reward_bound():
+    base = {"model_name": "tiny", "environments": {"arithmetic": {}}}
+    message = error_of(None, ["environments.arithmetic.nonterminal_reward=-2e6"], base=base)
+    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past max_abs_reward=1e+06: every "
+                       "unfinished episode would fail"), message
+    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "max_abs_reward=1e7"],
+                       base=base).max_abs_reward == 1e7
