@@ -622,18 +622,25 @@ def _restart_serve_mid_run(model_dir, tmp_path, **over) -> tuple[subprocess.Pope
 
     port, store = _free_port(), tmp_path / "serve-store"
     servers = [Served(model_dir, store, "--port", str(port))]
-    cfg = _config(model_dir, tmp_path, backend="tinker", base_url=servers[0].url, store_dir=None, save_every=2,
-                  service_timeout=120, **over)
-    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
-                {"TINKER_API_KEY": KEY})
-    files = RunFiles(tmp_path / "run")
-    deadline = time.monotonic() + 180
-    while not files.checkpoints() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    servers[0].proc.kill()
-    servers[0].proc.wait()
-    assert files.checkpoints(), proc.communicate()[1][-3000:]
-    servers.append(Served(model_dir, store, "--port", str(port)))
+    try:
+        cfg = _config(model_dir, tmp_path, backend="tinker", base_url=servers[0].url, store_dir=None,
+                      save_every=2, service_timeout=120, **over)
+        proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                    {"TINKER_API_KEY": KEY})
+        files = RunFiles(tmp_path / "run")
+        deadline = time.monotonic() + 180
+        while not files.checkpoints() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        servers[0].proc.kill()
+        servers[0].proc.wait()
+        if not files.checkpoints():
+            proc.kill()
+            pytest.fail(f"no checkpoint before the restart: {proc.communicate()[1][-3000:]}")
+        servers.append(Served(model_dir, store, "--port", str(port)))
+    except BaseException:
+        for served in servers:
+            served.stop()
+        raise
     return proc, files, servers
 
 
