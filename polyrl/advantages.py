@@ -32,17 +32,26 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
+def centred(xs: list[float], normalize_by_std: bool) -> list[float]:
+    """Each of ``xs`` minus their mean (over their std + 1e-6, when normalizing). Values so large that
+    a sum of them or of their squares could overflow are first divided by a power of two near their
+    largest magnitude (exact), so the result is finite whenever it can be: always when normalized,
+    and for rewards within ``max_abs_reward``. Other values take the plain formula, bit for bit."""
+    exponent = math.frexp(max(abs(x) for x in xs))[1]
+    scale = math.ldexp(1.0, exponent - 1) if exponent > 256 else 1.0
+    ys = [x / scale for x in xs]
+    mean = sum(ys) / len(ys)
+    if normalize_by_std:
+        std = _std(ys)
+        return [(y - mean) / (std + 1e-6 / scale) for y in ys]
+    return [(y - mean) * scale for y in ys]
+
+
 @register_estimator("grpo")
 def grpo(groups: list[list[Episode]], normalize_by_std: bool = False, gamma: float = 1.0) -> None:
     """Episode reward minus its group's mean (optionally over the group's std), on every turn."""
     for group in groups:
-        rewards = [ep.reward for ep in group]
-        mean = sum(rewards) / len(rewards)
-        std = _std(rewards)
-        for ep in group:
-            adv = ep.reward - mean
-            if normalize_by_std:
-                adv /= std + 1e-6
+        for ep, adv in zip(group, centred([ep.reward for ep in group], normalize_by_std)):
             ep.turn_advantages = [adv] * ep.num_turns
 
 
@@ -65,9 +74,9 @@ def rebn(groups: list[list[Episode]], normalize_by_std: bool = True, gamma: floa
     flat = [g for _, rets in per_episode for g in rets]
     if not flat:
         return
-    mean, std = sum(flat) / len(flat), _std(flat)
+    advantages = iter(centred(flat, normalize_by_std=True))
     for ep, rets in per_episode:
-        ep.turn_advantages = [(g - mean) / (std + 1e-6) for g in rets]
+        ep.turn_advantages = [next(advantages) for _ in rets]
 
 
 def turn_rewards(ep: Episode) -> list[float]:

@@ -13,7 +13,7 @@ import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 from polyrl.aio import in_daemon_thread
-from polyrl.errors import RunStoppedError
+from polyrl.errors import NonFiniteUpdateError, RunStoppedError, ServiceLostError
 
 T = TypeVar("T")
 
@@ -108,6 +108,9 @@ class ServiceGuard:
             try:
                 return work.result()
             except Exception as exc:
+                if (lost := service_lost(exc)) is not None:
+                    raise ServiceLostError(f"{self.name} lost this run's session or requests while {what} "
+                                           f"({lost})") from None
                 if _is_service_error(exc):
                     raise RunStoppedError(f"{self.name} failed while {what}: {_one_line(exc)}") from None
                 raise
@@ -145,14 +148,73 @@ class ServiceGuard:
                 await asyncio.sleep(self.HEALTHY_PROBE_S)
 
 
+#: Requests that name this run's session, model, sampler or a pending request: a 404 to one of them
+#: means the service no longer has it. Checkpoint lookups (load_weights, weights info) are left out:
+#: a missing checkpoint is a wrong path, not a lost session.
+SESSION_ENDPOINTS = ("retrieve_future", "retrieve_futures", "forward_backward", "optim_step",
+                     "save_weights", "save_weights_for_sampler", "asample", "get_info", "create_model",
+                     "create_sampling_session", "session_heartbeat")
+
+
+def service_lost(exc: BaseException) -> str | None:
+    """Why the Tinker service lost this run's session, model, sampler or pending requests, if ``exc``
+    (or what caused it) says so: a 404 from a request naming them (the SDK reports a future the service
+    no longer knows as a ``ValueError`` caused by that 404), or the SDK's ``RetryableException`` for an
+    expired promise (410). None for any other failure."""
+    if isinstance(exc, ServiceLostError):
+        return str(exc)
+    try:
+        import tinker
+        from tinker.lib.retryable_exception import RetryableException
+    except ImportError:  # pragma: no cover - the SDK is a dependency
+        return None
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, RetryableException):
+            return _one_line(current)
+        if isinstance(current, tinker.NotFoundError):
+            try:
+                endpoint = current.request.url.path.rstrip("/").rsplit("/", 1)[-1]
+            except Exception:  # noqa: BLE001 - an error built without a request
+                endpoint = ""
+            if endpoint in SESSION_ENDPOINTS:
+                body = current.body.get("error") if isinstance(current.body, dict) else None
+                return f"{endpoint}: 404 {' '.join(str(body or current.message).split())[:300]}"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def update_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is an engine's refusal of a non-finite optimizer step: the local engine's
+    :class:`NonFiniteUpdateError`, or ``polyrl serve`` reporting it as a failed request
+    ("optim_step refused ...")."""
+    if isinstance(exc, NonFiniteUpdateError):
+        return True
+    try:
+        import tinker
+    except ImportError:  # pragma: no cover - the SDK is a dependency
+        return False
+    return isinstance(exc, tinker.RequestFailedError) and "optim_step refused" in exc.message
+
+
 def _is_service_error(exc: BaseException) -> bool:
-    """Errors the Tinker SDK raises once it gave up on a request."""
+    """Errors the Tinker SDK raises once it gave up on a request (some as a ``ValueError`` raised from
+    the SDK's own error)."""
     try:
         import tinker
         from tinker.lib.retryable_exception import RetryableException
     except ImportError:  # pragma: no cover - the SDK is a dependency
         return False
-    return isinstance(exc, (tinker.TinkerError, RetryableException))
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (tinker.TinkerError, RetryableException)):
+            return True
+        seen.add(id(current))
+        current = current.__cause__
+    return False
 
 
 def _one_line(exc: BaseException) -> str:

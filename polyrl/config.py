@@ -42,6 +42,10 @@ M = TypeVar("M", bound=BaseModel)
 MAX_EPISODES_PER_STEP = 65_536
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
+# Bounds on what an environment hands the trainer (TrainConfig.max_abs_reward, max_observation_*).
+DEFAULT_MAX_ABS_REWARD = 1e6
+DEFAULT_MAX_OBSERVATION_TOKENS = 32_768
+DEFAULT_MAX_OBSERVATION_BYTES = 1 << 20
 SplitName = Literal["train", "test"]
 LrSchedule = Literal["constant", "linear"]
 
@@ -286,9 +290,54 @@ class TrainConfig(BaseModel):
         0.5,
         ge=0,
         le=1,
-        description="Stop the run with an error once more than this share of its steps made no update (every "
-        "group failed, was dropped or had all-equal rewards); judged from the 10th step on (each such step "
-        "is warned about). 1 = never stop.",
+        description="Stop the run with an error once more than this share of its steps made no update "
+        "because groups failed (a group dropped over its failure budget means something is broken); judged "
+        "from the 10th step on (each such step is warned about). 1 = never stop.",
+    )
+    max_no_signal_frac: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Stop the run with an error once more than this share of its steps made no update only "
+        "because every group had equal rewards (no learning signal; normal early on a task the model cannot "
+        "solve yet); judged from the 10th step on. Each such step is warned about with the share so far. "
+        "1 = never stop (the default).",
+    )
+    max_abs_reward: float = Field(
+        DEFAULT_MAX_ABS_REWARD,
+        gt=0,
+        le=1e300,
+        description="Largest magnitude a reward (an episode's or a step's) may have: an episode past it "
+        "fails with a warning and counts against its environment's failure budget, so an absurd reward "
+        "(1e308) never reaches the advantages and the weights.",
+    )
+    nonfinite_steps: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A step whose update is not finite (a loss, gradient or advantage that is NaN or inf; "
+        "the trainer checks the loss before optim_step and the engine refuses such a step): 'stop' ends the "
+        "run with one line naming the last checkpoint; 'skip' leaves the weights as they were, discards the "
+        "step's gradients, counts the step in optim/nonfinite_skipped and goes on.",
+    )
+    max_service_recoveries: int = Field(
+        3,
+        ge=0,
+        description="How often a run reopens itself from its last checkpoint, in the same process, when a "
+        "remote training service lost its session or pending requests (a restarted polyrl serve); steps are "
+        "neither repeated in the logs nor skipped, as on a relaunch. Each recovery is warned about; one more "
+        "stops the run.",
+    )
+    max_observation_tokens: int = Field(
+        DEFAULT_MAX_OBSERVATION_TOKENS,
+        ge=1,
+        description="Most tokens one observation (an environment's first or later messages, rendered) may "
+        "add to an episode; an episode past it fails and is counted against the failure budget.",
+    )
+    max_observation_bytes: int = Field(
+        DEFAULT_MAX_OBSERVATION_BYTES,
+        ge=1,
+        description="Most bytes of text (UTF-8, tool specs and image data included) one observation may "
+        "hold; checked before it is tokenized, so an environment that answers with megabytes fails its "
+        "episode instead of exhausting memory.",
     )
     max_steps_off_policy: int = Field(
         0,
@@ -368,6 +417,10 @@ class TrainConfig(BaseModel):
             problems.append(("batch_size", f"{self.batch_size} groups of up to {widest} episodes is "
                                            f"{self.batch_size * widest} episodes a step, more than "
                                            f"{MAX_EPISODES_PER_STEP} (lower batch_size or num_rollouts)"))
+        for name, env in self.environments.items():
+            if env.nonterminal_reward is not None and abs(env.nonterminal_reward) > self.max_abs_reward:
+                problems.append((f"environments.{name}.nonterminal_reward", f"{env.nonterminal_reward:g} is past "
+                                 f"max_abs_reward={self.max_abs_reward:g}: every unfinished episode would fail"))
         if self.gamma != 1.0 and self.advantage_estimator != "rebn":
             problems.append(("gamma", "only used by advantage_estimator 'rebn', leave it at 1 with 'grpo'"))
         if self.normalize_advantages_by_std and self.advantage_estimator == "rebn":
@@ -483,9 +536,56 @@ def _unknown_env_types(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------- files, overrides
 
 
+#: Nodes that YAML aliases may add to a document when expanded. Anchors and merge keys in a config
+#: add a few hundred; an alias bomb ("billion laughs") adds billions.
+MAX_ALIAS_NODES = 10_000
+
+
+class _AliasBomb(yaml.YAMLError):
+    """A document whose aliases expand past :data:`MAX_ALIAS_NODES` nodes."""
+
+
+def _check_alias_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases would expand it by more than :data:`MAX_ALIAS_NODES` nodes
+    (everything downstream -- validation, redaction, dumps -- walks the expanded tree), or that holds
+    a recursive alias. An alias is the very node object its anchor made, so each object's expanded
+    size is computed once, depth first without recursion."""
+    sizes: dict[int, int] = {}  # expanded size of each node object
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            ancestors.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for child in _yaml_children(node))
+        elif id(node) in ancestors:
+            raise _AliasBomb("a YAML alias refers to a node that contains it (a recursive alias)")
+        elif id(node) not in sizes:
+            ancestors.add(id(node))
+            stack.append((node, True))
+            stack += [(child, False) for child in _yaml_children(node)]
+    if sizes[id(root)] - len(sizes) > MAX_ALIAS_NODES:
+        raise _AliasBomb(f"YAML aliases expand the document by more than {MAX_ALIAS_NODES:,} nodes (an alias "
+                         "bomb?); write the repeated values out or use fewer aliases")
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [child for pair in node.value for child in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads exponent numbers without a dot (``2e-5``, ``1E6``) as floats and
-    refuses a key given twice in one mapping (YAML would silently keep the last)."""
+    """SafeLoader that also reads exponent numbers without a dot (``2e-5``, ``1E6``) as floats,
+    refuses a key given twice in one mapping (YAML would silently keep the last) and refuses aliases
+    that expand the document past :data:`MAX_ALIAS_NODES` nodes."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_alias_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[Any, int] = {}
@@ -509,6 +609,24 @@ _YamlLoader.add_implicit_resolver(
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
 )
+
+
+class _JsonProblem(ValueError):
+    """What :func:`json.loads` accepts but a config must not hold."""
+
+
+def _json_mapping(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (``json`` would silently keep the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _JsonProblem(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _json_constant(name: str) -> Any:
+    raise _JsonProblem(f"{name} is not a number JSON allows")
 
 
 def parse_scalar(text: str) -> Any:
@@ -553,7 +671,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         if suffix == ".toml":
             with path.open("rb") as f:
                 data = tomllib.load(f)
-        elif suffix in (".yaml", ".yml", ".json"):
+        elif suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_json_mapping,
+                              parse_constant=_json_constant)
+        elif suffix in (".yaml", ".yml"):
             data = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}  # noqa: S506
         else:
             raise ConfigError(f"{path}: unsupported config format {suffix!r} (use .yaml, .yml or .toml)")
@@ -564,6 +685,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the config file ({exc.strerror or exc})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {_one_line(str(exc))}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+    except _JsonProblem as exc:
+        raise ConfigError(f"{path}: invalid JSON: {exc}") from exc
+    except _AliasBomb as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {_yaml_reason(exc)}") from exc
     if not isinstance(data, dict):

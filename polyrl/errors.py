@@ -20,3 +20,10 @@ class NonFiniteUpdateError(ValueError):
     """An optimizer step was refused because the loss or the gradient it would apply is not finite
     (NaN or inf). The weights stay as they were; the message is one line naming the step's problem.
     A ``ValueError``, so ``polyrl serve`` reports it as a problem with the request's data."""
+
+
+class ServiceLostError(RunStoppedError):
+    """A remote training service no longer knows this run's session, model, sampler or pending requests
+    (it restarted, or expired them): retrying the request cannot succeed, reopening the run from its last
+    checkpoint can. ``polyrl train`` does that a bounded number of times; past it, or elsewhere, the run
+    stops like any :class:`RunStoppedError`."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from math import comb
 from typing import Any
 
-from polyrl.rollouts import EnvRuntime, collect_groups
+from polyrl.rollouts import EnvRuntime, collect_groups, rollout_bounds
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -74,7 +74,8 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     from polyrl.backend import make_service_client
     from polyrl.renderers import get_renderer, infer_renderer
 
-    runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens) for n, c in config.environments.items()}
+    runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
+                for n, c in config.environments.items()}
     service = make_service_client(config)
     if checkpoint:
         sampler = await service.create_sampling_client(model_path=checkpoint)

@@ -22,10 +22,12 @@ from typing import Any
 
 from tinker import types
 
-from polyrl.config import EnvConfig
+from polyrl.backend import service_lost
+from polyrl.config import (DEFAULT_MAX_ABS_REWARD, DEFAULT_MAX_OBSERVATION_BYTES,
+                           DEFAULT_MAX_OBSERVATION_TOKENS, EnvConfig)
 from polyrl.envs.base import Env, EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.errors import RunStoppedError
+from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.renderers.base import Message, Renderer
 
 
@@ -33,6 +35,16 @@ class SamplerError(RunStoppedError):
     """The sampling service answered without what training needs (its logprobs; zeros in their place
     would silently make the importance ratio ``exp(logprob)``). Not an environment failure, so it is
     not counted against a failure budget: the run stops."""
+
+
+class RewardOutOfBounds(ValueError):
+    """An episode's reward or one of its step rewards is past ``max_abs_reward``: the episode fails
+    (counted against the failure budget) instead of overflowing the advantages."""
+
+
+class ObservationTooLarge(ValueError):
+    """An observation holds more bytes or renders to more tokens than ``max_observation_bytes`` /
+    ``max_observation_tokens``: the episode fails (counted) before the observation costs its memory."""
 
 
 @dataclass
@@ -113,7 +125,12 @@ class RolloutContext:
             stop=self.renderer.stop_sequences(),
             seed=None if self.seed is None else (self.seed * 1009 + turn) % (2**31),
         )
-        response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
+        try:
+            response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
+        except Exception as exc:
+            if (lost := service_lost(exc)) is not None:  # not the environment's failure (see polyrl.train)
+                raise ServiceLostError(lost) from exc
+            raise
         seq = response.sequences[0]
         logprobs = seq.logprobs
         if logprobs is None or len(logprobs) != len(seq.tokens):
@@ -134,6 +151,9 @@ class RolloutSettings:
     timeout: float
     reward_reduction: str = "sum"
     nonterminal_reward: float | None = None
+    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
+    max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
+    max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
 
 
 async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: Any,
@@ -144,26 +164,70 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: A
                          settings, seed)
     try:
         obs = await call_env(env.reset)
+        check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
         episode.messages = list(obs.messages)
         episode.tools = list(obs.tools)
-        episode.append(renderer.initial_prompt(obs.messages, obs.tools or None))
+        prompt = renderer.initial_prompt(obs.messages, obs.tools or None)
+        episode.append(check_observation_tokens(prompt, settings))
         for turn in range(settings.max_turns):
             message = await ctx.sample(episode)
             result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
+            check_observation_bytes(result.messages, settings)
             episode.messages.extend(result.messages)
             if result.done:
                 episode.done_by_env = True
                 break
             if turn + 1 < settings.max_turns:
                 finished = episode.stop_reasons[-1] == "stop"
-                episode.append(renderer.continuation(result.messages, assistant_finished=finished))
+                episode.append(check_observation_tokens(
+                    renderer.continuation(result.messages, assistant_finished=finished), settings))
     finally:
         await call_env(env.close)
         episode.duration_s = time.monotonic() - start
     finalize_reward(episode, settings)
     return episode
+
+
+def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None:
+    """Refuse an observation holding more than ``max_observation_bytes`` of text, before it is tokenized."""
+    size = _text_bytes(observation, settings.max_observation_bytes)
+    if size > settings.max_observation_bytes:
+        raise ObservationTooLarge(f"the observation holds more than {settings.max_observation_bytes:,} bytes "
+                                  f"(max_observation_bytes)")
+
+
+def check_observation_tokens(tokens: list[int], settings: RolloutSettings) -> list[int]:
+    """``tokens``, unless an observation rendered to more than ``max_observation_tokens``."""
+    if len(tokens) > settings.max_observation_tokens:
+        raise ObservationTooLarge(f"the observation renders to {len(tokens):,} tokens, more than "
+                                  f"max_observation_tokens={settings.max_observation_tokens:,}")
+    return tokens
+
+
+def _text_bytes(value: Any, limit: int) -> int:
+    """UTF-8 bytes of the strings (and bytes) in ``value``, nested containers included; counting stops
+    once past ``limit``."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) if len(item) > limit else len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, (bytes, bytearray)):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return total
+
+
+def check_rewards(episode: Episode, bound: float) -> None:
+    """Refuse an episode whose reward or a step reward is past ``bound`` in magnitude."""
+    for what, value in [("reward", episode.reward), *(("step reward", r) for r in episode.step_rewards)]:
+        if not abs(value) <= bound:
+            raise RewardOutOfBounds(f"{what} {value:g} is past max_abs_reward={bound:g}")
 
 
 def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
@@ -193,12 +257,17 @@ async def run_group(builder, episodes: list[Episode], renderer: Renderer, sample
         try:
             if builder.drives_rollouts:
                 ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer, settings, seed)
-                return list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
-            env = builder.make(ep.split, ep.task_index)
-            return [await asyncio.wait_for(run_episode(env, ep, renderer, sampler, settings, seed), settings.timeout)]
+                done = list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
+            else:
+                env = builder.make(ep.split, ep.task_index)
+                playing = run_episode(env, ep, renderer, sampler, settings, seed)
+                done = [await asyncio.wait_for(playing, settings.timeout)]
+            for episode in done:
+                check_rewards(episode, settings.max_abs_reward)
+            return done
         except asyncio.TimeoutError:
             ep.error = f"timeout after {settings.timeout:g}s"
-        except SamplerError:
+        except (SamplerError, ServiceLostError):
             raise
         except Exception as e:  # noqa: BLE001 - an environment or sampler failure is counted, not fatal
             ep.error = f"{type(e).__name__}: {e}"
@@ -224,6 +293,14 @@ def split_roles(groups: list[list[Episode]]) -> list[list[Episode]]:
 
 
 # ---------------------------------------------------------------------------- configured environments
+BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes")
+
+
+def rollout_bounds(config: Any) -> dict[str, Any]:
+    """The run config's bounds on what environments hand back, as :class:`RolloutSettings` fields."""
+    return {key: getattr(config, key) for key in BOUNDS}
+
+
 def stable_seed(*parts: Any) -> int:
     """A seed from any values, equal across processes (unlike ``hash``)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
@@ -241,7 +318,8 @@ class EnvRuntime:
     run_seed: int
 
     @classmethod
-    def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int) -> "EnvRuntime":
+    def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int, **bounds: Any) -> "EnvRuntime":
+        """``bounds``: the :data:`BOUNDS` settings (see :func:`rollout_bounds`); their defaults otherwise."""
         builder = make_env_builder(cfg.type or name, cfg.args, seed=seed)
         settings = RolloutSettings(
             max_turns=cfg.max_turns,
@@ -250,6 +328,7 @@ class EnvRuntime:
             timeout=cfg.timeout,
             reward_reduction=cfg.reward_reduction,
             nonterminal_reward=cfg.nonterminal_reward,
+            **bounds,
         )
         return cls(name, cfg, builder, settings, seed)
 

@@ -10,10 +10,18 @@ can be run (and tested) on its own:
   groups finish; the queue samples each planned group with the newest sampler, up to
   ``max_steps_off_policy`` steps ahead of training (0: the synchronous loop);
 - ``update``: failure budgets, advantages (plus the KL penalty and the distillation teacher's per-token
-  terms, when configured), Datums and a ``forward_backward`` for each minibatch as it arrives (the whole batch unless ``stream_minibatches``), then one ``optim_step``;
+  terms, when configured), Datums and a ``forward_backward`` for each minibatch as it arrives (the whole
+  batch unless ``stream_minibatches``), then, once every loss came back finite, one ``optim_step``;
 - ``checkpoint``: the sampler for the next groups, and a saved state when one is due;
 - ``evaluate`` and ``log``: held-out evaluation, metrics, trajectories, checkpoint rows, console, W&B;
-- ``check_learning``: stop when too many steps made no update.
+- ``check_learning``: stop when too many steps made no update because groups failed (or, when asked,
+  for want of a learning signal).
+
+A step whose update is not finite (an advantage or logprob past float32, a loss that is NaN or inf, or
+an ``optim_step`` the engine refused) applies nothing: the run stops naming its last checkpoint, or
+skips the step (``nonfinite_steps``). When a remote service lost the run's session or pending
+requests (a restart), the run reopens itself from its last checkpoint in the same process, as a
+relaunch would (``max_service_recoveries``).
 
 Every group draws its task and seeds from its plan step and the cursors alone, and a checkpoint saves
 where drawing stands, so a relaunch after a kill repeats no step and skips none: groups that were in
@@ -32,19 +40,21 @@ from typing import Any, Awaitable, Callable
 from tinker import types
 
 from polyrl import advantages as adv_lib
-from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url
+from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url, update_refused
 from polyrl.config import ConfigError, TrainConfig, scheduled_lr
-from polyrl.errors import RunStoppedError
+from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
-from polyrl.rollouts import Episode, EnvRuntime, collect_group, split_roles
+from polyrl.rollouts import (Episode, EnvRuntime, ObservationTooLarge, RewardOutOfBounds, collect_group,
+                             rollout_bounds, split_roles)
 from polyrl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 
 NO_UPDATE_MIN_STEPS = 10  # max_no_update_frac is judged once this many steps ran (shorter runs only warn)
+FLOAT32_MAX = 3.4028234663852886e38  # Datum inputs travel as float32: anything larger becomes inf
 
 
 @dataclass
@@ -59,6 +69,7 @@ class RunState:
     wandb_run_id: str | None = None
     checkpoint: str | None = None  # state path of the last logged checkpoint
     no_update_steps: int = 0  # steps so far that trained nothing
+    failed_steps: int = 0  # of those, steps with groups dropped over their failure budget
 
     def restore(self, row: dict) -> None:
         self.step = int(row["batch"])
@@ -139,25 +150,42 @@ class Saved:
 async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
     trainer = Trainer(config, console)
     try:
-        state = await trainer.start()
+        await trainer.start()
         row: dict[str, float] = {}
-        for step in range(state.step, config.max_steps):
-            started = time.monotonic()
-            rollouts = trainer.rollouts(step)
-            update = await trainer.update(rollouts)
-            state.step = step + 1
-            state.draw_from(trainer.queue.draw_point())  # what a relaunch draws again
-            saved = await trainer.checkpoint()
-            evaluation = await trainer.evaluate()
-            trainer.queue.release(len(rollouts.taken))  # new groups sample the new policy
-            row = trainer.log(rollouts, update, saved, evaluation, started)
-            trainer.check_learning(rollouts, update)
+        recoveries = 0
+        while trainer.state.step < config.max_steps:
+            try:
+                row = await train_step(trainer)
+            except ServiceLostError as lost:
+                most = config.max_service_recoveries
+                if recoveries == most:
+                    raise ServiceLostError(f"{lost}; reopened {recoveries} times already "
+                                           f"(max_service_recoveries={most})") from None
+                recoveries += 1
+                await trainer.reopen(f"{lost}; reopening the run from its last checkpoint, as a relaunch "
+                                     f"would (recovery {recoveries} of {most})")
         trainer.finish()
         return row
     except RunStoppedError as exc:
         raise RunStoppedError(f"{exc}; {trainer.resume_hint()}") from None
     finally:
         await trainer.close()
+
+
+async def train_step(trainer: "Trainer") -> dict[str, float]:
+    """One step: its batch, the update, the checkpoint, evaluation and logs; returns the metrics row."""
+    state, step, started = trainer.state, trainer.state.step, time.monotonic()
+    assert trainer.queue is not None, "start() first"
+    rollouts = trainer.rollouts(step)
+    update = await trainer.update(rollouts)
+    state.step = step + 1
+    state.draw_from(trainer.queue.draw_point())  # what a relaunch draws again
+    saved = await trainer.checkpoint()
+    evaluation = await trainer.evaluate()
+    trainer.queue.release(len(rollouts.taken))  # new groups sample the new policy
+    row = trainer.log(rollouts, update, saved, evaluation, started)
+    trainer.check_learning(rollouts, update)
+    return row
 
 
 def train(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
@@ -193,7 +221,8 @@ class Trainer:
     async def start(self) -> RunState:
         config, files = self.config, self.files
         files.write_config(config.dump())
-        self.runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens)
+        bounds = rollout_bounds(config)
+        self.runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens, **bounds)
                          for name, cfg in config.environments.items()}
         self.weights = {n: rt.cfg.weight for n, rt in self.runtimes.items() if rt.cfg.splits.get("train") is not None}
         if not self.weights:
@@ -201,9 +230,27 @@ class Trainer:
                               "so there is nothing to train on")
         for line in sampling_warnings(config):
             self.console.warn(line)
+        await self.open()
+        if config.wandb_project_name:
+            from polyrl.tracking.wandb_log import WandbLog
+
+            self.wandb = WandbLog(config.wandb_project_name, config.wandb_run_name, config.dump(), str(files.root),
+                                  self.state.wandb_run_id)
+            self.state.wandb_run_id = self.wandb.run_id
+        if config.openreward_run_name:
+            from polyrl.tracking.openreward_upload import OpenRewardUploader
+
+            self.uploader = OpenRewardUploader(config, self.runtimes, self.state.step)
+        return self.state
+
+    async def open(self) -> RunState:
+        """The service, the training client and the run state: from the last checkpoint row (a relaunch
+        always continues its own run), else from ``resume_from``, else fresh; then the sampler, the
+        rollout queue drawing from where the state stands, and the per-token signals' scorers."""
+        config, files = self.config, self.files
         self.service = make_service_client(config)
         self.state = RunState(cursors={name: 0 for name in self.runtimes})
-        row = files.last_resumable()  # a relaunch always continues its own run
+        row = files.last_resumable()
         if row is not None:
             self.training = await self.guard("resuming", self.service.create_training_client_from_state_with_optimizer,
                                              row["state_path"])
@@ -217,7 +264,11 @@ class Trainer:
             self.training = await self.guard("creating the model", self.service.create_lora_training_client,
                                              base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
         files.truncate_from(self.state.step)
-        self.state.no_update_steps = sum(r.get("optim/datums") == 0 for r in files.metrics())
+        earlier = [r for r in files.metrics() if r.get("optim/datums") == 0]
+        self.state.no_update_steps = len(earlier)
+        self.state.failed_steps = sum(bool(r.get("rollouts/dropped_groups")) for r in earlier)
+        if self.wandb is not None:
+            self.state.wandb_run_id = self.wandb.run_id
         await self.remove_unlogged_checkpoints(resuming=row is not None)
         files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
         self.tokenizer = self.training.get_tokenizer()
@@ -233,17 +284,18 @@ class Trainer:
             max_staleness=ahead if config.stale_groups == "drop" else None)
         self.signals = await TokenSignals.open(config, self.service, self.guard, self.sampler, self.tokenizer,
                                                self.console.warn)
-        if config.wandb_project_name:
-            from polyrl.tracking.wandb_log import WandbLog
-
-            self.wandb = WandbLog(config.wandb_project_name, config.wandb_run_name, config.dump(), str(files.root),
-                                  self.state.wandb_run_id)
-            self.state.wandb_run_id = self.wandb.run_id
-        if config.openreward_run_name:
-            from polyrl.tracking.openreward_upload import OpenRewardUploader
-
-            self.uploader = OpenRewardUploader(config, self.runtimes, self.state.step)
         return self.state
+
+    async def reopen(self, why: str) -> RunState:
+        """A relaunch in this process, after the service lost the run's session: the groups in flight
+        are dropped and everything the service held (training client, samplers, scorers) is opened
+        again from the last checkpoint row; steps after it are re-run and logged once, as on a
+        relaunch. Environments and trackers stay open."""
+        self.console.warn(why)
+        if self.queue is not None:
+            await self.queue.close()
+            self.queue = None
+        return await self.open()
 
     async def remove_unlogged_checkpoints(self, resuming: bool) -> None:
         """What earlier launches of this run saved but never logged (a kill between saving a
@@ -317,14 +369,17 @@ class Trainer:
 
     async def update(self, rollouts: StepRollouts) -> StepUpdate:
         """Failure budgets, advantages and Datums of each minibatch of groups as it arrives, and its
-        ``forward_backward`` (the whole batch is one minibatch unless ``stream_minibatches``); then one
-        ``optim_step``. A step whose groups all failed or carry no signal trains nothing. With a KL
-        reference or a teacher, every sampled token carries a signal, so every episode of a kept group
-        trains."""
+        ``forward_backward`` (the whole batch is one minibatch unless ``stream_minibatches``); then,
+        once every loss came back finite, one ``optim_step``. A step whose groups all failed or carry no
+        signal trains nothing; one whose update is not finite applies nothing (:meth:`refuse`). With a
+        KL reference or a teacher, every sampled token carries a signal, so every episode of a kept
+        group trains."""
         started, waited, config = time.monotonic(), rollouts.seconds, self.config
         kept, stats, episodes, datums, futures, signal_parts = [], {}, [], [], [], []
+        problem: str | None = None  # why the step's update is not finite, once known
         while groups := await rollouts.next(config.stream_minibatches or config.batch_size):
-            part, part_stats, part_episodes, part_datums, part_signals = await self.prepare(groups, rollouts.step)
+            part, part_stats, part_episodes, part_datums, part_signals, part_problem = await self.prepare(
+                groups, rollouts.step)
             signal_parts.append((part_episodes, part_signals))
             kept += part
             episodes += part_episodes
@@ -333,36 +388,76 @@ class Trainer:
                 total = stats.setdefault(name, dict.fromkeys(counts, 0.0))
                 for key, value in counts.items():
                     total[key] += value
-            if part_datums:
+            problem = problem or part_problem
+            if part_datums and problem is None:
                 futures.append(self.training.forward_backward(part_datums, config.loss_fn,
                                                               dict(config.loss_fn_config) or None))
         adam = self.adam_at(rollouts.step)
         metrics: dict[str, float] = {"optim/lr": adam.learning_rate, **_token_weighted(signal_parts)}
-        if datums:
-            async def train_step() -> tuple[list[Any], Any]:
-                opt = self.training.optim_step(adam)
-                return [await fwd for fwd in futures], await opt
+        if episodes:  # one Datum each, unless a problem kept them from being built
+            async def train_step() -> tuple[list[Any], Any, str | None]:
+                results = [await fwd for fwd in futures]
+                refused = problem or nonfinite_loss(results)
+                if refused is not None:  # checked here, whatever the backend does about it
+                    return results, None, refused
+                try:
+                    return results, await self.training.optim_step(adam), None
+                except Exception as exc:
+                    if update_refused(exc):
+                        return results, None, " ".join(str(exc).split())[:300]
+                    raise
 
-            fwd_results, opt_result = await self.guard.watch(f"training step {rollouts.step}", train_step())
-            outputs = [out for result in fwd_results for out in result.loss_fn_outputs]
-            metrics.update(kl_metrics(datums, [ep.action_mask[1:] for ep in episodes], outputs))
-            fwd_metrics = [result.metrics for result in fwd_results]
-            metrics["optim/loss"] = sum(m.get("loss:sum", float("nan")) for m in fwd_metrics)
-            if any("clipped_tokens:sum" in m for m in fwd_metrics):
-                metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
-                    1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
-            for k, v in (opt_result.metrics or {}).items():
-                metrics[f"optim/{k.split(':')[0]}"] = v
-        metrics["optim/datums"] = float(len(datums))
+            fwd_results, opt_result, refused = await self.guard.watch(f"training step {rollouts.step}",
+                                                                      train_step())
+            if refused is not None:
+                metrics.update(await self.refuse(rollouts.step, refused, sent=bool(futures)))
+            else:
+                outputs = [out for result in fwd_results for out in result.loss_fn_outputs]
+                metrics.update(kl_metrics(datums, [ep.action_mask[1:] for ep in episodes], outputs))
+                fwd_metrics = [result.metrics for result in fwd_results]
+                metrics["optim/loss"] = sum(m.get("loss:sum", float("nan")) for m in fwd_metrics)
+                if any("clipped_tokens:sum" in m for m in fwd_metrics):
+                    metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
+                        1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
+                for k, v in (opt_result.metrics or {}).items():
+                    metrics[f"optim/{k.split(':')[0]}"] = v
+                    if not math.isfinite(v):  # a service that applied it anyway: save nothing more
+                        raise RunStoppedError(f"step {rollouts.step}: optim_step reports {k} = {v}, so the "
+                                              "update it applied is not finite; nothing more is saved")
+        metrics["optim/datums"] = float(len(episodes))
         metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes))
-        metrics["tokens/total"] = float(sum(len(d.model_input.to_ints()) for d in datums))
+        metrics["tokens/total"] = float(sum(len(ep.tokens) - 1 for ep in episodes))
         seconds = time.monotonic() - started - (rollouts.seconds - waited)
-        return StepUpdate(kept, stats, len(datums), metrics, seconds)
+        return StepUpdate(kept, stats, len(episodes), metrics, seconds)
+
+    async def refuse(self, step: int, problem: str, sent: bool) -> dict[str, float]:
+        """A step whose update is not finite: no optimizer step was applied, so the weights are as they
+        were. ``nonfinite_steps: stop`` ends the run (the caller names the last checkpoint); ``skip``
+        discards what the step's ``forward_backward`` calls (``sent``) accumulated and goes on."""
+        what = f"step {step}: the update is not finite ({problem}); no optimizer step was applied"
+        if self.config.nonfinite_steps == "stop":
+            raise RunStoppedError(f"{what} (nonfinite_steps: skip passes over such steps)")
+        self.console.warn(f"{what}; the step is skipped (nonfinite_steps: skip)")
+        if sent:
+            await self.discard_gradients(step)
+        return {"optim/nonfinite_skipped": 1.0}
+
+    async def discard_gradients(self, step: int) -> None:
+        """Drop the gradients a skipped step accumulated in the service. The Tinker interface has no call
+        for it, so the training client reloads its own state (weights and optimizer, which the skipped
+        step left untouched), saved under a scratch name that is deleted right after."""
+        name = f"skipped-{step:06d}"
+        saved = await self.guard(f"saving checkpoint {name}", self.training.save_state, name)
+        await self.guard(f"reloading checkpoint {name}", self.training.load_state_with_optimizer, saved.path)
+        rest = await self.guard("connecting", make_rest_client, self.config, self.service)
+        await self.guard(f"deleting checkpoint {name}", rest.delete_checkpoint_from_tinker_path, saved.path)
 
     async def prepare(self, groups: list[list[Episode]], step: int) -> tuple[
-            list[list[Episode]], dict[str, dict[str, float]], list[Episode], list[types.Datum], dict[str, float]]:
-        """One minibatch's kept groups, counters, trained episodes, their Datums, and the metrics of the
-        per-token signals (KL penalty, teacher) scored for them."""
+            list[list[Episode]], dict[str, dict[str, float]], list[Episode], list[types.Datum],
+            dict[str, float], str | None]:
+        """One minibatch's kept groups, counters, trained episodes, their Datums, the metrics of the
+        per-token signals (KL penalty, teacher) scored for them, and what in them is not a finite
+        float32 (then no Datum is built: it would carry inf)."""
         config = self.config
         kept, stats = filter_groups(split_roles(groups), self.runtimes, config.remove_constant_reward_groups)
         adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
@@ -371,8 +466,10 @@ class Trainer:
         episodes = [ep for g in kept for ep in g
                     if ep.action_tokens and (self.signals.active or any(a != 0 for a in ep.turn_advantages))]
         terms, signal_metrics = await self.guard.watch(f"scoring step {step}", self.signals.terms(episodes))
-        datums = [adv_lib.to_datum(ep, config.loss_fn, t) for ep, t in zip(episodes, terms)]
-        return kept, stats, episodes, datums, signal_metrics
+        problem = nonfinite_inputs(episodes, terms)
+        datums = [] if problem else [adv_lib.to_datum(ep, config.loss_fn, t)
+                                     for ep, t in zip(episodes, terms)]
+        return kept, stats, episodes, datums, signal_metrics, problem
 
     async def checkpoint(self) -> Saved:
         """The sampler for the next step; at ``save_every`` and the last step, a saved state too."""
@@ -428,23 +525,36 @@ class Trainer:
         if self.wandb:
             self.wandb.log(row, step)
         self.console.step(row)
+        for line in bound_warnings(step, episodes):
+            self.console.warn(line)
         if config.report and saved.row is not None and not saved.row["final"]:
             refresh_for_training(self.files.root, self.console)
         return row
 
     def check_learning(self, rollouts: StepRollouts, update: StepUpdate) -> None:
-        """Warn about a step that trained nothing; stop once more than ``max_no_update_frac`` of the steps
-        so far did (judged from :data:`NO_UPDATE_MIN_STEPS` steps on): a run that only saves untrained
-        checkpoints wastes its time."""
-        config, done = self.config, self.state.step
+        """Warn about a step that trained nothing, with the share of such steps so far. Groups dropped
+        over their failure budget mean something is broken: the run stops once more than
+        ``max_no_update_frac`` of its steps made no update for that. Equal rewards everywhere are normal
+        early on a hard task: those steps stop the run only past ``max_no_signal_frac`` (1 = never, the
+        default). Both are judged from :data:`NO_UPDATE_MIN_STEPS` steps on."""
+        config, state, done = self.config, self.state, self.state.step
         if update.datums:
             return
-        self.state.no_update_steps += 1
+        failed = any(s.get("dropped_groups") for s in update.stats.values())
+        state.no_update_steps += 1
+        state.failed_steps += failed
         reason = no_update_reason(rollouts.groups, update.stats)
-        self.console.warn(f"step {rollouts.step} made no update: {reason}")
-        if done >= NO_UPDATE_MIN_STEPS and self.state.no_update_steps > config.max_no_update_frac * done:
-            raise RunStoppedError(f"{self.state.no_update_steps} of {done} steps made no update (more than "
-                                  f"max_no_update_frac={config.max_no_update_frac:g}); at the last: {reason}")
+        if failed:
+            count, limit, key, kind = state.failed_steps, config.max_no_update_frac, "max_no_update_frac", \
+                "with failed groups"
+        else:
+            count, limit, key, kind = (state.no_update_steps - state.failed_steps, config.max_no_signal_frac,
+                                       "max_no_signal_frac", "without a learning signal")
+        self.console.warn(f"step {rollouts.step} made no update: {reason} "
+                          f"({count} of {done} steps so far {kind})")
+        if done >= NO_UPDATE_MIN_STEPS and count > limit * done:
+            raise RunStoppedError(f"{count} of {done} steps made no update {kind} "
+                                  f"(more than {key}={limit:g}); at the last: {reason}")
 
     # ---- end ----------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -522,6 +632,38 @@ def filter_groups(groups: list[list[Episode]], runtimes: dict[str, EnvRuntime],
                 continue
         kept.append(ok)
     return kept, stats
+
+
+def nonfinite_inputs(episodes: list[Episode], terms: list[list[float]] | list[None]) -> str | None:
+    """What would reach the loss as inf or NaN (Datum inputs travel as float32): an advantage, a
+    per-token term or a sampler logprob past float32's range, or None."""
+    for ep, token_terms in zip(episodes, terms):
+        for what, values in (("advantage", ep.turn_advantages), ("per-token term", token_terms or ()),
+                             ("sampler logprob", ep.logprobs)):
+            bad = next((v for v in values if not abs(v) <= FLOAT32_MAX), None)
+            if bad is not None:
+                return f"an episode of {ep.env_name} has {what} {bad:g}, past float32's range"
+    return None
+
+
+def nonfinite_loss(results: list[Any]) -> str | None:
+    """The ``forward_backward`` loss that came back NaN or inf, if one did."""
+    for result in results:
+        loss = (result.metrics or {}).get("loss:sum")
+        if loss is not None and not math.isfinite(loss):
+            return f"the forward_backward loss is {loss}"
+    return None
+
+
+def bound_warnings(step: int, episodes: list[Episode]) -> list[str]:
+    """A line for each bound the step's episodes ran into (an absurd reward, a huge observation)."""
+    lines = []
+    for kind in (RewardOutOfBounds, ObservationTooLarge):
+        errors = [ep.error for ep in episodes if ep.error and ep.error.startswith(f"{kind.__name__}: ")]
+        if errors:
+            lines.append(f"step {step}: {len(errors)} episode(s) failed (counted against their failure "
+                         f"budget): {errors[0]}")
+    return lines
 
 
 def no_update_reason(groups: list[list[Episode]], stats: dict[str, dict[str, float]]) -> str:

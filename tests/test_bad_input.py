@@ -139,3 +139,33 @@ def test_unusable_log_path_is_one_line_error(tiny_model_dir, tmp_path):
         (["train", "--config_path", "locked.yaml"], "log_path"),
         (["train", "--config_path", "nul.yaml"], "log_path"),
     ], tmp_path)
+
+
+# ---------------------------------------------------------------------------------- what a config may hold
+
+
+def test_yaml_alias_bomb_is_refused_at_load(tmp_path, tiny_model_dir):
+    """A "billion laughs" under an environment's args: nine aliases of nine, nine levels deep, would
+    expand to 9^9 strings when validated, redacted or dumped. It is refused as soon as it is read."""
+    levels = ['      a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    levels += [f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = f"model_name: {tiny_model_dir}\nenvironments:\n  arithmetic:\n    args:\n" + "\n".join(levels) + "\n"
+    (tmp_path / "bomb.yaml").write_text(bomb)
+    message = error_of(tmp_path / "bomb.yaml")
+    assert "YAML aliases expand the document by more than 10,000 nodes" in message, message
+    (tmp_path / "loop.yaml").write_text("model_name: tiny\nenvironments: &e {arithmetic: {args: {again: *e}}}\n")
+    assert "recursive alias" in error_of(tmp_path / "loop.yaml")
+    run_all([(["train", "--config_path", "bomb.yaml"], "alias bomb")], tmp_path, timeout=60)
+    # anchors and merges of ordinary size stay legal
+    (tmp_path / "shared.yaml").write_text("model_name: tiny\nbase: &b {num_rollouts: 2, max_turns: 3}\n"
+                                          "environments:\n  one: {<<: *b, type: arithmetic}\n"
+                                          "  two: {<<: *b, type: arithmetic, args: {same: [*b, *b, *b]}}\n")
+    assert "base: unknown key" in error_of(tmp_path / "shared.yaml")  # read, then validated as usual
+
+
+@pytest.mark.parametrize("returned", ["42", "None", "'a string'"])
+def test_module_environment_returning_no_environment_is_one_line(tmp_path, tiny_model_dir, returned):
+    (tmp_path / "env.py").write_text(f"def load_environment():\n    return {returned}\n")
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nstore_dir: store\nreport: false\n"
+                                       f"environments:\n  mine: {{type: 'module:{tmp_path / 'env.py'}'}}\n")
+    run_all([(["train", "--config_path", "run.yaml"], f"load_environment() returned {returned}")], tmp_path)

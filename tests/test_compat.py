@@ -185,3 +185,38 @@ def test_minds_api_key_from_dotenv(minds_repo):
     out = run_cli("train", "--config_path", "configs/train.toml", "--print-config")
     assert out.returncode == 0, out.stderr
     assert yaml.safe_load(out.stdout)["backend"] == "tinker" and "secret" not in out.stdout
+
+
+@pytest.mark.slow
+def test_zero_reward_runs_go_their_configured_steps(minds_repo, tiny_model_dir, tmp_path):
+    """A task the model cannot solve yet gives equal rewards for a while: a Minds RL config (one prompt a
+    step), GEM's command line and a polyrl YAML config all run their 12 steps, warning about the steps
+    without a learning signal, instead of stopping at the 10th."""
+    pytest.importorskip("gem")
+    environ = {k: v for k, v in os.environ.items() if "TINKER" not in k}
+    environ.update(PYTHONPATH=str(ROOT))
+    (tmp_path / "gem").mkdir()
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 12\nbatch_size: 2\nmax_tokens: 4\n"
+                                       "lora_rank: 4\nlog_path: yaml-run\nstore_dir: store\nreport: false\n"
+                                       "environments:\n  arithmetic: {num_rollouts: 2, max_turns: 1}\n")
+    runs = {  # each run's command, directory and metrics file
+        "minds": (["train", "--config_path", "configs/train.toml", "--overrides", f"model_name={tiny_model_dir}",
+                   "store_dir=store", "max_steps=12", "report=false", "environments.my_task.args.word=zzzzzzzz"],
+                  minds_repo, minds_repo / "outputs" / "train" / "metrics.jsonl"),
+        "gem": (["train", *GEM_ARGS[:1], "max_steps=12", *GEM_ARGS[2:], f"model_name={tiny_model_dir}", "batch_size=2",
+                 "max_tokens=4", "lora_rank=4", "--overrides", "store_dir=store", "report=false",
+                 "environments.GuessTheNumber_v0_easy.max_turns=1"],
+                tmp_path / "gem", tmp_path / "gem" / "runs" / "gem-GuessTheNumber_v0_easy" / "metrics.jsonl"),
+        "yaml": (["train", "--config_path", "run.yaml"], tmp_path, tmp_path / "yaml-run" / "metrics.jsonl"),
+    }
+    procs = {name: subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], cwd=cwd, env=environ,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (args, cwd, _) in runs.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+        rows = [json.loads(line) for line in runs[name][2].read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(12)), name
+        no_signal = [r for r in rows if r["optim/datums"] == 0]
+        assert len(no_signal) > 6, f"{name}: the task was meant to give no signal: {len(no_signal)} steps"
+        assert "steps so far without a learning signal" in err, f"{name}: {err[-3000:]}"

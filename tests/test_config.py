@@ -317,3 +317,26 @@ def test_sft_config_checks_the_local_model_too(tmp_path):
         f"model_name: model {missing!r}: no such model directory")
     (tmp_path / "model").mkdir()
     assert load_config(None, [f"model_name={tmp_path / 'model'}"], base=BASE, model=SFTConfig).model_name.endswith("model")
+
+
+def test_json_config_is_read_as_json(tmp_path):
+    """JSON allows keys of any length (PyYAML refuses simple keys past 1,024 characters) and never reads
+    a string as a number or a date; its own mistakes are named as JSON ones."""
+    key = "k" * 2000
+    data = {"model_name": "tiny", "environments": {"arithmetic": {"args": {key: "2001-01-01", "n": "1e3"}}}}
+    (tmp_path / "run.json").write_text(json.dumps(data))
+    config = load_config(tmp_path / "run.json")
+    assert config.environments["arithmetic"].args == {key: "2001-01-01", "n": "1e3"}
+    (tmp_path / "bad.json").write_text('{"model_name": "tiny",\n "environments": {"arithmetic": {}},}\n')
+    assert "bad.json: invalid JSON: line 2, column" in error_of(tmp_path / "bad.json")
+    (tmp_path / "nan.json").write_text('{"model_name": "tiny", "environments": {"arithmetic": {"args": {"x": NaN}}}}')
+    assert "invalid JSON: NaN is not a number JSON allows" in error_of(tmp_path / "nan.json")
+
+
+def test_nonterminal_reward_within_the_reward_bound():
+    base = {"model_name": "tiny", "environments": {"arithmetic": {}}}
+    message = error_of(None, ["environments.arithmetic.nonterminal_reward=-2e6"], base=base)
+    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past max_abs_reward=1e+06: every "
+                       "unfinished episode would fail"), message
+    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "max_abs_reward=1e7"],
+                       base=base).max_abs_reward == 1e7

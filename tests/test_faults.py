@@ -233,6 +233,213 @@ def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
     assert len(rows) == 10 and all(r["optim/datums"] == 0 for r in rows)  # judged once 10 steps ran
 
 
+# ---------------------------------------------------------------------------- absurd numbers, huge observations
+ABSURD_ENV = """
+import itertools
+
+_made = itertools.count()
+
+
+class Env:
+    \"\"\"Every group rewards its first episode and not its second. Tasks 2 and 3 (the second step, when
+    unshuffled) give that first episode ``reward`` instead of 1.\"\"\"
+
+    def __init__(self, reward):
+        self.reward = (reward, 1.0) if next(_made) % 2 == 0 else (0.0, 0.0)
+
+    def initial_observation(self, index=0):
+        self.index = index
+        return "Say anything."
+
+    def step(self, text):
+        return self.reward[0] if self.index in (2, 3) else self.reward[1]
+
+
+def load_environment(reward):
+    return Env(reward)
+"""
+
+
+def _absurd_config(model_dir, tmp_path, reward: float, **over) -> TrainConfig:
+    (tmp_path / "absurd_env.py").write_text(ABSURD_ENV)
+    env = {"type": f"module:{tmp_path / 'absurd_env.py'}", "num_rollouts": 2, "max_turns": 1,
+           "args": {"reward": reward}, "splits": {"train": {"shuffle": False}, "test": None}}
+    return _config(model_dir, tmp_path, **{"max_steps": 3, "save_every": 1, "max_tokens": 8, "environments": {"absurd": env},
+                                           **over})
+
+
+def _adapters(store_dir) -> dict[str, dict]:
+    """Every adapter the store holds (state and sampler weights), by checkpoint directory."""
+    from safetensors.torch import load_file
+
+    return {str(f.parent.relative_to(store_dir)): load_file(f) for f in Path(store_dir).rglob("adapter_model.safetensors")}
+
+
+def _nonfinite(adapters: dict[str, dict]) -> list[str]:
+    return [name for name, tensors in adapters.items() if not all(bool(t.isfinite().all()) for t in tensors.values())]
+
+
+class _StepRewards(Env):
+    """Two turns whose step rewards cancel out: +1e308, then -1e308."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def reset(self):
+        return Observation([{"role": "user", "content": "Say anything."}])
+
+    async def step(self, action):
+        self.turn += 1
+        return StepResult(reward=1e308 if self.turn == 1 else -1e308, done=self.turn == 2,
+                          messages=[{"role": "user", "content": "again"}])
+
+
+class _OneEnv(EnvBuilder):
+    def make(self, split, index):
+        return self.args["env"]()
+
+
+def test_absurd_reward_fails_its_episode_with_a_warning(tiny_model_dir, tmp_path, tokenizer):
+    """A reward past max_abs_reward (1e6 by default) fails its episode, counted against the failure budget
+    and warned about; nothing non-finite reaches the weights."""
+    from test_train import RecordingConsole
+
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 1e308)
+    console = RecordingConsole()
+    train(cfg, console)
+    rows = RunFiles(cfg.log_path).metrics()
+    assert [r["rollouts/failed"] for r in rows] == [0.0, 2.0, 0.0]
+    assert any(line.startswith("warning: step 1: 2 episode(s) failed") and
+               "RewardOutOfBounds: reward 1e+308 is past max_abs_reward=1e+06" in line for line in console.lines), \
+        console.lines
+    episodes = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").open()]
+    assert [ep["error"] for ep in episodes if ep["error"]] == ["RewardOutOfBounds: reward 1e+308 is past "
+                                                                "max_abs_reward=1e+06"] * 2
+    adapters = _adapters(cfg.store_dir)
+    assert len(adapters) == 6 and not _nonfinite(adapters)
+
+    # step rewards are bounded too, even when they add up to an ordinary reward
+    renderer, policy = _policy(tokenizer)
+    out = asyncio.run(run_group(_OneEnv({"env": _StepRewards}), [Episode("x", "train", 0, 0)], renderer, policy,
+                                _settings(), [None]))
+    assert out[0].error == "RewardOutOfBounds: step reward 1e+308 is past max_abs_reward=1e+06", out[0].error
+
+
+def test_nonfinite_update_stops_with_one_line_and_no_nan_checkpoint(tiny_model_dir, tmp_path):
+    """With the reward bound set absurdly high, a 1e300 reward gets through: its advantages cannot be
+    float32. The trainer applies no optimizer step and stops with one line naming the last checkpoint;
+    no checkpoint with non-finite weights is ever written."""
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 1e300, max_abs_reward=1e300)
+    proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    line = _one_error_line(err)
+    rows = RunFiles(cfg.log_path).checkpoints()
+    assert proc.returncode == 1 and [r["name"] for r in rows] == ["000001"], err[-3000:]
+    assert "step 1: the update is not finite" in line and "no optimizer step was applied" in line, line
+    assert f"last checkpoint: {rows[0]['state_path']}" in line, line
+    adapters = _adapters(cfg.store_dir)
+    assert len(adapters) == 2 and not _nonfinite(adapters)
+
+
+def test_nonfinite_loss_is_skipped_when_asked(tiny_model_dir, tmp_path):
+    """Advantages of 1.5e38 fit float32, but the loss they make does not: the trainer sees the loss is not
+    finite before optim_step. With nonfinite_steps: skip the step is counted and leaves the weights as
+    they were (its gradients discarded); the next step trains as usual."""
+    from test_train import RecordingConsole
+
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 3e38, max_abs_reward=1e39, nonfinite_steps="skip")
+    console = RecordingConsole()
+    train(cfg, console)
+    rows = RunFiles(cfg.log_path).metrics()
+    assert [r.get("optim/nonfinite_skipped", 0.0) for r in rows] == [0.0, 1.0, 0.0]
+    assert any("step 1: the update is not finite (the forward_backward loss is" in line and "skipped" in line
+               for line in console.lines), console.lines
+    states = {Path(name).name: tensors for name, tensors in _adapters(cfg.store_dir).items() if "/weights/" in name}
+    assert sorted(states) == ["000001", "000002", "final"] and not _nonfinite(states)
+    for key, before in states["000001"].items():
+        assert bool((states["000002"][key] == before).all()), key  # the skipped step changed nothing
+    assert any(not bool((states["final"][k] == v).all()) for k, v in states["000002"].items())
+
+
+def test_engine_refusing_an_optimizer_step(tiny_model_dir, tmp_path, monkeypatch):
+    """An engine that refuses a non-finite optimizer step (NonFiniteUpdateError from optim_step, which
+    polyrl serve reports as a failed request starting 'optim_step refused') stops the run with one line,
+    or is skipped and counted by option."""
+    import tinker
+    from tinker.types import RequestErrorCategory
+
+    from polyrl.backend import update_refused
+    from polyrl.errors import NonFiniteUpdateError, RunStoppedError
+    from polyrl.local.engine import Engine
+
+    served = tinker.RequestFailedError("Request failed: optim_step refused: the gradient norm is nan for "
+                                       "self.request_id='r1'", "r1", RequestErrorCategory.User)
+    assert update_refused(served) and update_refused(NonFiniteUpdateError("optim_step refused: loss is inf"))
+    assert not update_refused(ValueError("adam_params.learning_rate must be a finite number >= 0"))
+
+    real = Engine.optim_step
+
+    def refuse_the_second(self, st, params):  # the engine's refusal, as the local engine raises it
+        if st.steps == 1:
+            raise NonFiniteUpdateError("optim_step refused: the gradient norm is nan; the weights are unchanged")
+        return real(self, st, params)
+
+    monkeypatch.setattr(Engine, "optim_step", refuse_the_second)
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 1.0, max_steps=2, save_every=0)
+    with pytest.raises(RunStoppedError, match=r"step 1: the update is not finite \(optim_step refused: the "
+                                              r"gradient norm is nan.*; no checkpoint saved yet"):
+        train(cfg, ConsoleLog(enabled=False))
+    (tmp_path / "skip").mkdir()
+    cfg = _absurd_config(tiny_model_dir, tmp_path / "skip", 1.0, max_steps=3, save_every=0, nonfinite_steps="skip")
+    train(cfg, ConsoleLog(enabled=False))
+    assert [r.get("optim/nonfinite_skipped", 0.0) for r in RunFiles(cfg.log_path).metrics()] == [0.0, 1.0, 1.0]
+
+
+class _Talkative(Env):
+    """Answers with ``size`` characters, at the start or after the first turn."""
+
+    def __init__(self, size: int, first: bool):
+        self.size, self.first = size, first
+
+    async def reset(self):
+        return Observation([{"role": "user", "content": "x " * (self.size // 2) if self.first else "Say anything."}])
+
+    async def step(self, action):
+        return StepResult(reward=1.0, done=False, messages=[{"role": "user", "content": "y " * (self.size // 2)}])
+
+
+def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_dir, tmp_path, tokenizer, monkeypatch):
+    """An observation past max_observation_bytes fails its episode before any of it is tokenized; one
+    that renders past max_observation_tokens fails too; both are counted against the failure budget."""
+    renderer, policy = _policy(tokenizer)
+    encoded: list[int] = []
+    real_encode = type(renderer).encode
+    monkeypatch.setattr(type(renderer), "encode", lambda self, text: encoded.append(len(text)) or real_encode(self, text))
+
+    out = asyncio.run(run_group(_OneEnv({"env": lambda: _Talkative(2_000_000, first=True)}),
+                                [Episode("x", "train", 0, 0)], renderer, policy, _settings(), [None]))
+    assert out[0].error == ("ObservationTooLarge: the observation holds more than 1,048,576 bytes "
+                            "(max_observation_bytes)"), out[0].error
+    assert max(encoded, default=0) < 1_000_000 and out[0].messages == []  # neither tokenized nor kept
+    out = asyncio.run(run_group(_OneEnv({"env": lambda: _Talkative(2_000, first=False)}),
+                                [Episode("x", "train", 0, 0)], renderer, policy,
+                                _settings(max_observation_tokens=500), [None]))
+    assert out[0].error and out[0].error.startswith("ObservationTooLarge: the observation renders to "), out[0].error
+    assert "more than max_observation_tokens=500" in out[0].error
+
+    # in a run: the configured bound applies, the episodes are counted and warned about
+    from test_train import RecordingConsole
+
+    register_env("faults_talkative")(type("Talkative", (EnvBuilder,), {"make": lambda self, split, index:
+                                                                       _Talkative(5_000, first=True)}))
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=1, max_observation_bytes=4_000,
+                  environments={"talkative": {"type": "faults_talkative", "num_rollouts": 2}})
+    console = RecordingConsole()
+    train(cfg, console)
+    assert RunFiles(cfg.log_path).metrics()[0]["rollouts/failed"] == 4.0
+    assert any("step 0: 4 episode(s) failed" in line and "max_observation_bytes" in line for line in console.lines)
+
+
 # ---------------------------------------------------------------------------- remote services
 class _Health:
     """A real HTTP health endpoint on a fixed port that can go away and come back."""
@@ -296,6 +503,48 @@ def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
     with pytest.raises(RunStoppedError, match=r"did not answer for 1s .* while waiting forever"):
         asyncio.run(long_outage())
     assert time.monotonic() - start < 5
+
+
+def test_service_lost_is_told_from_other_failures():
+    """Only a 404 for the run's own session, model, sampler or pending request (as the SDK reports it:
+    often a ValueError raised from the 404) means the service lost the run; a missing checkpoint or
+    any other failure does not."""
+    import httpx
+    import tinker
+
+    from polyrl.backend import ServiceGuard, service_lost
+
+    def not_found(endpoint: str, error: str) -> tinker.NotFoundError:
+        request = httpx.Request("POST", f"http://127.0.0.1:1/api/v1/{endpoint}")
+        return tinker.NotFoundError("Error code: 404", response=httpx.Response(404, request=request),
+                                    body={"error": error})
+
+    def raised_from(cause: BaseException) -> ValueError:
+        try:
+            raise ValueError(f"Error retrieving result: {cause} with status 404") from cause
+        except ValueError as exc:
+            return exc
+
+    lost = raised_from(not_found("retrieve_future", "unknown or expired request_id 'abc'"))
+    assert service_lost(lost) == "retrieve_future: 404 unknown or expired request_id 'abc'"
+    assert service_lost(not_found("forward_backward", "unknown model_id 'm'")) == \
+        "forward_backward: 404 unknown model_id 'm'"
+    assert service_lost(not_found("load_weights", "checkpoint tinker://x/weights/1 not found")) is None
+    assert service_lost(ValueError("something else")) is None
+
+    async def failing(exc: BaseException) -> None:
+        raise exc
+
+    from polyrl.errors import RunStoppedError, ServiceLostError
+
+    guard = ServiceGuard("http://127.0.0.1:1", timeout=30)
+    with pytest.raises(ServiceLostError, match=r"lost this run's session or requests while training step 3 "
+                                               r"\(retrieve_future: 404 unknown or expired request_id 'abc'\)"):
+        asyncio.run(guard.watch("training step 3", failing(lost)))
+    other = raised_from(not_found("load_weights", "checkpoint not found"))
+    with pytest.raises(RunStoppedError, match="failed while resuming: ValueError") as info:
+        asyncio.run(guard.watch("resuming", failing(other)))
+    assert not isinstance(info.value, ServiceLostError)
 
 
 def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path):
@@ -363,6 +612,69 @@ def test_trainer_stops_with_one_line_when_polyrl_serve_dies(tiny_model_dir, tmp_
     assert proc.returncode == 1 and served.url in line, line
     assert files.last_resumable()["state_path"] in line, line
     assert time.monotonic() - killed_at < 60
+
+
+def _restart_serve_mid_run(model_dir, tmp_path, **over) -> tuple[subprocess.Popen, RunFiles, list]:
+    """``polyrl train`` against a ``polyrl serve`` on a fixed port that is SIGKILLed once the run saved a
+    checkpoint and started again on the same port and store: the service loses the run's session,
+    models, samplers and pending requests. Returns the trainer, its files and the servers to stop."""
+    from test_serve import KEY, Served
+
+    port, store = _free_port(), tmp_path / "serve-store"
+    servers = [Served(model_dir, store, "--port", str(port))]
+    try:
+        cfg = _config(model_dir, tmp_path, backend="tinker", base_url=servers[0].url, store_dir=None,
+                      save_every=2, service_timeout=120, **over)
+        proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
+                    {"TINKER_API_KEY": KEY})
+        files = RunFiles(tmp_path / "run")
+        deadline = time.monotonic() + 180
+        while not files.checkpoints() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        servers[0].proc.kill()
+        servers[0].proc.wait()
+        if not files.checkpoints():
+            proc.kill()
+            pytest.fail(f"no checkpoint before the restart: {proc.communicate()[1][-3000:]}")
+        servers.append(Served(model_dir, store, "--port", str(port)))
+    except BaseException:
+        for served in servers:
+            served.stop()
+        raise
+    return proc, files, servers
+
+
+@pytest.mark.slow
+def test_trainer_recovers_when_polyrl_serve_restarts(tiny_model_dir, tmp_path):
+    """The restarted service knows nothing of the run: the trainer reopens it from its last checkpoint in
+    the same process, with a warning, and finishes its steps, each logged exactly once."""
+    proc, files, servers = _restart_serve_mid_run(tiny_model_dir, tmp_path, max_steps=30)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        for served in servers:
+            served.stop()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert [r["step"] for r in files.metrics()] == list(range(30))
+    recoveries = [line for line in err.splitlines() if "reopening the run from its last checkpoint" in line]
+    assert len(recoveries) == 1 and "lost this run's session" in recoveries[0], err[-3000:]
+    assert "(recovery 1 of 3)" in recoveries[0] and not any(line.startswith("error:") for line in err.splitlines())
+    assert files.checkpoints()[-1]["name"] == "final"
+
+
+@pytest.mark.slow
+def test_trainer_stops_with_one_line_past_its_recoveries(tiny_model_dir, tmp_path):
+    proc, files, servers = _restart_serve_mid_run(tiny_model_dir, tmp_path, max_steps=500,
+                                                  max_service_recoveries=0)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        for served in servers:
+            served.stop()
+    line = _one_error_line(err)
+    assert proc.returncode == 1 and "lost this run's session" in line, line
+    assert "reopened 0 times already (max_service_recoveries=0)" in line, line
+    assert files.last_resumable()["state_path"] in line, line
 
 
 # ---------------------------------------------------------------------------- kills between writes

@@ -473,6 +473,34 @@ def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
         trainer.check_learning(rollouts, nothing)
 
 
+def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tiny_model_dir, tmp_path):
+    """Equal rewards everywhere are normal while a model cannot solve a task yet: a sparse-reward run
+    (one prompt a step) goes on, warning with the share of such steps; only max_no_signal_frac stops it."""
+    from polyrl.errors import RunStoppedError
+    from polyrl.train import NO_UPDATE_MIN_STEPS, StepRollouts, StepUpdate
+
+    group = [Episode("letter", "train", 0, 0), Episode("letter", "train", 0, 0)]
+    rollouts = StepRollouts.of(0, [group])
+    equal = StepUpdate([group], {"letter": {"failed_rollouts": 0.0, "dropped_groups": 0.0, "constant_groups": 1.0}},
+                       0, {}, 0.0)
+    trainer = _started(tiny_model_dir, tmp_path, max_steps=50)
+    for done in range(1, 3 * NO_UPDATE_MIN_STEPS):
+        trainer.state.step = done
+        trainer.check_learning(rollouts, equal)
+    warnings = [line for line in trainer.console.lines if "made no update" in line]
+    assert len(warnings) == 3 * NO_UPDATE_MIN_STEPS - 1
+    assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), warnings[-1]
+
+    asked = _started(tiny_model_dir, tmp_path / "asked", max_steps=50, max_no_signal_frac=0.5)
+    for done in range(1, NO_UPDATE_MIN_STEPS):
+        asked.state.step = done
+        asked.check_learning(rollouts, equal)
+    asked.state.step = NO_UPDATE_MIN_STEPS
+    with pytest.raises(RunStoppedError, match="10 of 10 steps made no update without a learning signal "
+                                              r"\(more than max_no_signal_frac=0.5\)"):
+        asked.check_learning(rollouts, equal)
+
+
 def _run_cli(args, cwd, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "polyrl.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)

@@ -59,6 +59,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, call_env, register_env
+from polyrl.errors import UserInputError
 from polyrl.renderers.base import message_text
 
 logger = logging.getLogger(__name__)
@@ -274,6 +275,15 @@ class StepEnv(Env):
             await call_env(close)
 
 
+def _shown(obj: Any) -> str:
+    """``obj`` in an error message: its value when that is short (42, None, 'text'), and its type."""
+    if obj is None:
+        return "None"
+    text = repr(obj)
+    kind = type(obj).__name__
+    return f"{text} (type {kind})" if len(text) <= 40 else f"an object of type {kind}"
+
+
 def _params(fn: Callable) -> dict:
     try:
         return dict(inspect.signature(fn).parameters)
@@ -385,7 +395,17 @@ class ModuleBuilder(EnvBuilder):
         self._load = load_module(self.target).load_environment
         self.obj = self._load(**self.args)
         self.coerce = RewardCoercion(self.where)
-        obj = self.obj
+        try:
+            self._inspect(self.obj)
+        except ValueError as exc:  # the object load_environment() returned has the wrong shape
+            raise UserInputError(" ".join(str(exc).split())) from None
+        self.uses_sampler = callable(getattr(self.obj, "build", None))
+        self._built_for: Any = None
+        self._build_lock = asyncio.Lock()
+
+    def _inspect(self, obj: Any) -> None:
+        """Which kind of environment ``obj`` is (step-based or dataset + rubric); a ``ValueError``
+        naming the problem when it is neither."""
         if callable(getattr(obj, "initial_observation", None)) and callable(getattr(obj, "step", None)):
             self.kind = "step"
         elif getattr(obj, "dataset", None) is not None and getattr(obj, "rubric", None) is not None:
@@ -397,11 +417,8 @@ class ModuleBuilder(EnvBuilder):
                 raise ValueError(f"{self.where}: the dataset is empty")
             row_messages(self.rows("train")[0], self.system_prompt, self.where)
         else:
-            raise ValueError(f"{self.where}: load_environment() returned a {type(obj).__name__} with neither "
+            raise ValueError(f"{self.where}: load_environment() returned {_shown(obj)} with neither "
                              f"initial_observation() and step(text) nor a dataset and a rubric")
-        self.uses_sampler = callable(getattr(obj, "build", None))
-        self._built_for: Any = None
-        self._build_lock = asyncio.Lock()
 
     @property
     def drives_rollouts(self) -> bool:
