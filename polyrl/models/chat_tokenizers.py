@@ -27,7 +27,8 @@ _QWEN_TOOLS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 FAMILIES: dict[str, ChatTokens] = {
     # Qwen3 / Qwen3-VL / Qwen3.5 / 3.6 / 3.8: ChatML, vision markers, thinking and tool tags.
     "qwen": ChatTokens(
-        ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"),
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+         "<|image_pad|>"),
         _THINK + _QWEN_TOOLS,
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     ),

@@ -140,7 +140,9 @@ def _corpus(rng: random.Random, n: int = 4000, tool_text: bool = False) -> list[
 def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = False):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with Qwen3's chat tokens and template
     (``tool_text``: see :class:`TinySize`)."""
-    fast = train_bpe(vocab_size, seed, tool_text, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = train_bpe(
+        vocab_size, seed, tool_text, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     fast.add_tokens(ADDED_TOKENS)
     fast.chat_template = chat_template()

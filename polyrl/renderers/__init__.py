@@ -11,4 +11,6 @@ from polyrl.renderers import chatml, cookbook, llama3, plain  # noqa: F401 - reg
 from polyrl.renderers.base import Renderer, get_renderer, register_renderer, renderer_names
 from polyrl.renderers.infer import infer_renderer, resolve_renderer
 
-__all__ = ["Renderer", "get_renderer", "infer_renderer", "register_renderer", "renderer_names", "resolve_renderer"]
+__all__ = [
+    "Renderer", "get_renderer", "infer_renderer", "register_renderer", "renderer_names", "resolve_renderer",
+]

@@ -43,10 +43,11 @@ NAMES = (
     "role_colon",
     "qwen3_instruct", "qwen3_vl", "qwen3_vl_instruct",
     "qwen3_5", "qwen3_5_disable_thinking", "qwen3_5_preserve_thinking",
-    "qwen3_8_xhigh_reasoning", "qwen3_8_medium_reasoning", "qwen3_8_low_reasoning", "qwen3_8_disable_thinking",
+    "qwen3_8_xhigh_reasoning", "qwen3_8_medium_reasoning", "qwen3_8_low_reasoning",
+    "qwen3_8_disable_thinking",
     "deepseekv3", "deepseekv3_disable_thinking", "deepseekv3_thinking",
-    "deepseekv4_1", "deepseekv4_1_low_reasoning", "deepseekv4_1_max_reasoning", "deepseekv4_1_disable_thinking",
-    "deepseekv4_1_preserve_thinking",
+    "deepseekv4_1", "deepseekv4_1_low_reasoning", "deepseekv4_1_max_reasoning",
+    "deepseekv4_1_disable_thinking", "deepseekv4_1_preserve_thinking",
     "gpt_oss_no_sysprompt", "gpt_oss_low_reasoning", "gpt_oss_medium_reasoning", "gpt_oss_high_reasoning",
     "kimi_k2", "kimi_k25", "kimi_k25_disable_thinking", "kimi_k26", "kimi_k26_disable_thinking",
     "kimi_k26_preserve_thinking",
@@ -87,7 +88,8 @@ def cookbook_modules():
         from tinker_cookbook.renderers import base
     except ImportError as e:
         raise UserInputError(
-            f"this chat format needs tinker-cookbook ({e}): pip install --no-deps tinker-cookbook=={COOKBOOK_VERSION}"
+            f"this chat format needs tinker-cookbook ({e}): "
+            f"pip install --no-deps tinker-cookbook=={COOKBOOK_VERSION}"
         ) from None
     return renderers, base
 
@@ -143,12 +145,14 @@ class CookbookRenderer(Renderer):
             if not termination.is_clean:  # cut by max_tokens
                 text = self.decode(tokens)
                 if self._cut_while_thinking(text):  # nothing but (unfinished) reasoning
-                    return {"role": "assistant", "content": "", "reasoning_content": text.split("<think>")[-1].strip(),
+                    reasoning = text.split("<think>")[-1].strip()
+                    return {"role": "assistant", "content": "", "reasoning_content": reasoning,
                             "tool_calls": [], "tool_call_errors": []}
                 parsed, _ = self.ref.parse_response(tokens + self._stop_tokens())  # as if it had ended there
             return self._from_cookbook(parsed)
         except Exception:  # noqa: BLE001 - model output never raises; keep the text
-            return {"role": "assistant", "content": self.decode(tokens), "tool_calls": [], "tool_call_errors": []}
+            text = self.decode(tokens)
+            return {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
 
     def supervised(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
@@ -169,7 +173,9 @@ class CookbookRenderer(Renderer):
             weights += [1.0] * len(sampled)
         return tokens, weights
 
-    def assistant_tokens_in_context(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
+    def assistant_tokens_in_context(
+        self, messages: list[Message], tools: list[ToolSpec] | None = None
+    ) -> list[int]:
         """The tokens the model samples for ``messages[-1]`` (an assistant turn) after the generation
         prompt of the messages before it: the cookbook's supervised rendering of the conversation
         minus that prompt."""
@@ -269,7 +275,9 @@ class CookbookRenderer(Renderer):
         try:
             prefix = self.ref.create_conversation_prefix_with_tools(specs, system)
         except NotImplementedError:
-            raise UserInputError(f"renderer {self.name!r} has no tool-calling format; use one that does") from None
+            raise UserInputError(
+                f"renderer {self.name!r} has no tool-calling format; use one that does"
+            ) from None
         return [*prefix, *conversation]
 
     def _cb_user(self, text: str):
@@ -291,11 +299,9 @@ class CookbookRenderer(Renderer):
             for call in message.get("tool_calls") or []:
                 fn = call.get("function", call)
                 args = fn.get("arguments", {})
-                calls.append(self._cb.ToolCall(
-                    id=call.get("id") or None,
-                    function=self._cb.ToolCall.FunctionBody(
-                        name=str(fn.get("name", "")), arguments=args if isinstance(args, str) else json.dumps(args)),
-                ))
+                arguments = args if isinstance(args, str) else json.dumps(args)
+                body = self._cb.ToolCall.FunctionBody(name=str(fn.get("name", "")), arguments=arguments)
+                calls.append(self._cb.ToolCall(id=call.get("id") or None, function=body))
             if calls:
                 out["tool_calls"] = calls
         elif role == "tool":

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -57,9 +58,9 @@ def infer_renderer(model_name_or_path: str, tokenizer: Any) -> str:
     if has("<|im_start|>") and has("<|im_end|>"):
         if "<function=" in template or any(_AFTER_QWEN3.search(n) for n in names):
             raise UserInputError(
-                f"cannot infer the chat format of model {model_name_or_path!r}: it is not in tinker-cookbook's "
-                f"model list, and ChatML models of its kind (Qwen3.5, Qwen3.8, Nemotron 3) need different "
-                f"formats; {choices}"
+                f"cannot infer the chat format of model {model_name_or_path!r}: it is not in "
+                f"tinker-cookbook's model list, and ChatML models of its kind (Qwen3.5, Qwen3.8, Nemotron 3) "
+                f"need different formats; {choices}"
             )
         return "qwen3" if "<think>" in template or "<tool_call>" in template else "chatml"
     if has("<|start_header_id|>") and has("<|eot_id|>"):
@@ -79,25 +80,20 @@ def lineup_renderer(name: str) -> str | None:
     return index.get(key) or index.get(key.rsplit("/", 1)[-1])
 
 
+@functools.cache
 def _lineup_index() -> dict[str, str]:
     """``org/name`` and ``name`` (lower case) -> recommended renderer, from tinker-cookbook's model lists."""
-    global _INDEX
-    if _INDEX is None:
-        _INDEX = {}
-        try:
-            from tinker_cookbook import model_info
-        except ImportError:
-            return _INDEX
-        tables = [getattr(model_info, f) for f in dir(model_info) if re.fullmatch(r"get_\w+_info", f)]
-        for table in tables:
-            for version, attrs in table().items():
-                renderer = attrs.recommended_renderers[0]
-                _INDEX[f"{attrs.organization}/{version}".lower()] = renderer
-                _INDEX.setdefault(version.lower(), renderer)
-    return _INDEX
-
-
-_INDEX: dict[str, str] | None = None
+    try:
+        from tinker_cookbook import model_info
+    except ImportError:
+        return {}
+    index: dict[str, str] = {}
+    for table in [getattr(model_info, f) for f in dir(model_info) if re.fullmatch(r"get_\w+_info", f)]:
+        for version, attrs in table().items():
+            renderer = attrs.recommended_renderers[0]
+            index[f"{attrs.organization}/{version}".lower()] = renderer
+            index.setdefault(version.lower(), renderer)
+    return index
 
 
 def _candidate_names(model: str) -> list[str]:
@@ -107,7 +103,9 @@ def _candidate_names(model: str) -> list[str]:
     path = os.path.expanduser(model)
     if not os.path.isdir(path):
         return names
-    for file, keys in (("config.json", ("_name_or_path", "name_or_path")), ("tokenizer_config.json", ("name_or_path",))):
+    recorded = (("config.json", ("_name_or_path", "name_or_path")),
+                ("tokenizer_config.json", ("name_or_path",)))
+    for file, keys in recorded:
         try:
             with open(os.path.join(path, file)) as f:
                 data = json.load(f)
