@@ -72,7 +72,7 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     """``polyrl eval``: the test splits of ``config.environments`` against a checkpoint (a sampler or
     state path) or, without one, the base model."""
     from polyrl.backend import make_service_client
-    from polyrl.renderers import get_renderer, infer_renderer
+    from polyrl.renderers import resolve_renderer
 
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
                 for n, c in config.environments.items()}
@@ -82,5 +82,5 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     else:
         sampler = await service.create_sampling_client(base_model=config.model_name)
     tokenizer = sampler.get_tokenizer()
-    renderer = get_renderer(config.renderer or infer_renderer(config.model_name, tokenizer), tokenizer)
+    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
     return await evaluate_sampler(sampler, renderer, runtimes, config.eval_num_samples, config.seed)

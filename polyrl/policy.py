@@ -111,12 +111,6 @@ def open_sampler(policy: Policy, device: str = "auto", dtype: str = "auto"):
 
 def renderer_for(policy: Policy, tokenizer: Any, override: str | None = None):
     """The renderer: ``override``, else the run's, else the one inferred from the base model."""
-    from polyrl.renderers import get_renderer, infer_renderer, renderer_names
+    from polyrl.renderers import resolve_renderer
 
-    name = override or policy.renderer
-    if name is not None and name not in renderer_names():
-        raise UserInputError(f"unknown renderer {name!r} (known: {', '.join(renderer_names())})")
-    try:
-        return get_renderer(name or infer_renderer(policy.base_model, tokenizer), tokenizer)
-    except ValueError as e:
-        raise UserInputError(str(e)) from None
+    return resolve_renderer(override or policy.renderer, policy.base_model, tokenizer)

@@ -18,7 +18,7 @@ from tinker import types
 
 from polyrl.backend import make_service_client
 from polyrl.config import EnvConfig, LrSchedule, _Problems, local_model_problems, scheduled_lr
-from polyrl.renderers import get_renderer, infer_renderer
+from polyrl.renderers import resolve_renderer
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
 
@@ -89,7 +89,7 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
     training = await service.create_lora_training_client(base_model=config.model_name, rank=config.lora_rank,
                                                           seed=config.seed)
     tokenizer = training.get_tokenizer()
-    renderer = get_renderer(config.renderer or infer_renderer(config.model_name, tokenizer), tokenizer)
+    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
     datums = demonstration_datums(config, renderer)
     rng = random.Random(config.seed)
     order: list[int] = []

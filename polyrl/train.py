@@ -44,7 +44,7 @@ from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, 
 from polyrl.config import ConfigError, TrainConfig, scheduled_lr
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
-from polyrl.renderers import get_renderer, infer_renderer
+from polyrl.renderers import resolve_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
 from polyrl.rollouts import (Episode, EnvRuntime, ObservationTooLarge, RewardOutOfBounds, collect_group,
@@ -272,8 +272,7 @@ class Trainer:
         await self.remove_unlogged_checkpoints(resuming=row is not None)
         files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
         self.tokenizer = self.training.get_tokenizer()
-        renderer = config.renderer or infer_renderer(config.model_name, self.tokenizer)
-        self.renderer = get_renderer(renderer, self.tokenizer)
+        self.renderer = resolve_renderer(config.renderer, config.model_name, self.tokenizer)
         self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
         self.sampler_step = self.state.step
         ahead = config.max_steps_off_policy
