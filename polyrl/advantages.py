@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from tinker import types
 
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 
 ESTIMATORS: dict[str, Callable[..., None]] = {}
 
@@ -81,7 +81,7 @@ def rebn(groups: list[list[Episode]], normalize_by_std: bool = True, gamma: floa
 
 def turn_rewards(ep: Episode) -> list[float]:
     """One reward per sampled turn, adding up to ``ep.reward``: the rollout's ``turn_rewards`` (see
-    :func:`polyrl.rollouts.finalize_reward`), else the step rewards; whatever the episode's reward
+    :func:`polyrl.episode.finalize_reward`), else the step rewards; whatever the episode's reward
     adds beyond them (a workflow that sets the reward itself) lands on the last turn."""
     source = ep.turn_rewards if ep.turn_rewards is not None else ep.step_rewards
     rewards = list(source[: ep.num_turns]) + [0.0] * max(0, ep.num_turns - len(source))

@@ -25,7 +25,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 
 Key = tuple[int, int]  # (plan step, position in that step's plan)
 Plan = Callable[[int, dict[str, int]], tuple[list[tuple[str, int]], dict[str, int]]]

@@ -47,8 +47,8 @@ from polyrl.evaluate import evaluate_sampler
 from polyrl.renderers import get_renderer, infer_renderer
 from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
-from polyrl.rollouts import (Episode, EnvRuntime, ObservationTooLarge, RewardOutOfBounds, collect_group,
-                             rollout_bounds, split_roles)
+from polyrl.episode import Episode, ObservationTooLarge, RewardOutOfBounds
+from polyrl.rollouts import EnvRuntime, collect_group, rollout_bounds, split_roles
 from polyrl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles

@@ -17,7 +17,7 @@ import torch
 from polyrl.config import ConfigError, TrainConfig, load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
 from polyrl.rollout_queue import DrawPoint, RolloutQueue
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import train

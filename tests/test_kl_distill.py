@@ -20,7 +20,7 @@ from polyrl import advantages as adv
 from polyrl.backend import ServiceGuard
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 from polyrl.scoring import Scorer, TokenSignals, open_scorer
 
 

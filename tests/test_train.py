@@ -19,8 +19,9 @@ from scripted import ScriptedSampler
 from polyrl import advantages as adv
 from polyrl.config import EnvConfig, TrainConfig, load_config
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
+from polyrl.episode import Episode, RolloutSettings, finalize_reward, run_episode
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, finalize_reward, run_episode, run_group
+from polyrl.rollouts import run_group
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import allocate_groups, filter_groups, train
@@ -152,7 +153,7 @@ def test_a_torn_checkpoint_row_hides_no_later_row(tmp_path):
 
 
 def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
-    from polyrl.rollouts import SamplerError
+    from polyrl.episode import SamplerError
 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2, logprobs=lambda n: None)

@@ -14,8 +14,8 @@ from tinker import types
 from polyrl import advantages as adv
 from polyrl.config import ConfigError, EnvConfig, TrainConfig, load_config
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, run_group, split_roles
-from polyrl.rollouts import EnvRuntime
+from polyrl.episode import Episode
+from polyrl.rollouts import EnvRuntime, run_group, split_roles
 
 
 class _Policy:
