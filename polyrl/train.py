@@ -460,9 +460,11 @@ class Trainer:
         float32 (then no Datum is built: it would carry inf)."""
         config = self.config
         kept, stats = filter_groups(split_roles(groups), self.runtimes, config.remove_constant_reward_groups)
-        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
+        advantages = adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std,
+                                                config.gamma)
         if config.teacher is not None:
-            adv_lib.scale_advantages(kept, config.teacher.reward_weight)
+            advantages = adv_lib.scale_advantages(advantages, config.teacher.reward_weight)
+        adv_lib.record_advantages(kept, advantages)  # final now: the Datums and the trajectory log read them
         episodes = [ep for g in kept for ep in g
                     if ep.action_tokens and (self.signals.active or any(a != 0 for a in ep.turn_advantages))]
         terms, signal_metrics = await self.guard.watch(f"scoring step {step}", self.signals.terms(episodes))

@@ -86,20 +86,25 @@ def _ep(reward, turns=1, rewards=None, done=True):
     return ep
 
 
+def _advantages(groups, *args, **kwargs) -> None:
+    """The estimator's values, recorded on the episodes as the training step does."""
+    adv.record_advantages(groups, adv.compute_advantages(groups, *args, **kwargs))
+
+
 def test_grpo_advantages_hand_computed():
     g1 = [_ep(1.0), _ep(0.0), _ep(0.0), _ep(1.0)]
     g2 = [_ep(3.0, turns=2), _ep(1.0, turns=2)]
-    adv.compute_advantages([g1, g2], "grpo")
+    _advantages([g1, g2], "grpo")
     assert [e.turn_advantages for e in g1] == [[0.5], [-0.5], [-0.5], [0.5]]
     assert [e.turn_advantages for e in g2] == [[1.0, 1.0], [-1.0, -1.0]]
-    adv.compute_advantages([g1], "grpo", normalize_by_std=True)
+    _advantages([g1], "grpo", normalize_by_std=True)
     assert g1[0].turn_advantages[0] == pytest.approx(1.0, rel=1e-5)  # (1 - .5) / .5
 
 
 def test_rebn_discounted_returns_normalized_over_batch():
     a = _ep(1.0, turns=2, rewards=[0.0, 1.0])
     b = _ep(0.0, turns=1, rewards=[0.0])
-    adv.compute_advantages([[a], [b]], "rebn", gamma=0.5)
+    _advantages([[a], [b]], "rebn", gamma=0.5)
     returns = [0.5, 1.0, 0.0]  # a: 0 + .5*1, 1 ; b: 0
     mean = sum(returns) / 3
     std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 3)
@@ -115,14 +120,14 @@ def test_rebn_gives_identical_episodes_identical_advantages():
     for ep in (ended, cut_off, zero):
         finalize_reward(ep, settings)
     assert ended.reward == cut_off.reward == 1.0
-    adv.compute_advantages([[ended, cut_off], [zero]], "rebn")
+    _advantages([[ended, cut_off], [zero]], "rebn")
     assert cut_off.turn_advantages == pytest.approx(ended.turn_advantages)
     assert ended.turn_advantages[0] > 0 and all(a < 0 for a in zero.turn_advantages)
     # nonterminal_reward still sets the return of an episode the environment did not end
     penalised = _ep(0.0, turns=2, rewards=[1.0, 1.0], done=False)
     finalize_reward(penalised, RolloutSettings(max_turns=2, max_tokens=8, temperature=1.0, timeout=30,
                                                nonterminal_reward=-1.0))
-    adv.compute_advantages([[penalised], [_ep(1.0, turns=2, rewards=[0.0, 1.0])]], "rebn")
+    _advantages([[penalised], [_ep(1.0, turns=2, rewards=[0.0, 1.0])]], "rebn")
     assert penalised.reward == -1.0 and penalised.turn_advantages[0] < 0
 
 
