@@ -4,12 +4,15 @@ One episode is :mod:`polyrl.episode`'s job (its record, its context and :func:`r
 module runs them by the group. :class:`EnvRuntime` is one configured environment (builder, settings,
 task order); :func:`collect_group` runs one planned group (training draws them one by one, see
 :mod:`polyrl.rollout_queue`); :func:`collect_groups` runs a whole plan at once (evaluation).
+:func:`plan_step` is which environment and task each group of a training step draws, and
+:func:`sample_group` runs one group of that plan.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import traceback
 from dataclasses import dataclass
@@ -161,3 +164,40 @@ async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, 
 
     return list(await asyncio.gather(*(group(g, name, task) for g, (name, task) in enumerate(plan))))
 
+
+# ---------------------------------------------------------------------------- a training step's plan
+def allocate_groups(weights: dict[str, float], batch_size: int, step: int) -> list[str]:
+    """Environment name of each group in a step's batch: shares proportional to ``weight``; the
+    leftover slots rotate with the step so small shares still get their turn."""
+    total = sum(weights.values())
+    quotas = {n: batch_size * w / total for n, w in weights.items()}
+    counts = {n: math.floor(q) for n, q in quotas.items()}
+    left = batch_size - sum(counts.values())
+    names = sorted(weights, key=lambda n: (-(quotas[n] - counts[n]), n))
+    if left:
+        start = step % len(names)
+        for n in (names[start:] + names[:start])[:left]:
+            counts[n] += 1
+    return [n for n in sorted(weights) for _ in range(counts[n])]
+
+
+def plan_step(weights: dict[str, float], runtimes: dict[str, EnvRuntime], batch_size: int, step: int,
+              cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """The ``(environment, task index)`` of each group of ``step`` (``weights``: the environments with
+    a train split, by batch share), and the data cursors after it. Pure: the same step and cursors
+    always give the same plan."""
+    cursors = dict(cursors)
+    plan_P = []
+    for name in allocate_groups(weights, batch_size, step):
+        plan_P.append((name, runtimes[name].task_index("train", cursors[name])))
+        cursors[name] += 1
+    return plan_P, cursors
+
+
+async def sample_group(runtimes: dict[str, EnvRuntime], renderer: Renderer, seed: int, step: int, index: int,
+                       env_name: str, task: int, sampler: SamplingClient) -> list[Episode]:
+    """Group ``index`` of ``step``'s plan, sampled by ``sampler`` (seeded by the run's ``seed``, the step
+    and the index, so the same group samples the same tokens from the same weights)."""
+    runtime = runtimes[env_name]
+    return await collect_group(runtime, task, index, "train", runtime.cfg.num_rollouts, sampler, renderer,
+                               (seed, "train", step))
