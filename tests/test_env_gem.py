@@ -13,7 +13,7 @@ from scripted import ScriptedSampler
 from polyrl.config import ConfigError, TrainConfig, load_config
 from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_episode
+from polyrl.episode import Episode, RolloutSettings, run_episode
 
 GUESS = "gem:game:GuessTheNumber-v0-easy"
 
