@@ -96,3 +96,21 @@ def test_wandb_resume_continues_the_same_run_after_a_relaunch(tiny_model_dir, tm
     assert second["dir"] in map(str, launches) and first["dir"] != second["dir"]
     index = (run / "report" / "data" / "index.js").read_text()
     assert f'"id":"{first["id"]}"' in index
+
+
+def test_wandb_files_land_under_the_run_directory_whatever_the_service_cwd(tmp_path, monkeypatch):
+    """W&B's service process outlives a run and resolves a relative ``dir`` against its own working
+    directory: a relative log_path must still put the W&B files under the run, not where the service
+    happened to start."""
+    pytest.importorskip("wandb")
+    from polyrl.tracking.wandb_log import WandbLog
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    monkeypatch.chdir(tmp_path / "first")
+    WandbLog("polyrl-test", "first", {}, "run").close()  # starts the service here
+    monkeypatch.chdir(tmp_path / "second")
+    WandbLog("polyrl-test", "second", {}, "run").close()
+    assert list((tmp_path / "second" / "run").glob("wandb/offline-run-*"))
+    assert len(list((tmp_path / "first" / "run").glob("wandb/offline-run-*"))) == 1

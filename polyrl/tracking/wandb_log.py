@@ -27,7 +27,8 @@ class WandbLog:
                 "wandb_project_name is set but wandb is not installed: pip install 'polyrl[wandb]'"
             ) from e
         self.run = wandb.init(project=redact_text(project), name=name and redact_text(name),
-                              config=redact(config), dir=directory, id=run_id, resume="allow")
+                              config=redact(config), dir=str(Path(directory).resolve()), id=run_id,
+                              resume="allow")
         self._record(Path(directory))
 
     @property
