@@ -111,6 +111,9 @@ def test_wandb_files_land_under_the_run_directory_whatever_the_service_cwd(tmp_p
     monkeypatch.chdir(tmp_path / "first")
     WandbLog("polyrl-test", "first", {}, "run").close()  # starts the service here
     monkeypatch.chdir(tmp_path / "second")
-    WandbLog("polyrl-test", "second", {}, "run").close()
+    second = WandbLog("polyrl-test", "second", {}, "run")
+    print("a line of console output, which W&B's service copies to files/output.log")
+    second.log({"reward": 1.0}, 0)
+    second.close()
     assert list((tmp_path / "second" / "run").glob("wandb/offline-run-*"))
     assert len(list((tmp_path / "first" / "run").glob("wandb/offline-run-*"))) == 1
