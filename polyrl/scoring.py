@@ -37,11 +37,11 @@ class Scorer:
                                          for ep in episodes])
         for ep, lps in zip(episodes, answers):
             if len(lps) != len(ep.tokens):
-                raise SamplerError(f"{self.key} ({self.source}): compute_logprobs returned {len(lps)} logprobs "
-                                   f"for {len(ep.tokens)} tokens")
+                raise SamplerError(f"{self.key} ({self.source}): compute_logprobs returned {len(lps)} "
+                                   f"logprobs for {len(ep.tokens)} tokens")
             if any(lp is None for lp, m in zip(lps, ep.action_mask) if m):
-                raise SamplerError(f"{self.key} ({self.source}): compute_logprobs returned no logprob for some "
-                                   "sampled tokens")
+                raise SamplerError(f"{self.key} ({self.source}): compute_logprobs returned no logprob for "
+                                   "some sampled tokens")
         return answers
 
 
@@ -61,11 +61,12 @@ async def open_scorer(key: str, source: str | None, config: TrainConfig, service
         try:
             same = sampler.get_tokenizer().get_vocab() == tokenizer.get_vocab()
         except Exception as exc:  # noqa: BLE001 - a tokenizer the client cannot load here
-            warn(f"{key}: could not compare the tokenizers of {base} and {own} ({exc}); they must be the same")
+            warn(f"{key}: could not compare the tokenizers of {base} and {own} ({exc}); they must be the "
+                 "same")
         else:
             if not same:
-                raise ConfigError(f"{key}: {source} (base model {base}) does not share the tokenizer of {own}, "
-                                  "so it cannot score the tokens the policy samples")
+                raise ConfigError(f"{key}: {source} (base model {base}) does not share the tokenizer of "
+                                  f"{own}, so it cannot score the tokens the policy samples")
     return Scorer(key, source, sampler)
 
 
@@ -82,8 +83,8 @@ class TokenSignals:
                    warn: Callable[[str], None]) -> TokenSignals:
         """Open the samplers ``config`` asks for; ``policy`` is a sampler of the policy being trained."""
         reference = teacher = None
-        if config.kl_penalty_coef > 0:
-            reference = await open_scorer("kl_reference", config.kl_reference, config, service, guard, policy,
+        if config.kl is not None:
+            reference = await open_scorer("kl.reference", config.kl.reference, config, service, guard, policy,
                                           tokenizer, warn)
         if config.teacher is not None:
             teacher = await open_scorer("teacher.model", config.teacher.model, config, service, guard, policy,
@@ -109,17 +110,21 @@ class TokenSignals:
         metrics: dict[str, float] = {}
         for scorer, logprobs in zip(scorers, answers):
             if scorer is self.reference:
-                terms, mean = adv_lib.reference_kl_terms(episodes, logprobs, config.kl_penalty_coef,
-                                                         config.kl_discount_factor)
+                kl = config.kl
+                assert kl is not None
+                terms, mean = adv_lib.reference_kl_terms(episodes, logprobs, kl.penalty_coef,
+                                                         kl.discount_factor)
                 metrics["kl/reference"] = metrics["kl_policy_base"] = mean
             else:
                 teacher = config.teacher
                 assert teacher is not None
-                terms, gaps = adv_lib.teacher_kl_terms(episodes, logprobs, teacher.kl_coef, teacher.kl_discount_factor)
+                terms, gaps = adv_lib.teacher_kl_terms(episodes, logprobs, teacher.kl_coef,
+                                                       teacher.kl_discount_factor)
                 metrics["kl/teacher"] = metrics["teacher_kl"] = adv_lib.mean_gap(episodes, gaps)
                 for name in sorted({ep.env_name for ep in episodes}):
                     mine = [(ep, g) for ep, g in zip(episodes, gaps) if ep.env_name == name]
-                    metrics[f"env/{name}/kl/teacher"] = adv_lib.mean_gap([ep for ep, _ in mine], [g for _, g in mine])
+                    metrics[f"env/{name}/kl/teacher"] = adv_lib.mean_gap([ep for ep, _ in mine],
+                                                                          [g for _, g in mine])
             for total, term in zip(totals, terms):
                 for i, t in enumerate(term):
                     total[i] += t

@@ -40,11 +40,11 @@ from typing import Any, Awaitable, Callable
 from tinker import types
 
 from polyrl import advantages as adv_lib
-from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url, update_refused
+from polyrl.backend import ServiceGuard, make_rest_client, service_url, update_refused
 from polyrl.config import ConfigError, TrainConfig, scheduled_lr
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
-from polyrl.renderers import get_renderer, infer_renderer
+from polyrl.policy import open_policy
 from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue
 from polyrl.rollouts import (Episode, EnvRuntime, ObservationTooLarge, RewardOutOfBounds, collect_group,
@@ -157,7 +157,7 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
             try:
                 row = await train_step(trainer)
             except ServiceLostError as lost:
-                most = config.max_service_recoveries
+                most = config.limits.max_service_recoveries
                 if recoveries == most:
                     raise ServiceLostError(f"{lost}; reopened {recoveries} times already "
                                            f"(max_service_recoveries={most})") from None
@@ -198,11 +198,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, console: ConsoleLog | None = None):
         self.config = config
         self.console = console or ConsoleLog()
-        self.files = RunFiles(config.log_path, metrics_json=config.metrics_json)
-        self.guard = ServiceGuard(service_url(config), config.service_timeout, self.console.warn)
-        self.adam = types.AdamParams(learning_rate=config.learning_rate, beta1=config.adam_beta1,
-                                     beta2=config.adam_beta2, eps=config.adam_eps, weight_decay=config.weight_decay,
-                                     grad_clip_norm=config.grad_clip_norm)
+        self.files = RunFiles(config.log_path, metrics_json=config.outputs.metrics_json)
+        self.guard = ServiceGuard(service_url(config), config.limits.service_timeout, self.console.warn)
+        optimizer = config.optimizer
+        self.adam = types.AdamParams(learning_rate=config.learning_rate, beta1=optimizer.beta1,
+                                     beta2=optimizer.beta2, eps=optimizer.eps,
+                                     weight_decay=optimizer.weight_decay,
+                                     grad_clip_norm=optimizer.grad_clip_norm)
         self.state = RunState()
         self.runtimes: dict[str, EnvRuntime] = {}
         self.weights: dict[str, float] = {}  # environments with a train split, by batch share
@@ -248,21 +250,29 @@ class Trainer:
         always continues its own run), else from ``resume_from``, else fresh; then the sampler, the
         rollout queue drawing from where the state stands, and the per-token signals' scorers."""
         config, files = self.config, self.files
-        self.service = make_service_client(config)
         self.state = RunState(cursors={name: 0 for name in self.runtimes})
         row = files.last_resumable()
-        if row is not None:
-            self.training = await self.guard("resuming", self.service.create_training_client_from_state_with_optimizer,
-                                             row["state_path"])
-            self.state.restore(row)
-            self.console.info(f"resuming from {row['state_path']} at step {self.state.step}")
-        elif config.resume_from:
-            self.training = await self.guard("loading resume_from", self.service.create_training_client_from_state,
-                                             config.resume_from)
-            self.console.info(f"initialized weights from {config.resume_from}")
-        else:
-            self.training = await self.guard("creating the model", self.service.create_lora_training_client,
-                                             base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
+
+        async def connect(service: Any) -> Any:
+            if row is not None:
+                training = await self.guard("resuming",
+                                            service.create_training_client_from_state_with_optimizer,
+                                            row["state_path"])
+                self.state.restore(row)
+                self.console.info(f"resuming from {row['state_path']} at step {self.state.step}")
+            elif config.resume_from:
+                training = await self.guard("loading resume_from", service.create_training_client_from_state,
+                                            config.resume_from)
+                self.console.info(f"initialized weights from {config.resume_from}")
+            else:
+                training = await self.guard("creating the model", service.create_lora_training_client,
+                                            base_model=config.model_name, rank=config.lora_rank,
+                                            seed=config.seed)
+            return training
+
+        policy = await open_policy(config, connect)
+        self.service, self.training = policy.service, policy.client
+        self.tokenizer, self.renderer = policy.tokenizer, policy.renderer
         files.truncate_from(self.state.step)
         earlier = [r for r in files.metrics() if r.get("optim/datums") == 0]
         self.state.no_update_steps = len(earlier)
@@ -271,17 +281,14 @@ class Trainer:
             self.state.wandb_run_id = self.wandb.run_id
         await self.remove_unlogged_checkpoints(resuming=row is not None)
         files.log_attempt({"training_run_id": self.training.model_id, "step": self.state.step})
-        self.tokenizer = self.training.get_tokenizer()
-        renderer = config.renderer or infer_renderer(config.model_name, self.tokenizer)
-        self.renderer = get_renderer(renderer, self.tokenizer)
         self.sampler = await self.guard("creating a sampler", self.training.save_weights_and_get_sampling_client)
         self.sampler_step = self.state.step
-        ahead = config.max_steps_off_policy
+        ahead = config.off_policy.max_steps
         self.queue = RolloutQueue(
             self.plan, self.sample_group, lambda: (self.sampler, self.sampler_step),
             capacity=config.batch_size * (ahead + 1), wanted=config.batch_size * (config.max_steps - self.state.step),
             start=DrawPoint(self.state.draw_step, self.state.cursors, self.state.consumed),
-            max_staleness=ahead if config.stale_groups == "drop" else None)
+            max_staleness=ahead if config.off_policy.stale_groups == "drop" else None)
         self.signals = await TokenSignals.open(config, self.service, self.guard, self.sampler, self.tokenizer,
                                                self.console.warn)
         return self.state
@@ -377,7 +384,7 @@ class Trainer:
         started, waited, config = time.monotonic(), rollouts.seconds, self.config
         kept, stats, episodes, datums, futures, signal_parts = [], {}, [], [], [], []
         problem: str | None = None  # why the step's update is not finite, once known
-        while groups := await rollouts.next(config.stream_minibatches or config.batch_size):
+        while groups := await rollouts.next(config.off_policy.stream_minibatches or config.batch_size):
             part, part_stats, part_episodes, part_datums, part_signals, part_problem = await self.prepare(
                 groups, rollouts.step)
             signal_parts.append((part_episodes, part_signals))
@@ -435,7 +442,7 @@ class Trainer:
         were. ``nonfinite_steps: stop`` ends the run (the caller names the last checkpoint); ``skip``
         discards what the step's ``forward_backward`` calls (``sent``) accumulated and goes on."""
         what = f"step {step}: the update is not finite ({problem}); no optimizer step was applied"
-        if self.config.nonfinite_steps == "stop":
+        if self.config.limits.nonfinite_steps == "stop":
             raise RunStoppedError(f"{what} (nonfinite_steps: skip passes over such steps)")
         self.console.warn(f"{what}; the step is skipped (nonfinite_steps: skip)")
         if sent:
@@ -459,8 +466,9 @@ class Trainer:
         per-token signals (KL penalty, teacher) scored for them, and what in them is not a finite
         float32 (then no Datum is built: it would carry inf)."""
         config = self.config
-        kept, stats = filter_groups(split_roles(groups), self.runtimes, config.remove_constant_reward_groups)
-        adv_lib.compute_advantages(kept, config.advantage_estimator, config.normalize_advantages_by_std, config.gamma)
+        adv = config.advantages
+        kept, stats = filter_groups(split_roles(groups), self.runtimes, adv.remove_constant_reward_groups)
+        adv_lib.compute_advantages(kept, adv.estimator, adv.normalize_by_std, adv.gamma)
         if config.teacher is not None:
             adv_lib.scale_advantages(kept, config.teacher.reward_weight)
         episodes = [ep for g in kept for ep in g
@@ -527,7 +535,7 @@ class Trainer:
         self.console.step(row)
         for line in bound_warnings(step, episodes):
             self.console.warn(line)
-        if config.report and saved.row is not None and not saved.row["final"]:
+        if config.outputs.report and saved.row is not None and not saved.row["final"]:
             refresh_for_training(self.files.root, self.console)
         return row
 
@@ -544,11 +552,12 @@ class Trainer:
         state.no_update_steps += 1
         state.failed_steps += failed
         reason = no_update_reason(rollouts.groups, update.stats)
+        limits = config.limits
         if failed:
-            count, limit, key, kind = state.failed_steps, config.max_no_update_frac, "max_no_update_frac", \
+            count, limit, key, kind = state.failed_steps, limits.max_no_update_frac, "max_no_update_frac", \
                 "with failed groups"
         else:
-            count, limit, key, kind = (state.no_update_steps - state.failed_steps, config.max_no_signal_frac,
+            count, limit, key, kind = (state.no_update_steps - state.failed_steps, limits.max_no_signal_frac,
                                        "max_no_signal_frac", "without a learning signal")
         self.console.warn(f"step {rollouts.step} made no update: {reason} "
                           f"({count} of {done} steps so far {kind})")
@@ -558,7 +567,7 @@ class Trainer:
 
     # ---- end ----------------------------------------------------------------------------------
     def finish(self) -> None:
-        if self.config.report:
+        if self.config.outputs.report:
             refresh_for_training(self.files.root, self.console)
 
     def resume_hint(self) -> str:

@@ -7,16 +7,9 @@ import os
 
 import pytest
 
-from polyrl.config import (
-    ConfigError,
-    EnvConfig,
-    TrainConfig,
-    apply_overrides,
-    config_reference,
-    load_config,
-    load_dotenv_file,
-    parse_scalar,
-)
+from polyrl.config import ConfigError, EnvConfig, TrainConfig
+from polyrl.config_files import apply_overrides, load_config, load_dotenv_file, parse_scalar
+from polyrl.config_reference import config_reference
 from polyrl.secrets import SECRET_ENV_VARS, redact, redact_text
 
 KNOWN_ENV_TYPES = {"arithmetic", "wordle"}
@@ -110,7 +103,7 @@ def test_overrides_nested_new_entries_and_scalars(tmp_path):
             "environments.more.type=wordle",
             "environments.more.temperature=0.7",
             "environments.more.splits.test.num_samples=5",
-            "normalize_advantages_by_std=true",
+            "advantages.normalize_by_std=true",
             "wandb_project_name=2024",
             "renderer=qwen3",
         ],
@@ -120,7 +113,7 @@ def test_overrides_nested_new_entries_and_scalars(tmp_path):
     assert set(cfg.environments["arithmetic"].splits) == {"train"}
     more = cfg.environments["more"]
     assert more.type == "wordle" and more.temperature == 0.7 and more.splits["test"].num_samples == 5
-    assert cfg.normalize_advantages_by_std is True
+    assert cfg.advantages.normalize_by_std is True
     assert cfg.wandb_project_name == "2024"
     assert cfg.renderer == "qwen3"
 
@@ -169,8 +162,8 @@ def test_apply_overrides_copies_and_creates_mappings():
         (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
         (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
         (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"], "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
-        (["gamma=0.9"], "gamma: only used by advantage_estimator 'rebn'"),
-        (["gamma=0"], "gamma: Input should be greater than 0"),
+        (["advantages.gamma=0.9"], "advantages.gamma: only used by advantages.estimator 'rebn'"),
+        (["advantages.gamma=0"], "advantages.gamma: Input should be greater than 0"),
         (["eval_every=5", "environments.arithmetic.splits.test=null"], "eval_every: evaluation needs at least one environment with a test split"),
         (["renderer=nope"], "renderer: unknown renderer 'nope'"),
         (["environments.arithmetic.type=nope"], "environments.arithmetic.type: unknown environment type 'nope'"),
@@ -199,11 +192,12 @@ def test_several_errors_joined_on_one_line():
 def test_tinker_backend_rules(monkeypatch):
     message = error_of(None, ["backend=tinker"], base=BASE)
     assert message.startswith("backend: 'tinker' needs TINKER_API_KEY")
-    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "device=cpu"], base=BASE) == (
-        "device: only used by the local backend, but backend is 'tinker'"
+    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "local.device=cpu"], base=BASE) == (
+        "local.device: only used by the local backend, but backend is 'tinker'"
     )
-    message = error_of(None, ["backend=tinker", "dtype=bfloat16", "store_dir=/tmp/x"], base=BASE)
-    assert message.startswith("dtype: ") and "; store_dir: only used by the local backend" in message and "backend:" in message
+    message = error_of(None, ["backend=tinker", "local.dtype=bfloat16", "local.store_dir=/tmp/x"], base=BASE)
+    assert message.startswith("local.dtype: ") and "; local.store_dir: only used by the local backend" in message
+    assert "backend:" in message
     monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
     message = error_of(None, ["backend=tinker"], base=BASE)
     assert message.startswith("backend: TINKER_API_KEY") and "'tml-'" in message and "0123456789" not in message
@@ -336,7 +330,7 @@ def test_json_config_is_read_as_json(tmp_path):
 def test_nonterminal_reward_within_the_reward_bound():
     base = {"model_name": "tiny", "environments": {"arithmetic": {}}}
     message = error_of(None, ["environments.arithmetic.nonterminal_reward=-2e6"], base=base)
-    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past max_abs_reward=1e+06: every "
-                       "unfinished episode would fail"), message
-    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "max_abs_reward=1e7"],
-                       base=base).max_abs_reward == 1e7
+    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past limits.max_abs_reward=1e+06: "
+                       "every unfinished episode would fail"), message
+    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "limits.max_abs_reward=1e7"],
+                       base=base).limits.max_abs_reward == 1e7
