@@ -281,7 +281,7 @@ def move_renamed_keys(data: dict[str, Any], renamed: dict[str, str]) -> tuple[di
         target = data.get(section)
         target = {} if target is None else target
         if not isinstance(target, dict) or key in target:
-            problems.append((new, f"given both as {old!r} and as {new!r}; keep {new!r}"))
+            problems.append((new, f"given both as {old!r} and as {new!r} (keep {new!r})"))
         elif not (old == "kl_penalty_coef" and value == 0):  # 0 was the old way to say "no KL penalty"
             data[section] = {**target, key: value}
     if problems:
