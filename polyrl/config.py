@@ -37,6 +37,8 @@ DEFAULT_MAX_OBSERVATION_BYTES = 1 << 20
 DEFAULT_MICRO_BATCH_TOKENS = 4096
 LrSchedule = Literal["constant", "linear"]
 RENAMED_NOTE = "config key {old!r} is now {new!r}; the old name is accepted until the next release"
+# The flat layout's KL keys at these values meant no penalty (every old dump holds them): not moved.
+_KL_OFF: dict[str, Any] = {"kl_penalty_coef": 0, "kl_reference": None, "kl_discount_factor": 0}
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -282,7 +284,7 @@ def move_renamed_keys(data: dict[str, Any], renamed: dict[str, str]) -> tuple[di
         target = {} if target is None else target
         if not isinstance(target, dict) or key in target:
             problems.append((new, f"given both as {old!r} and as {new!r} (keep {new!r})"))
-        elif not (old == "kl_penalty_coef" and value == 0):  # 0 was the old way to say "no KL penalty"
+        elif not (old in _KL_OFF and value == _KL_OFF[old]):  # how the flat layout said "no KL penalty"
             data[section] = {**target, key: value}
     if problems:
         raise ConfigProblems(problems)

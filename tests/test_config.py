@@ -475,3 +475,13 @@ def test_help_config_describes_every_nested_field():
             assert f"\n{section}.{name}  (" in text, (section, name)
             assert field.description, (section, name)
     assert "local.micro_batch_tokens  (int, >= 1, default 4096)" in text
+
+
+def test_a_dump_of_the_flat_layout_reads_back_to_the_same_settings():
+    """What ``--print-config`` and ``config.json`` held before the sections existed: every key flat, the
+    KL penalty off as ``kl_penalty_coef: 0.0`` beside ``kl_reference: null``."""
+    from pathlib import Path
+
+    old = load_config(Path(__file__).parent / "fixtures" / "flat_layout_dump.yaml")
+    assert old.model_dump() == TrainConfig(**BASE).model_dump() and old.kl is None
+    assert len(old.renamed_warnings) == len(TrainConfig.RENAMED)
