@@ -360,7 +360,8 @@ def play_runtime(args: argparse.Namespace):
 
 def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Episode]:
     from polyrl.models import resolve_model_path
-    from polyrl.policy import open_trained, policy_renderer, resolve_policy
+    from polyrl.policy import open_trained, resolve_policy
+    from polyrl.renderers import resolve_renderer
 
     screen = screen or Screen()
     runtime, config = play_runtime(args)
@@ -384,7 +385,7 @@ def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Epi
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
         except OSError as e:
             raise UserInputError(f"model {model!r}: no tokenizer could be loaded ({e})") from None
-        renderer = policy_renderer(renderer_name, model, tokenizer)
+        renderer = resolve_renderer(renderer_name, model, tokenizer)
         who = "you"
     settings = runtime.settings
     screen.text(f"play {runtime.name} ({args.split} task {args.task}) · policy: {who} · renderer "

@@ -2,7 +2,7 @@
 and resolving what ``polyrl export``, ``chat`` and ``play`` are pointed at.
 
 :func:`open_policy` is how ``train``, ``sft``, ``eval``, ``chat`` and ``play`` open the policy they
-train or sample; :func:`policy_renderer` is the one place a renderer name (or none) becomes a renderer.
+train or sample, with the renderer :func:`polyrl.renderers.resolve_renderer` picks.
 
 A user names a trained policy the way they met it: a ``tinker://<run>/sampler_weights/<name>`` path
 printed by training, a checkpoint directory in the local store, or the run's ``log_path`` (its latest
@@ -23,7 +23,7 @@ from polyrl.backend import make_service_client
 from polyrl.config import LocalEngineConfig, PolicyConfig
 from polyrl.errors import UserInputError
 from polyrl.local.checkpoints import CheckpointPath, Store
-from polyrl.renderers import Renderer, get_renderer, infer_renderer, renderer_names
+from polyrl.renderers import Renderer, resolve_renderer
 
 
 @dataclass
@@ -42,7 +42,7 @@ async def open_policy(config: PolicyConfig, connect: Callable[[Any], Any] | None
     """Open ``config``'s service (``backend``, ``base_url``, ``local``) and one client of it:
     ``connect(service)`` (its result awaited if it is awaitable), else a sampler of the checkpoint
     ``model_path`` or, without one, of the base model. The renderer is ``config.renderer``, else the one
-    inferred from the model (:func:`policy_renderer`)."""
+    inferred from the model."""
     service = make_service_client(config)
     if connect is None:
         where = {"model_path": model_path} if model_path else {"base_model": config.model_name}
@@ -52,19 +52,8 @@ async def open_policy(config: PolicyConfig, connect: Callable[[Any], Any] | None
     if inspect.isawaitable(client):
         client = await client
     tokenizer = client.get_tokenizer()
-    renderer = policy_renderer(config.renderer, config.model_name, tokenizer)
+    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
     return OpenPolicy(service, client, tokenizer, renderer)
-
-
-def policy_renderer(name: str | None, model_name: str, tokenizer: Any) -> Renderer:
-    """The chat format ``name``, else the one inferred from ``model_name`` and its tokenizer; a
-    :class:`UserInputError` naming the known ones when neither is a renderer."""
-    if name is not None and name not in renderer_names():
-        raise UserInputError(f"unknown renderer {name!r} (known: {', '.join(renderer_names())})")
-    try:
-        return get_renderer(name or infer_renderer(model_name, tokenizer), tokenizer)
-    except ValueError as e:
-        raise UserInputError(str(e)) from None
 
 ACCEPTED = ("a tinker://<run>/sampler_weights/<name> (or weights) path, a checkpoint directory "
             "or a run's log_path")
@@ -169,4 +158,4 @@ def open_sampler(policy: Policy, device: str = "auto", dtype: str = "auto"):
 
 def renderer_for(policy: Policy, tokenizer: Any, override: str | None = None) -> Renderer:
     """The renderer: ``override``, else the run's, else the one inferred from the base model."""
-    return policy_renderer(override or policy.renderer, policy.base_model, tokenizer)
+    return resolve_renderer(override or policy.renderer, policy.base_model, tokenizer)

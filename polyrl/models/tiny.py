@@ -140,6 +140,18 @@ def _corpus(rng: random.Random, n: int = 4000, tool_text: bool = False) -> list[
 def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = False):
     """A byte-level BPE ``PreTrainedTokenizerFast`` with Qwen3's chat tokens and template
     (``tool_text``: see :class:`TinySize`)."""
+    fast = train_bpe(
+        vocab_size, seed, tool_text, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = chat_template()
+    return fast
+
+
+def train_bpe(vocab_size: int, seed: int, tool_text: bool, special_tokens: list[str], **named_tokens):
+    """A byte-level BPE trained on the synthetic corpus (digits split one per token, as in Qwen's
+    tokenizer), with ``special_tokens`` in its vocabulary and ``named_tokens`` (``eos_token=...``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -153,22 +165,14 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = Fal
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(seed), tool_text=tool_text), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=[],
-        clean_up_tokenization_spaces=False,
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, additional_special_tokens=[], clean_up_tokenization_spaces=False, **named_tokens
     )
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    fast.add_tokens(ADDED_TOKENS)
-    fast.chat_template = chat_template()
-    return fast
 
 
 def tiny_config(spec: TinySize, tokenizer):

@@ -5,7 +5,8 @@ after each sampled assistant turn it appends exactly the sampled tokens and then
 :meth:`Renderer.continuation` of the environment's new messages. History is never re-rendered, so
 the training sequence is exactly the sampled one.
 
-Registry: ``@register_renderer("name")`` on a subclass; ``get_renderer(name, tokenizer)`` builds one.
+Registry: ``@register_renderer("name")`` on a subclass (or ``register_factory``); ``get_renderer(name,
+tokenizer)`` builds one. Importing the package ``polyrl.renderers`` registers every renderer.
 """
 
 from __future__ import annotations
@@ -137,10 +138,15 @@ def tool_call_from_json(obj: Any, call_id: str) -> tuple[Message | None, str | N
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}, None
 
 
-_REGISTRY: dict[str, type[Renderer]] = {}
+# Renderer name -> a callable building one from a tokenizer (a Renderer subclass, or a factory for
+# renderers that share one class). Filled as the renderer modules are imported: importing
+# ``polyrl.renderers`` imports them all, and this module imports none of them.
+_REGISTRY: dict[str, Callable[[Any], Renderer]] = {}
 
 
 def register_renderer(name: str) -> Callable[[type[Renderer]], type[Renderer]]:
+    """Class decorator: ``@register_renderer("name")`` makes ``get_renderer("name", tok)`` build one."""
+
     def deco(cls: type[Renderer]) -> type[Renderer]:
         cls.name = name
         _REGISTRY[name] = cls
@@ -149,17 +155,16 @@ def register_renderer(name: str) -> Callable[[type[Renderer]], type[Renderer]]:
     return deco
 
 
+def register_factory(name: str, factory: Callable[[Any], Renderer]) -> None:
+    """Register ``factory(tokenizer) -> Renderer`` under ``name`` (for one class serving many names)."""
+    _REGISTRY[name] = factory
+
+
 def renderer_names() -> list[str]:
-    _load()
     return sorted(_REGISTRY)
 
 
 def get_renderer(name: str, tokenizer: Any) -> Renderer:
-    _load()
     if name not in _REGISTRY:
         raise KeyError(f"unknown renderer {name!r}; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](tokenizer)
-
-
-def _load() -> None:
-    from polyrl import renderers  # noqa: F401 - the package imports every renderer module
