@@ -42,6 +42,7 @@ from tinker import types
 from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard, make_rest_client, service_url, update_refused
 from polyrl.config import ConfigError, TrainConfig, scheduled_lr
+from polyrl.config_checks import check_config
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.policy import open_policy
@@ -148,6 +149,7 @@ class Saved:
 
 
 async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
+    check_config(config)  # a config built in code meets the checks a loaded one did (environments, models)
     trainer = Trainer(config, console)
     try:
         await trainer.start()
