@@ -26,8 +26,12 @@ def config_reference(model: type[BaseModel] = TrainConfig) -> str:
 def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
     for name, field in model.model_fields.items():
         key = prefix + name
-        default = ("required" if field.is_required()
-                   else "default " + _show(field.get_default(call_default_factory=True)))
+        if field.is_required():
+            default = "required"
+        elif is_model(field.annotation):  # a section: its fields and their defaults follow
+            default = "a section"
+        else:
+            default = "default " + _show(field.get_default(call_default_factory=True))
         lines.append(f"{key}  ({_type_name(field.annotation)}{_bounds(field)}, {default})")
         lines += textwrap.wrap(field.description or "", width=100, initial_indent="    ",
                                subsequent_indent="    ")
