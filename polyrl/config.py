@@ -20,11 +20,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName
+from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
 from polyrl.errors import UserInputError
 from polyrl.secrets import redact
-
-__all__ = ["MAX_EPISODES_PER_STEP", "EnvConfig", "SplitConfig", "SplitName"]  # re-exported, with the below
 
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
