@@ -2,9 +2,10 @@
 other policies (a KL penalty against a reference, on-policy distillation from a teacher), and the
 Datums they become.
 
-Every estimator sets ``episode.turn_advantages`` (one number per sampled turn); :func:`to_datum`
-broadcasts each onto that turn's action tokens and adds the per-token terms, if any (zero on prompt
-and environment tokens).
+Every estimator returns values: for each group, for each of its episodes, one advantage per sampled
+turn (``advantages_G``). The training step passes them on and records them once on the episodes
+(:func:`record_advantages`) just before :func:`to_datum` broadcasts each onto that turn's action tokens
+and adds the per-token terms, if any (zero on prompt and environment tokens).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Callable, Sequence
 
 from tinker import types
 
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 
-ESTIMATORS: dict[str, Callable[..., None]] = {}
+#: Per group, per episode, one advantage per sampled turn.
+Advantages = list[list[list[float]]]
+ESTIMATORS: dict[str, Callable[..., Advantages]] = {}
 
 
 def register_estimator(name: str):
@@ -48,11 +51,13 @@ def centred(xs: list[float], normalize_by_std: bool) -> list[float]:
 
 
 @register_estimator("grpo")
-def grpo(groups: list[list[Episode]], normalize_by_std: bool = False, gamma: float = 1.0) -> None:
+def grpo(episodes_G: list[list[Episode]], normalize_by_std: bool = False, gamma: float = 1.0) -> Advantages:
     """Episode reward minus its group's mean (optionally over the group's std), on every turn."""
-    for group in groups:
-        for ep, adv in zip(group, centred([ep.reward for ep in group], normalize_by_std)):
-            ep.turn_advantages = [adv] * ep.num_turns
+    advantages_G = []
+    for group in episodes_G:
+        centred_rewards = centred([ep.reward for ep in group], normalize_by_std)
+        advantages_G.append([[adv] * ep.num_turns for ep, adv in zip(group, centred_rewards)])
+    return advantages_G
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -64,24 +69,20 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 
 
 @register_estimator("rebn")
-def rebn(groups: list[list[Episode]], normalize_by_std: bool = True, gamma: float = 1.0) -> None:
+def rebn(episodes_G: list[list[Episode]], normalize_by_std: bool = True, gamma: float = 1.0) -> Advantages:
     """Return batch normalization: each turn's discounted return-to-go, normalized over every turn
     of the batch (mean 0, std 1). Credits individual turns of multi-turn episodes."""
-    per_episode = []
-    for group in groups:
-        for ep in group:
-            per_episode.append((ep, discounted_returns(turn_rewards(ep), gamma)))
-    flat = [g for _, rets in per_episode for g in rets]
+    returns_G = [[discounted_returns(turn_rewards(ep), gamma) for ep in group] for group in episodes_G]
+    flat = [r for returns in returns_G for rets in returns for r in rets]
     if not flat:
-        return
+        return [[[] for _ in group] for group in episodes_G]
     advantages = iter(centred(flat, normalize_by_std=True))
-    for ep, rets in per_episode:
-        ep.turn_advantages = [next(advantages) for _ in rets]
+    return [[[next(advantages) for _ in rets] for rets in returns] for returns in returns_G]
 
 
 def turn_rewards(ep: Episode) -> list[float]:
     """One reward per sampled turn, adding up to ``ep.reward``: the rollout's ``turn_rewards`` (see
-    :func:`polyrl.rollouts.finalize_reward`), else the step rewards; whatever the episode's reward
+    :func:`polyrl.episode.finalize_reward`), else the step rewards; whatever the episode's reward
     adds beyond them (a workflow that sets the reward itself) lands on the last turn."""
     source = ep.turn_rewards if ep.turn_rewards is not None else ep.step_rewards
     rewards = list(source[: ep.num_turns]) + [0.0] * max(0, ep.num_turns - len(source))
@@ -90,21 +91,28 @@ def turn_rewards(ep: Episode) -> list[float]:
     return rewards
 
 
-def compute_advantages(groups: list[list[Episode]], estimator: str = "grpo", normalize_by_std: bool = False,
-                       gamma: float = 1.0) -> None:
+def compute_advantages(episodes_G: list[list[Episode]], estimator: str = "grpo",
+                       normalize_by_std: bool = False, gamma: float = 1.0) -> Advantages:
+    """The advantages ``estimator`` gives the episodes of ``episodes_G``, group by group."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}")
-    kwargs = {"gamma": gamma}
+    kwargs: dict[str, float | bool] = {"gamma": gamma}
     if estimator == "grpo":
         kwargs["normalize_by_std"] = normalize_by_std
-    ESTIMATORS[estimator](groups, **kwargs)
+    return ESTIMATORS[estimator](episodes_G, **kwargs)
 
 
-def scale_advantages(groups: list[list[Episode]], weight: float) -> None:
-    """Multiply every turn advantage by ``weight`` (the share of rewards next to other signals)."""
-    for group in groups:
-        for ep in group:
-            ep.turn_advantages = [a * weight for a in ep.turn_advantages]
+def scale_advantages(advantages_G: Advantages, weight: float) -> Advantages:
+    """Every turn advantage times ``weight`` (the share of rewards next to other signals)."""
+    return [[[a * weight for a in turns] for turns in group] for group in advantages_G]
+
+
+def record_advantages(episodes_G: list[list[Episode]], advantages_G: Advantages) -> None:
+    """Write each episode's advantages into its record (``turn_advantages``), which its Datum and the
+    trajectory log read; the training step does this once, when the step's advantages are final."""
+    for group, advantages in zip(episodes_G, advantages_G, strict=True):
+        for ep, turns in zip(group, advantages, strict=True):
+            ep.turn_advantages = turns
 
 
 # ---- per-token terms from another policy's logprobs of the sampled tokens ----------------------------
@@ -113,7 +121,8 @@ def logprob_gaps(ep: Episode, other: Sequence[float | None]) -> list[float]:
     tokens. ``other`` is a ``compute_logprobs`` answer for ``ep.tokens`` (None for the first token)."""
     if len(other) != len(ep.tokens):
         raise ValueError(f"{len(other)} logprobs for an episode of {len(ep.tokens)} tokens")
-    return [s - o if m else 0.0 for s, o, m in zip(ep.logprobs, other, ep.action_mask)]  # type: ignore[operator]
+    return [s - o if m else 0.0  # type: ignore[operator]
+            for s, o, m in zip(ep.logprobs, other, ep.action_mask)]
 
 
 def mean_gap(episodes: Sequence[Episode], gaps: Sequence[list[float]]) -> float:
@@ -139,7 +148,8 @@ def reference_kl_terms(episodes: Sequence[Episode], reference_logprobs: Sequence
     ``coef * (mean - d)``. Returns the per-token terms of each episode and ``mean`` (``kl/reference``)."""
     gaps = [logprob_gaps(ep, ref) for ep, ref in zip(episodes, reference_logprobs)]
     mean = mean_gap(episodes, gaps)
-    terms = [_on_sampled_tokens(ep, [coef * (mean - d) for d in g], discount) for ep, g in zip(episodes, gaps)]
+    terms = [_on_sampled_tokens(ep, [coef * (mean - d) for d in g], discount)
+             for ep, g in zip(episodes, gaps)]
     return terms, mean
 
 
@@ -154,11 +164,11 @@ def teacher_kl_terms(episodes: Sequence[Episode], teacher_logprobs: Sequence[Seq
 
 def token_advantages(ep: Episode) -> list[float]:
     """Per-token advantages over ``ep.tokens``: each turn's advantage on its sampled tokens."""
-    adv = [0.0] * len(ep.tokens)
+    advantages_T = [0.0] * len(ep.tokens)
     for (start, end), a in zip(ep.turn_spans, ep.turn_advantages):
         for i in range(start, end):
-            adv[i] = a
-    return adv
+            advantages_T[i] = a
+    return advantages_T
 
 
 #: Losses that must be told which tokens were sampled, and the ``loss_fn_inputs`` key that says it:
@@ -167,17 +177,19 @@ def token_advantages(ep: Episode) -> list[float]:
 ACTION_MASK_INPUTS = {"dro": "mask", "gspo": "sequence_ratio_mask"}
 
 
-def to_datum(ep: Episode, loss_fn: str = "importance_sampling", token_terms: list[float] | None = None) -> types.Datum:
+def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
+             terms_T: list[float] | None = None) -> types.Datum:
     """The training example for an episode: input ``tokens[:-1]`` predicts ``tokens[1:]``; sampler
-    logprobs and advantages (plus ``token_terms``, one per token, if given) are shifted the same way,
-    zero outside the sampled tokens; losses in :data:`ACTION_MASK_INPUTS` also get the action mask."""
-    adv = token_advantages(ep)
-    if token_terms is not None:
-        adv = [a + t for a, t in zip(adv, token_terms, strict=True)]
+    logprobs and advantages (plus ``terms_T``, a per-token term for each token, if given) are shifted
+    the same way, zero outside the sampled tokens; losses in :data:`ACTION_MASK_INPUTS` also get the
+    action mask."""
+    advantages_T = token_advantages(ep)
+    if terms_T is not None:
+        advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
     inputs = {
         "target_tokens": types.TensorData(data=ep.tokens[1:], dtype="int64"),
         "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),
-        "advantages": types.TensorData(data=adv[1:], dtype="float32"),
+        "advantages": types.TensorData(data=advantages_T[1:], dtype="float32"),
     }
     if loss_fn in ACTION_MASK_INPUTS:
         inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]],

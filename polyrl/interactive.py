@@ -1,6 +1,6 @@
 """``polyrl chat`` and ``polyrl play``: a person at the terminal in the places a rollout has.
 
-Both run the rollout code itself (:func:`polyrl.rollouts.run_episode`), so what is shown is what
+Both run the rollout code itself (:func:`polyrl.episode.run_episode`), so what is shown is what
 training does: one growing token sequence, rendered once and extended with exactly the sampled
 tokens and the rendered replies.
 
@@ -24,13 +24,12 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from polyrl.envs.base import Env, Message, Observation, StepResult, call_env
+from polyrl.episode import Episode, RolloutContext, RolloutSettings, run_episode
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import Renderer, message_text
 
 if TYPE_CHECKING:  # the command line builds its parser from this module: keep its import light
     from tinker import types
-
-    from polyrl.rollouts import Episode
 
 
 class Quit(Exception):
@@ -117,8 +116,6 @@ class ChatUser(Env):
 async def chat_loop(sampler: Any, renderer: Renderer, screen: Screen, temperature: float, max_tokens: int,
                     system: str | None = None) -> None:
     """Conversations until /quit; /reset starts a new one (a fresh token sequence)."""
-    from polyrl.rollouts import Episode, RolloutSettings, run_episode
-
     settings = RolloutSettings(max_turns=1 << 62, max_tokens=max_tokens, temperature=temperature,
                                timeout=math.inf)
     while True:
@@ -206,10 +203,8 @@ class ShownPolicy:
 
 async def play_episode(runtime: Any, split: str, task: int, renderer: Renderer, screen: Screen,
                        sampler: Any = None, seed: int | None = 0, pause: bool = False) -> list[Episode]:
-    """Play task ``task`` of ``split`` of a configured environment (a :class:`polyrl.train.EnvRuntime`)
+    """Play task ``task`` of ``split`` of a configured environment (a :class:`polyrl.rollouts.EnvRuntime`)
     once, by hand (``sampler`` None) or watching ``sampler``; returns the episode(s), [] on /quit."""
-    from polyrl.rollouts import Episode, RolloutContext, run_episode
-
     builder = runtime.builder
     n = builder.num_tasks(split)
     if task < 0 or (n is not None and task >= n):
@@ -320,11 +315,11 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
 
 
 def play_runtime(args: argparse.Namespace):
-    """(the environment's :class:`polyrl.train.EnvRuntime`, the run config or None) from the options."""
+    """(the environment's :class:`polyrl.rollouts.EnvRuntime`, the run config or None) from the options."""
     from polyrl.config import EnvConfig
     from polyrl.config_files import load_config
     from polyrl.envs.registry import get_env_builder
-    from polyrl.train import EnvRuntime
+    from polyrl.rollouts import EnvRuntime
 
     extra = parse_env_args(args.args)
     config = None

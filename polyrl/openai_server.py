@@ -35,8 +35,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinker import types
-
 from polyrl.renderers.base import Message, Renderer, ToolSpec, message_text
 
 logger = logging.getLogger(__name__)
@@ -286,6 +284,8 @@ class OpenAIServer:
         return self.renderer.initial_prompt(messages, tools or None), None
 
     async def complete(self, session: ChatSession, body: Any) -> dict:
+        from tinker import types  # here, so that loading the verifiers adapter does not import the SDK
+
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         if session.sampler is None:

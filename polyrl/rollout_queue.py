@@ -1,9 +1,10 @@
 """The bounded queue between sampling and training.
 
 Groups are drawn in plan order (plan step by plan step, each step's groups in their planned order,
-see ``Trainer.plan``) and each is started, with the newest sampler, as soon as a slot is free; the
-trainer takes finished groups, the stalest first. ``capacity`` bounds the groups started but not yet
-trained on:
+see :func:`polyrl.rollouts.plan_step`) and each is started, with the newest sampler, as soon as a slot
+is free; the trainer takes finished groups into its step's :class:`StepBatch`, the stalest first, and
+releases their slots together with the sampler of the weights they trained. ``capacity`` bounds the
+groups started but not yet trained on:
 
 - ``batch_size`` is the synchronous loop: a step's groups start only once the previous step has
   trained and the trainer has released their slots with the new sampler in place, so every group is
@@ -23,13 +24,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
+
+if TYPE_CHECKING:
+    from polyrl.clients import SamplingClient
 
 Key = tuple[int, int]  # (plan step, position in that step's plan)
 Plan = Callable[[int, dict[str, int]], tuple[list[tuple[str, int]], dict[str, int]]]
-Sample = Callable[[int, int, str, int, Any], Awaitable[list[Episode]]]
+Sample = Callable[[int, int, str, int, "SamplingClient"], Awaitable[list[Episode]]]
 
 
 @dataclass
@@ -59,19 +63,67 @@ class DrawPoint:
     consumed: list[Key] = field(default_factory=list)
 
 
+@dataclass
+class StepBatch:
+    """A step's batch: the groups taken from the queue for it so far (``taken``, the stalest first),
+    the groups dropped as stale on the way, and the seconds spent waiting for them."""
+
+    step: int
+    size: int
+    taken: list[Group] = field(default_factory=list)
+    stale: list[Group] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @classmethod
+    def of(cls, step: int, episodes_G: list[list[Episode]], sampler_step: int | None = None) -> StepBatch:
+        """A whole batch of groups already sampled (by the policy after ``sampler_step`` updates, by
+        default ``step``)."""
+        version = step if sampler_step is None else sampler_step
+        taken = [Group(step, i, episodes, version) for i, episodes in enumerate(episodes_G)]
+        return cls(step, len(episodes_G), taken=taken)
+
+    @property
+    def missing(self) -> int:
+        """How many groups the batch still lacks."""
+        return self.size - len(self.taken)
+
+    @property
+    def episodes_G(self) -> list[list[Episode]]:
+        return [g.episodes for g in self.taken]
+
+    @property
+    def staleness(self) -> list[int]:
+        """Per group: how many updates its sampler is behind the policy this step trains."""
+        return [self.step - g.sampler_step for g in self.taken]
+
+    def add(self, taken: list[Group], stale: list[Group], seconds: float) -> list[list[Episode]]:
+        """Groups just taken from the queue (and those dropped as stale meanwhile, after ``seconds`` of
+        waiting); each group's episodes are numbered by the group's place in the batch. Returns the
+        episodes of the groups taken."""
+        for position, group in enumerate(taken, start=len(self.taken)):
+            for ep in group.episodes:
+                ep.group_id = position
+        self.taken += taken
+        self.stale += stale
+        self.seconds += seconds
+        return [g.episodes for g in taken]
+
+
 class RolloutQueue:
     """Rollout workers feeding the trainer (see the module docstring).
 
     ``plan(step, cursors)`` gives a plan step's ``(environment, task)`` list and the cursors after it;
-    ``sample(step, index, environment, task, sampler)`` runs one group; ``sampler()`` is the newest
-    ``(sampler, its step)``; ``wanted`` is how many groups the trainer will still take (nothing is
-    started that could not be trained). Sampling starts with the first :meth:`take`, in its event loop.
+    ``sample(step, index, environment, task, sampler)`` runs one group; ``sampler`` is the sampler to
+    start with and ``sampler_step`` the updates its weights have seen (:meth:`release` hands over the
+    next); ``wanted`` is how many groups the trainer will still take (nothing is started that could not
+    be trained). Sampling starts with the first :meth:`take`, in its event loop.
     """
 
-    def __init__(self, plan: Plan, sample: Sample, sampler: Callable[[], tuple[Any, int]], capacity: int,
+    def __init__(self, plan: Plan, sample: Sample, sampler: SamplingClient, sampler_step: int, capacity: int,
                  wanted: int, start: DrawPoint, max_staleness: int | None):
         self.capacity, self.max_staleness = capacity, max_staleness
-        self._plan_fn, self._sample, self._sampler = plan, sample, sampler
+        self._plan_fn, self._sample = plan, sample
+        self._sampler, self._sampler_step = sampler, sampler_step  # what new groups sample with
         self._wanted = wanted
         self._cursors_at = {start.step: dict(start.cursors)}  # cursors before each plan step drawn from
         self._consumed: set[Key] = {tuple(k) for k in start.consumed}  # type: ignore[misc]
@@ -113,9 +165,10 @@ class RolloutQueue:
         self._wanted -= n
         return taken, stale
 
-    def release(self, n: int) -> None:
-        """Free the slots of ``n`` groups the trainer took (call once the sampler they made stale is
-        replaced, so the groups started on these slots sample the new policy)."""
+    def release(self, n: int, sampler: SamplingClient, sampler_step: int) -> None:
+        """Free the slots of ``n`` groups the trainer took, once it trained on them: the groups started
+        from now on sample with ``sampler``, whose weights have seen ``sampler_step`` updates."""
+        self._sampler, self._sampler_step = sampler, sampler_step
         self._held -= n
         first = self.draw_point().step  # what precedes the oldest open draw is never asked about again
         self._consumed = {k for k in self._consumed if k[0] >= first}
@@ -161,8 +214,8 @@ class RolloutQueue:
                     self._changed.clear()
                     await self._changed.wait()
                 key, env_name, task = self._draw()
-                sampler, version = self._sampler()
-                self._running[key] = asyncio.ensure_future(self._run(key, env_name, task, sampler, version))
+                self._running[key] = asyncio.ensure_future(self._run(key, env_name, task, self._sampler,
+                                                                     self._sampler_step))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer by take()
@@ -182,7 +235,7 @@ class RolloutQueue:
                 env_name, task = self._plan[index]
                 return (step, index), env_name, task
 
-    async def _run(self, key: Key, env_name: str, task: int, sampler: Any, version: int) -> None:
+    async def _run(self, key: Key, env_name: str, task: int, sampler: SamplingClient, version: int) -> None:
         try:
             episodes = await self._sample(key[0], key[1], env_name, task, sampler)
         except asyncio.CancelledError:

@@ -1,254 +1,38 @@
-"""Running episodes and groups of episodes against a sampling client.
+"""Running groups of episodes against a sampling client.
 
-Tokens, not text: an episode keeps one growing token sequence. Each turn's prompt is the previous
-prompt + the exact sampled tokens + the newly rendered environment messages; nothing is re-rendered,
-so what is trained is exactly what was sampled. Sampled tokens carry their sampler logprobs and an
-action mask of 1; prompt and environment tokens carry 0 (they get no weight in the loss).
-
-:class:`EnvRuntime` is one configured environment (builder, settings, task order);
-:func:`collect_group` runs one planned group (training draws them one by one, see
+One episode is :mod:`polyrl.episode`'s job (its record, its context and :func:`run_episode`); this
+module runs them by the group. :class:`EnvRuntime` is one configured environment (builder, settings,
+task order); :func:`collect_group` runs one planned group (training draws them one by one, see
 :mod:`polyrl.rollout_queue`); :func:`collect_groups` runs a whole plan at once (evaluation).
+:func:`plan_step` is which environment and task each group of a training step draws, and
+:func:`sample_group` runs one group of that plan.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
-import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from tinker import types
-
-from polyrl.backend import service_lost
-from polyrl.config import (DEFAULT_MAX_ABS_REWARD, DEFAULT_MAX_OBSERVATION_BYTES,
-                           DEFAULT_MAX_OBSERVATION_TOKENS, EnvConfig)
-from polyrl.envs.base import Env, EnvBuilder, call_env
+from polyrl.config import EnvConfig
+from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.errors import RunStoppedError, ServiceLostError
-from polyrl.renderers.base import Message, Renderer
+from polyrl.episode import (Episode, RolloutContext, RolloutSettings, SamplerError, check_rewards,
+                            run_episode)
+from polyrl.errors import ServiceLostError
+from polyrl.renderers.base import Renderer
+
+if TYPE_CHECKING:
+    from polyrl.clients import SamplingClient
 
 
-class SamplerError(RunStoppedError):
-    """The sampling service answered without what training needs (its logprobs; zeros in their place
-    would silently make the importance ratio ``exp(logprob)``). Not an environment failure, so it is
-    not counted against a failure budget: the run stops."""
-
-
-class RewardOutOfBounds(ValueError):
-    """An episode's reward or one of its step rewards is past ``max_abs_reward``: the episode fails
-    (counted against the failure budget) instead of overflowing the advantages."""
-
-
-class ObservationTooLarge(ValueError):
-    """An observation holds more bytes or renders to more tokens than ``max_observation_bytes`` /
-    ``max_observation_tokens``: the episode fails (counted) before the observation costs its memory."""
-
-
-@dataclass
-class Episode:
-    """One rollout: messages for people, tokens for training."""
-
-    env_name: str
-    split: str
-    task_index: int
-    group_id: int
-    role: str = ""  # multi-agent workflows: advantages are grouped per role
-    messages: list[dict] = field(default_factory=list)
-    tools: list[dict] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    action_mask: list[int] = field(default_factory=list)
-    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
-    step_rewards: list[float] = field(default_factory=list)
-    stop_reasons: list[str] = field(default_factory=list)
-    done_by_env: bool = False
-    reward: float = 0.0
-    success: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    duration_s: float = 0.0
-    turn_rewards: list[float] | None = None  # per-turn shares of ``reward`` (see finalize_reward)
-    turn_advantages: list[float] = field(default_factory=list)  # filled by polyrl.advantages
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.turn_spans)
-
-    @property
-    def action_tokens(self) -> int:
-        return sum(self.action_mask)
-
-    def append(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
-        """Append prompt/environment tokens (``logprobs`` None) or sampled tokens."""
-        self.tokens.extend(tokens)
-        if logprobs is None:
-            self.logprobs.extend([0.0] * len(tokens))
-            self.action_mask.extend([0] * len(tokens))
-        else:
-            self.turn_spans.append((len(self.tokens) - len(tokens), len(self.tokens)))
-            self.logprobs.extend(logprobs)
-            self.action_mask.extend([1] * len(tokens))
-
-
-@dataclass
-class RolloutContext:
-    """What an environment that drives its own rollouts (``EnvBuilder.rollout``) is given."""
-
-    env_name: str
-    split: str
-    task_index: int
-    group_id: int
-    sampler: Any
-    renderer: Renderer
-    settings: "RolloutSettings"
-    seed: int | None
-
-    def episode(self, role: str = "") -> Episode:
-        """A fresh episode of this rollout's task for ``role``."""
-        return Episode(self.env_name, self.split, self.task_index, self.group_id, role=role)
-
-    async def sample(self, episode: Episode, max_tokens: int | None = None, stream: int = 0) -> Message:
-        """Sample one assistant turn continuing ``episode.tokens``; append it; return the parsed message.
-        Seeded per (rollout seed, ``stream``, turn), so a resumed run samples exactly what the original
-        did; a workflow gives each of its parallel calls (e.g. several solvers) its own ``stream``."""
-        turn = len(episode.turn_spans) + 7919 * stream
-        params = types.SamplingParams(
-            max_tokens=max_tokens or self.settings.max_tokens,
-            temperature=self.settings.temperature,
-            stop=self.renderer.stop_sequences(),
-            seed=None if self.seed is None else (self.seed * 1009 + turn) % (2**31),
-        )
-        try:
-            response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
-        except Exception as exc:
-            if (lost := service_lost(exc)) is not None:  # not the environment's failure (see polyrl.train)
-                raise ServiceLostError(lost) from exc
-            raise
-        seq = response.sequences[0]
-        logprobs = seq.logprobs
-        if logprobs is None or len(logprobs) != len(seq.tokens):
-            raise SamplerError(f"the sampler returned {len(seq.tokens)} tokens with "
-                               f"{'no' if logprobs is None else len(logprobs)} logprobs; the loss needs one per token")
-        episode.append(list(seq.tokens), list(logprobs))
-        episode.stop_reasons.append(seq.stop_reason)
-        message = self.renderer.parse_response(list(seq.tokens))
-        episode.messages.append(message)
-        return message
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    max_turns: int
-    max_tokens: int
-    temperature: float
-    timeout: float
-    reward_reduction: str = "sum"
-    nonterminal_reward: float | None = None
-    max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
-    max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
-    max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
-
-
-async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: Any,
-                      settings: RolloutSettings, seed: int | None = None) -> Episode:
-    """Play one episode to the end; exceptions propagate (the caller counts them as failures)."""
-    start = time.monotonic()
-    ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id, sampler, renderer,
-                         settings, seed)
-    try:
-        obs = await call_env(env.reset)
-        check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
-        episode.messages = list(obs.messages)
-        episode.tools = list(obs.tools)
-        prompt = renderer.initial_prompt(obs.messages, obs.tools or None)
-        episode.append(check_observation_tokens(prompt, settings))
-        for turn in range(settings.max_turns):
-            message = await ctx.sample(episode)
-            result = await call_env(env.step, message)
-            episode.step_rewards.append(float(result.reward))
-            episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
-            check_observation_bytes(result.messages, settings)
-            episode.messages.extend(result.messages)
-            if result.done:
-                episode.done_by_env = True
-                break
-            if turn + 1 < settings.max_turns:
-                finished = episode.stop_reasons[-1] == "stop"
-                episode.append(check_observation_tokens(
-                    renderer.continuation(result.messages, assistant_finished=finished), settings))
-    finally:
-        await call_env(env.close)
-        episode.duration_s = time.monotonic() - start
-    finalize_reward(episode, settings)
-    return episode
-
-
-def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None:
-    """Refuse an observation holding more than ``max_observation_bytes`` of text, before it is tokenized."""
-    size = _text_bytes(observation, settings.max_observation_bytes)
-    if size > settings.max_observation_bytes:
-        raise ObservationTooLarge(f"the observation holds more than {settings.max_observation_bytes:,} bytes "
-                                  f"(max_observation_bytes)")
-
-
-def check_observation_tokens(tokens: list[int], settings: RolloutSettings) -> list[int]:
-    """``tokens``, unless an observation rendered to more than ``max_observation_tokens``."""
-    if len(tokens) > settings.max_observation_tokens:
-        raise ObservationTooLarge(f"the observation renders to {len(tokens):,} tokens, more than "
-                                  f"max_observation_tokens={settings.max_observation_tokens:,}")
-    return tokens
-
-
-def _text_bytes(value: Any, limit: int) -> int:
-    """UTF-8 bytes of the strings (and bytes) in ``value``, nested containers included; counting stops
-    once past ``limit``."""
-    total, stack = 0, [value]
-    while stack and total <= limit:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item) if len(item) > limit else len(item.encode("utf-8", "surrogatepass"))
-        elif isinstance(item, (bytes, bytearray)):
-            total += len(item)
-        elif isinstance(item, dict):
-            stack += [*item.keys(), *item.values()]
-        elif isinstance(item, (list, tuple)):
-            stack += item
-    return total
-
-
-def check_rewards(episode: Episode, bound: float) -> None:
-    """Refuse an episode whose reward or a step reward is past ``bound`` in magnitude."""
-    for what, value in [("reward", episode.reward), *(("step reward", r) for r in episode.step_rewards)]:
-        if not abs(value) <= bound:
-            raise RewardOutOfBounds(f"{what} {value:g} is past max_abs_reward={bound:g}")
-
-
-def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
-    """The episode's scalar reward (sum or mean of step rewards; ``nonterminal_reward`` when the
-    environment never ended it), its success flag, and ``turn_rewards``: per-turn rewards that add
-    up to the reward (each step reward, over the turn count under ``mean``; a ``nonterminal_reward``
-    replaces what the last turn adds), the same for every episode with the same step rewards."""
-    rewards = list(episode.step_rewards) or [0.0]
-    if settings.reward_reduction == "mean":
-        rewards = [r / len(rewards) for r in rewards]
-    total = sum(rewards)
-    if not episode.done_by_env and settings.nonterminal_reward is not None:
-        rewards[-1] += settings.nonterminal_reward - total
-        total = settings.nonterminal_reward
-    episode.turn_rewards = rewards
-    episode.reward = total
-    episode.success = bool(episode.metrics["success"]) if "success" in episode.metrics else total > 0
-
-
-async def run_group(builder, episodes: list[Episode], renderer: Renderer, sampler: Any,
-                    settings: RolloutSettings, seeds: list[int | None]) -> list[Episode]:
+async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Renderer,
+                    sampler: SamplingClient, settings: RolloutSettings,
+                    seeds: list[int | None]) -> list[Episode]:
     """Run a group's rollouts concurrently. A failing rollout (exception or timeout) is marked
     with ``error`` and kept in the list, so the caller can apply the failure budget. A builder that
     drives its own rollouts may return several episodes (roles) per rollout."""
@@ -256,7 +40,8 @@ async def run_group(builder, episodes: list[Episode], renderer: Renderer, sample
     async def one(ep: Episode, seed: int | None) -> list[Episode]:
         try:
             if builder.drives_rollouts:
-                ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer, settings, seed)
+                ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer,
+                                     settings, seed)
                 done = list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
             else:
                 env = builder.make(ep.split, ep.task_index)
@@ -278,11 +63,11 @@ async def run_group(builder, episodes: list[Episode], renderer: Renderer, sample
     return [ep for eps in results for ep in eps]
 
 
-def split_roles(groups: list[list[Episode]]) -> list[list[Episode]]:
+def split_roles(episodes_G: list[list[Episode]]) -> list[list[Episode]]:
     """Groups of single-role environments unchanged; multi-role groups split into one group per role
     (failed rollouts, which have no role, stay with the first role's group)."""
     out = []
-    for group in groups:
+    for group in episodes_G:
         roles = list(dict.fromkeys(ep.role for ep in group if not ep.failed)) or [""]
         if len(roles) == 1:
             out.append(group)
@@ -357,8 +142,8 @@ class EnvRuntime:
         return k
 
 
-async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, group_size: int, sampler: Any,
-                        renderer: Any, seed_parts: tuple) -> list[Episode]:
+async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, group_size: int,
+                        sampler: SamplingClient, renderer: Renderer, seed_parts: tuple) -> list[Episode]:
     """The ``group_size`` episodes of one task, concurrently; episode ``i`` is seeded by
     ``(*seed_parts, g, i)``, so the same group samples the same tokens from the same weights."""
     episodes = [Episode(runtime.name, split, task, g) for _ in range(group_size)]
@@ -367,8 +152,8 @@ async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, grou
 
 
 async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, int]], split: str,
-                         group_size: dict[str, int] | int, sampler: Any, renderer: Any, seed_parts: tuple,
-                         progress=None) -> list[list[Episode]]:
+                         group_size: dict[str, int] | int, sampler: SamplingClient, renderer: Renderer,
+                         seed_parts: tuple, progress=None) -> list[list[Episode]]:
     """Run one group per ``(env name, task index)`` in ``plan``, all concurrently."""
 
     async def group(g: int, env_name: str, task: int) -> list[Episode]:
@@ -379,3 +164,41 @@ async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, 
         return result
 
     return list(await asyncio.gather(*(group(g, name, task) for g, (name, task) in enumerate(plan))))
+
+
+# ---------------------------------------------------------------------------- a training step's plan
+def allocate_groups(weights: dict[str, float], batch_size: int, step: int) -> list[str]:
+    """Environment name of each group in a step's batch: shares proportional to ``weight``; the
+    leftover slots rotate with the step so small shares still get their turn."""
+    total = sum(weights.values())
+    quotas = {n: batch_size * w / total for n, w in weights.items()}
+    counts = {n: math.floor(q) for n, q in quotas.items()}
+    left = batch_size - sum(counts.values())
+    names = sorted(weights, key=lambda n: (-(quotas[n] - counts[n]), n))
+    if left:
+        start = step % len(names)
+        for n in (names[start:] + names[:start])[:left]:
+            counts[n] += 1
+    return [n for n in sorted(weights) for _ in range(counts[n])]
+
+
+def plan_step(weights: dict[str, float], runtimes: dict[str, EnvRuntime], batch_size: int, step: int,
+              cursors: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """The ``(environment, task index)`` of each group of ``step`` (``weights``: the environments with
+    a train split, by batch share), and the data cursors after it. Pure: the same step and cursors
+    always give the same plan."""
+    cursors = dict(cursors)
+    plan_P = []
+    for name in allocate_groups(weights, batch_size, step):
+        plan_P.append((name, runtimes[name].task_index("train", cursors[name])))
+        cursors[name] += 1
+    return plan_P, cursors
+
+
+async def sample_group(runtimes: dict[str, EnvRuntime], renderer: Renderer, seed: int, step: int, index: int,
+                       env_name: str, task: int, sampler: SamplingClient) -> list[Episode]:
+    """Group ``index`` of ``step``'s plan, sampled by ``sampler`` (seeded by the run's ``seed``, the step
+    and the index, so the same group samples the same tokens from the same weights)."""
+    runtime = runtimes[env_name]
+    return await collect_group(runtime, task, index, "train", runtime.cfg.num_rollouts, sampler, renderer,
+                               (seed, "train", step))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from tinker import types
 
@@ -20,7 +20,10 @@ from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.errors import UserInputError
-from polyrl.rollouts import Episode, SamplerError
+from polyrl.episode import Episode, SamplerError
+
+if TYPE_CHECKING:
+    from polyrl.clients import SamplingClient, ServiceClient, Tokenizer
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Scorer:
 
     key: str
     source: str
-    sampler: Any
+    sampler: SamplingClient
 
     async def logprobs(self, episodes: Sequence[Episode]) -> list[list[float | None]]:
         """``compute_logprobs`` of each episode's tokens, all requests in flight at once."""
@@ -45,8 +48,9 @@ class Scorer:
         return answers
 
 
-async def open_scorer(key: str, source: str | None, config: TrainConfig, service: Any, guard: ServiceGuard,
-                      policy: Any, tokenizer: Any, warn: Callable[[str], None]) -> Scorer:
+async def open_scorer(key: str, source: str | None, config: TrainConfig, service: ServiceClient,
+                      guard: ServiceGuard, policy: SamplingClient, tokenizer: Tokenizer,
+                      warn: Callable[[str], None]) -> Scorer:
     """The sampler ``key`` names: ``source`` a ``tinker://`` checkpoint or a base model (null: the
     run's base model). Refused when it reads other token ids than the policy: its logprobs would be of
     other tokens than the ones sampled."""
@@ -61,8 +65,8 @@ async def open_scorer(key: str, source: str | None, config: TrainConfig, service
         try:
             same = sampler.get_tokenizer().get_vocab() == tokenizer.get_vocab()
         except Exception as exc:  # noqa: BLE001 - a tokenizer the client cannot load here
-            warn(f"{key}: could not compare the tokenizers of {base} and {own} ({exc}); they must be the "
-                 "same")
+            warn(f"{key}: could not compare the tokenizers of {base} and {own} ({exc}); "
+                 "they must be the same")
         else:
             if not same:
                 raise ConfigError(f"{key}: {source} (base model {base}) does not share the tokenizer of "
@@ -79,8 +83,8 @@ class TokenSignals:
         self.config, self.reference, self.teacher = config, reference, teacher
 
     @classmethod
-    async def open(cls, config: TrainConfig, service: Any, guard: ServiceGuard, policy: Any, tokenizer: Any,
-                   warn: Callable[[str], None]) -> TokenSignals:
+    async def open(cls, config: TrainConfig, service: ServiceClient, guard: ServiceGuard,
+                   policy: SamplingClient, tokenizer: Tokenizer, warn: Callable[[str], None]) -> TokenSignals:
         """Open the samplers ``config`` asks for; ``policy`` is a sampler of the policy being trained."""
         reference = teacher = None
         if config.kl is not None:
@@ -124,7 +128,7 @@ class TokenSignals:
                 for name in sorted({ep.env_name for ep in episodes}):
                     mine = [(ep, g) for ep, g in zip(episodes, gaps) if ep.env_name == name]
                     metrics[f"env/{name}/kl/teacher"] = adv_lib.mean_gap([ep for ep, _ in mine],
-                                                                          [g for _, g in mine])
+                                                                         [g for _, g in mine])
             for total, term in zip(totals, terms):
                 for i, t in enumerate(term):
                     total[i] += t

@@ -18,7 +18,7 @@ from polyrl.config import ConfigError, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
 from polyrl.rollout_queue import DrawPoint, RolloutQueue
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import train
@@ -50,7 +50,7 @@ class Scripted:
 
     def queue(self, ahead: int, steps: int, start: DrawPoint | None = None, drop: bool = True) -> RolloutQueue:
         start = start or DrawPoint(0, {"e": 0})
-        return RolloutQueue(self.plan, self.sample, lambda: self.sampler, capacity=B * (ahead + 1),
+        return RolloutQueue(self.plan, self.sample, *self.sampler, capacity=B * (ahead + 1),
                             wanted=B * (steps - start.step), start=start, max_staleness=ahead if drop else None)
 
 
@@ -73,7 +73,7 @@ def test_synchronous_queue_samples_each_step_with_the_policy_it_trains():
             assert {g.sampler_step for g in taken} == {step}
             assert q.draw_point() == DrawPoint(step + 1, {"e": B * (step + 1)}, [])
             s.sampler = (f"v{step + 1}", step + 1)
-            q.release(B)
+            q.release(B, *s.sampler)
         await _settle()
         assert len(s.started) == 3 * B  # nothing is started that no step would train
         await q.close()
@@ -102,7 +102,7 @@ def test_a_straggler_past_the_bound_is_dropped_and_replaced_or_kept(drop):
             trained.append([(g.key, step - g.sampler_step) for g in taken])
             dropped += [(g.key, step - g.sampler_step) for g in stale]
             s.sampler = (f"v{step + 1}", step + 1)
-            q.release(B)
+            q.release(B, *s.sampler)
         await q.close()
         return trained, dropped
 
@@ -134,7 +134,7 @@ def test_draw_point_redraws_what_was_in_flight_and_skips_what_was_trained():
         taken, _ = await take
         assert [g.key for g in taken] == [(0, 1), (1, 0)]
         s.sampler = ("v1", 1)
-        q.release(B)
+        q.release(B, *s.sampler)
         point = q.draw_point()
         await q.close()
 

@@ -14,7 +14,7 @@ from polyrl.config import ConfigError, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_episode
+from polyrl.episode import Episode, RolloutSettings, run_episode
 
 GUESS = "gem:game:GuessTheNumber-v0-easy"
 

@@ -20,7 +20,7 @@ from polyrl.envs.base import StepResult
 from polyrl.envs.registry import get_env_builder, make_env_builder
 from polyrl.envs.module_env import ModuleBuilder, RewardCoercion, parse_rubric, parse_step
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_episode
+from polyrl.episode import Episode, RolloutSettings, run_episode
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_FILE = "tests/fixtures/module_step_env.py"
@@ -163,7 +163,7 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
 
 
 def test_step_module_with_build_gets_the_rollouts_sampler(tmp_path, tokenizer):
-    from polyrl.rollouts import RolloutContext
+    from polyrl.episode import RolloutContext
 
     (tmp_path / "built.py").write_text(
         "class E:\n"

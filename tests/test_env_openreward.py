@@ -25,7 +25,8 @@ from polyrl.config_files import load_config  # noqa: E402
 from polyrl.envs.openreward_env import OpenRewardBuilder, chat_tool_spec  # noqa: E402
 from polyrl.envs.registry import get_env_builder, make_env_builder  # noqa: E402
 from polyrl.renderers import get_renderer  # noqa: E402
-from polyrl.rollouts import Episode, RolloutSettings, run_episode, run_group  # noqa: E402
+from polyrl.episode import Episode, RolloutSettings, run_episode  # noqa: E402
+from polyrl.rollouts import run_group  # noqa: E402
 
 SECRET = "or-secret-key-value-4242"
 

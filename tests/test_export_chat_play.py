@@ -402,8 +402,8 @@ def test_watching_a_checkpoint_play_in_a_terminal(trained, terminals):
     import asyncio
 
     from polyrl.config import EnvConfig
-    from polyrl.rollouts import Episode, run_episode
-    from polyrl.train import EnvRuntime
+    from polyrl.episode import Episode, run_episode
+    from polyrl.rollouts import EnvRuntime
 
     runtime = EnvRuntime.create("guess_number", EnvConfig(type="guess_number"), 0, 256)
     settings = runtime.settings.__class__(max_turns=2, max_tokens=MAX_TOKENS, temperature=0.0, timeout=60)

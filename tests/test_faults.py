@@ -19,7 +19,8 @@ from scripted import ScriptedSampler
 from polyrl.config import TrainConfig
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_group
+from polyrl.episode import Episode, RolloutSettings
+from polyrl.rollouts import run_group
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import train

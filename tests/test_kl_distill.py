@@ -20,7 +20,7 @@ from polyrl import advantages as adv
 from polyrl.backend import ServiceGuard
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode
 from polyrl.scoring import Scorer, TokenSignals, open_scorer
 
 
@@ -329,16 +329,16 @@ def test_settings_without_effect_and_missing_models_are_config_errors(tiny_model
 
 def test_a_missing_teacher_or_one_with_another_tokenizer_is_refused_at_start(tiny_model_dir, small_model_dir,
                                                                               tmp_path):
-    from polyrl.train import Trainer
+    from polyrl.run import open_run
 
-    trainer = Trainer(_config(tiny_model_dir, tmp_path, teacher={"model": small_model_dir}))
+    config = _config(tiny_model_dir, tmp_path, teacher={"model": small_model_dir})
     with pytest.raises(ConfigError, match="teacher.model: .* does not share the tokenizer of"):
-        asyncio.run(trainer.start())
-    trainer = Trainer(_config(tiny_model_dir, tmp_path,
-                              kl={"penalty_coef": 0.1, "reference": "tinker://r/sampler_weights/x"}))
+        asyncio.run(open_run(config))
+    config = _config(tiny_model_dir, tmp_path,
+                     kl={"penalty_coef": 0.1, "reference": "tinker://r/sampler_weights/x"})
     with pytest.raises(ConfigError,
                        match=r"kl\.reference: checkpoint tinker://r/sampler_weights/x not found"):
-        asyncio.run(trainer.start())
+        asyncio.run(open_run(config))
 
 
 # ------------------------------------------------------------------ a student reaches its teacher's success

@@ -24,7 +24,7 @@ from polyrl.envs.registry import make_env_builder
 from polyrl.envs.python_tool import PYTHON_TOOL, tool_reply
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, run_episode
+from polyrl.episode import Episode, RolloutSettings, run_episode
 
 try:
     LAYERS = sandbox_layers()

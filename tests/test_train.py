@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -20,11 +22,13 @@ from polyrl import advantages as adv
 from polyrl.config import EnvConfig, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
+from polyrl.episode import Episode, RolloutSettings, finalize_reward, run_episode
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, RolloutSettings, finalize_reward, run_episode, run_group
+from polyrl.rollouts import allocate_groups, run_group
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import allocate_groups, filter_groups, train
+from polyrl.train import train
+from polyrl.update import filter_groups
 
 
 # ---------------------------------------------------------------------------- test environments
@@ -86,20 +90,25 @@ def _ep(reward, turns=1, rewards=None, done=True):
     return ep
 
 
+def _advantages(groups, *args, **kwargs) -> None:
+    """The estimator's values, recorded on the episodes as the training step does."""
+    adv.record_advantages(groups, adv.compute_advantages(groups, *args, **kwargs))
+
+
 def test_grpo_advantages_hand_computed():
     g1 = [_ep(1.0), _ep(0.0), _ep(0.0), _ep(1.0)]
     g2 = [_ep(3.0, turns=2), _ep(1.0, turns=2)]
-    adv.compute_advantages([g1, g2], "grpo")
+    _advantages([g1, g2], "grpo")
     assert [e.turn_advantages for e in g1] == [[0.5], [-0.5], [-0.5], [0.5]]
     assert [e.turn_advantages for e in g2] == [[1.0, 1.0], [-1.0, -1.0]]
-    adv.compute_advantages([g1], "grpo", normalize_by_std=True)
+    _advantages([g1], "grpo", normalize_by_std=True)
     assert g1[0].turn_advantages[0] == pytest.approx(1.0, rel=1e-5)  # (1 - .5) / .5
 
 
 def test_rebn_discounted_returns_normalized_over_batch():
     a = _ep(1.0, turns=2, rewards=[0.0, 1.0])
     b = _ep(0.0, turns=1, rewards=[0.0])
-    adv.compute_advantages([[a], [b]], "rebn", gamma=0.5)
+    _advantages([[a], [b]], "rebn", gamma=0.5)
     returns = [0.5, 1.0, 0.0]  # a: 0 + .5*1, 1 ; b: 0
     mean = sum(returns) / 3
     std = math.sqrt(sum((r - mean) ** 2 for r in returns) / 3)
@@ -115,14 +124,14 @@ def test_rebn_gives_identical_episodes_identical_advantages():
     for ep in (ended, cut_off, zero):
         finalize_reward(ep, settings)
     assert ended.reward == cut_off.reward == 1.0
-    adv.compute_advantages([[ended, cut_off], [zero]], "rebn")
+    _advantages([[ended, cut_off], [zero]], "rebn")
     assert cut_off.turn_advantages == pytest.approx(ended.turn_advantages)
     assert ended.turn_advantages[0] > 0 and all(a < 0 for a in zero.turn_advantages)
     # nonterminal_reward still sets the return of an episode the environment did not end
     penalised = _ep(0.0, turns=2, rewards=[1.0, 1.0], done=False)
     finalize_reward(penalised, RolloutSettings(max_turns=2, max_tokens=8, temperature=1.0, timeout=30,
                                                nonterminal_reward=-1.0))
-    adv.compute_advantages([[penalised], [_ep(1.0, turns=2, rewards=[0.0, 1.0])]], "rebn")
+    _advantages([[penalised], [_ep(1.0, turns=2, rewards=[0.0, 1.0])]], "rebn")
     assert penalised.reward == -1.0 and penalised.turn_advantages[0] < 0
 
 
@@ -153,7 +162,7 @@ def test_a_torn_checkpoint_row_hides_no_later_row(tmp_path):
 
 
 def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
-    from polyrl.rollouts import SamplerError
+    from polyrl.episode import SamplerError
 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2, logprobs=lambda n: None)
@@ -328,10 +337,12 @@ def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
     assert time.monotonic() - start < 5  # the hanging episode was timed out
     errors = [e.error for e in eps]
     assert errors[0] is None and "exploded" in errors[1] and errors[2] is None and "timeout" in errors[3]
-    kept, stats = filter_groups([eps], {"flaky": rt}, remove_constant=False)
+    kept, counts = filter_groups([eps], {"flaky": rt}, remove_constant=False)
+    stats = {name: dataclasses.asdict(c) for name, c in counts.items()}
     assert kept == [] and stats["flaky"] == {"failed_rollouts": 2.0, "dropped_groups": 1.0, "constant_groups": 0.0}
     rt.cfg.max_failing_rollouts = 2
-    kept, stats = filter_groups([eps], {"flaky": rt}, remove_constant=False)
+    kept, counts = filter_groups([eps], {"flaky": rt}, remove_constant=False)
+    stats = {name: dataclasses.asdict(c) for name, c in counts.items()}
     assert len(kept) == 1 and len(kept[0]) == 2  # failing episodes are left out of a kept group
     assert stats["flaky"]["constant_groups"] == 1.0
     assert filter_groups([eps], {"flaky": rt}, remove_constant=True)[0] == []
@@ -378,129 +389,147 @@ def test_linear_lr_schedule_decays_each_update(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------- the loop's phases, alone
-def _started(model_dir, tmp_path, **over):
-    from polyrl.train import Trainer
+def _opened(model_dir, tmp_path, **over):
+    from polyrl.run import open_run
 
-    trainer = Trainer(_config(model_dir, tmp_path, **over), RecordingConsole())
-    asyncio.run(trainer.start())
-    return trainer
+    return asyncio.run(open_run(_config(model_dir, tmp_path, **over), RecordingConsole()))
 
 
 def test_plan_phase_is_a_pure_function_of_step_and_cursors(tiny_model_dir, tmp_path):
+    from polyrl.rollouts import EnvRuntime, plan_step
+
     envs = {"letter": {"type": "test_letter", "num_rollouts": 2, "weight": 3},
             "other": {"type": "test_letter", "num_rollouts": 2}}
-    trainer = _started(tiny_model_dir, tmp_path, environments=envs)
+    config = _config(tiny_model_dir, tmp_path, environments=envs)
+    runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens)
+                for name, cfg in config.environments.items()}
+    plan_of = functools.partial(plan_step, {n: rt.cfg.weight for n, rt in runtimes.items()}, runtimes,
+                                config.batch_size)
     cursors = {"letter": 5, "other": 1}
-    plan, after = trainer.plan(7, cursors)
-    assert trainer.plan(7, cursors) == (plan, after) and cursors == {"letter": 5, "other": 1}
+    plan, after = plan_of(7, cursors)
+    assert plan_of(7, cursors) == (plan, after) and cursors == {"letter": 5, "other": 1}
     assert [name for name, _ in plan] == allocate_groups({"letter": 3, "other": 1}, 4, 7)
     assert after == {"letter": 5 + sum(n == "letter" for n, _ in plan), "other": 1 + sum(n == "other" for n, _ in plan)}
-    assert plan != trainer.plan(7, after)[0]  # the next tasks, not the same ones again
+    assert plan != plan_of(7, after)[0]  # the next tasks, not the same ones again
 
 
 def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_path):
-    from polyrl.train import StepRollouts
+    from polyrl.rollout_queue import StepBatch
+    from polyrl.rollouts import plan_step, sample_group
+    from polyrl.run import resume_hint
+    from polyrl.step_metrics import step_row, update_metrics
+    from polyrl.train import checkpoint, log_step, take_groups
+    from polyrl.update import StepUpdate, adam_params, forward_backward, optimizer_step, prepare_minibatch
 
-    trainer = _started(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
-    state = trainer.state
+    run = _opened(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
+    state = run.state
     assert (state.step, state.cursors, state.checkpoint) == (0, {"letter": 0}, None)
-    plan, cursors = trainer.plan(0, state.cursors)
+    plan, cursors = plan_step(run.weights, run.runtimes, run.config.batch_size, 0, state.cursors)
 
     # rollouts: the step's groups from the queue, in plan order, sampled by the current sampler; a
     # group is seeded by its plan step and place, so sampling it again gives the same tokens
     async def sample_step():
-        rollouts = trainer.rollouts(0)
-        assert await rollouts.next(2) and await rollouts.next(2) == []
-        await trainer.queue.close()
-        return rollouts
+        batch = StepBatch(0, 2)
+        assert await take_groups(run, batch, 2) and await take_groups(run, batch, 2) == []
+        await run.queue.close()
+        return batch
 
     first = asyncio.run(sample_step())
     assert [g.key for g in first.taken] == [(0, 0), (0, 1)] and first.staleness == [0, 0] and not first.stale
-    assert [len(g) for g in first.groups] == [4, 4]
-    assert [[ep.task_index for ep in g] for g in first.groups] == [[t] * 4 for _, t in plan]
-    again = asyncio.run(trainer.sample_group(0, 1, *plan[1], trainer.sampler))
-    assert [ep.tokens for ep in first.groups[1]] == [ep.tokens for ep in again]
+    assert [len(g) for g in first.episodes_G] == [4, 4]
+    assert [[ep.task_index for ep in g] for g in first.episodes_G] == [[t] * 4 for _, t in plan]
+    same_weights = run.training.save_weights_and_get_sampling_client().result()
+    again = asyncio.run(sample_group(run.runtimes, run.renderer, run.config.seed, 0, 1, *plan[1], same_weights))
+    assert [ep.tokens for ep in first.episodes_G[1]] == [ep.tokens for ep in again]
 
     # update: nothing to train on changes no weight; a step with signal does
     def weights():
-        return [p.detach().clone() for p in trainer.training._state.params]
+        return [p.detach().clone() for p in run.training._state.params]
+
+    async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
+        minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
+        pending = [forward_backward(run.training, minibatch.data_D, run.config)] if minibatch.data_D else []
+        adam, optimized = adam_params(run.config, 0), None
+        if minibatch.episodes_D:
+            optimized = await optimizer_step(run.training, run.guard, pending, minibatch.problem, adam, 0)
+        return StepUpdate.of([minibatch], update_metrics(adam, [minibatch], optimized), 0.0)
 
     before = weights()
-    failed = StepRollouts.of(0, [[Episode("letter", "train", 0, 0, error="boom")] * 4])
-    nothing = asyncio.run(trainer.update(failed))
-    assert nothing.datums == 0 and nothing.stats["letter"]["dropped_groups"] == 1
+    failed = [[Episode("letter", "train", 0, 0, error="boom")] * 4]
+    nothing = asyncio.run(update(failed))
+    assert nothing.datums == 0 and nothing.counts["letter"].dropped_groups == 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights()))
-    mixed = [ep for g in first.groups for ep in g]
+    mixed = [ep for g in first.episodes_G for ep in g]
     for i, ep in enumerate(mixed):
         ep.reward = float(i % 2)  # a signal in every group
-    update = asyncio.run(trainer.update(StepRollouts.of(0, first.groups)))
-    assert update.datums == 8 and update.metrics["optim/datums"] == 8.0 and "optim/grad_norm" in update.metrics
+    trained = asyncio.run(update(first.episodes_G))
+    assert trained.datums == 8 and trained.metrics["optim/datums"] == 8.0 and "optim/grad_norm" in trained.metrics
     assert any(not torch.equal(a, b) for a, b in zip(before, weights()))
 
     # checkpoint: a new sampler every step, a saved state only when one is due
     state.step, state.cursors = 1, cursors
-    saved = asyncio.run(trainer.checkpoint())
-    assert saved.row is None and trainer.sampler_step == 1
+    saved = asyncio.run(checkpoint(run, state))
+    assert saved.row is None and saved.sampler_step == 1
     state.step = 2
-    saved = asyncio.run(trainer.checkpoint())
+    saved = asyncio.run(checkpoint(run, state))
     assert saved.row["name"] == "000002" and saved.row["cursors"] == cursors and not saved.row["final"]
 
     # log: the metrics row, then the checkpoint row, which the run state now points at
-    row = trainer.log(first, update, saved, {}, time.monotonic())
+    row = step_row(run.config, first, trained, {}, saved.seconds, time.monotonic())
+    log_step(run, state, row, first, trained, saved)
     assert row["step"] == 0 and row["optim/datums"] == 8.0 and row["episodes/count"] == 8.0
     files = RunFiles(tmp_path / "run")
     assert [r["step"] for r in files.metrics()] == [0] and files.checkpoints() == [saved.row]
-    assert state.checkpoint == saved.row["state_path"] and trainer.resume_hint().endswith("to resume from it)")
+    assert state.checkpoint == saved.row["state_path"] and resume_hint(state).endswith("to resume from it)")
     assert len((tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text().splitlines()) == 8
 
 
 def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError
-    from polyrl.train import NO_UPDATE_MIN_STEPS, StepRollouts, StepUpdate
+    from polyrl.run import RunState
+    from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning
+    from polyrl.update import GroupCounts, StepUpdate
 
-    trainer = _started(tiny_model_dir, tmp_path, max_steps=50, limits={"max_no_update_frac": 0.5})
+    config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50,
+                                     limits={"max_no_update_frac": 0.5}), \
+        RecordingConsole(), RunState()
     group = [Episode("letter", "train", 0, 0, error="RuntimeError: no backend")] * 2
-    rollouts = StepRollouts.of(0, [group])
-    nothing = StepUpdate([], {"letter": {"failed_rollouts": 2.0, "dropped_groups": 1.0, "constant_groups": 0.0}},
+    nothing = StepUpdate([], {"letter": GroupCounts(failed_rollouts=2.0, dropped_groups=1.0, constant_groups=0.0)},
                          0, {}, 0.0)
     trained = StepUpdate([group], {}, 3, {}, 0.0)
     for done in range(1, NO_UPDATE_MIN_STEPS):
-        trainer.state.step = done
-        trainer.check_learning(rollouts, nothing if done % 2 else trained)
-    assert sum("made no update" in line for line in trainer.console.lines) == (NO_UPDATE_MIN_STEPS) // 2
-    trainer.state.step = NO_UPDATE_MIN_STEPS
-    trainer.check_learning(rollouts, trained)  # 5 of 10: not more than half
-    trainer.state.step += 1
+        check_learning(config, console, state, done - 1, [group], nothing if done % 2 else trained)
+    assert sum("made no update" in line for line in console.lines) == (NO_UPDATE_MIN_STEPS) // 2
+    check_learning(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], trained)  # 5 of 10: not more than half
     with pytest.raises(RunStoppedError, match="6 of 11 steps made no update.*RuntimeError: no backend"):
-        trainer.check_learning(rollouts, nothing)
+        check_learning(config, console, state, NO_UPDATE_MIN_STEPS, [group], nothing)
 
 
 def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tiny_model_dir, tmp_path):
     """Equal rewards everywhere are normal while a model cannot solve a task yet: a sparse-reward run
     (one prompt a step) goes on, warning with the share of such steps; only max_no_signal_frac stops it."""
     from polyrl.errors import RunStoppedError
-    from polyrl.train import NO_UPDATE_MIN_STEPS, StepRollouts, StepUpdate
+    from polyrl.run import RunState
+    from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning
+    from polyrl.update import GroupCounts, StepUpdate
 
     group = [Episode("letter", "train", 0, 0), Episode("letter", "train", 0, 0)]
-    rollouts = StepRollouts.of(0, [group])
-    equal = StepUpdate([group], {"letter": {"failed_rollouts": 0.0, "dropped_groups": 0.0, "constant_groups": 1.0}},
+    equal = StepUpdate([group], {"letter": GroupCounts(failed_rollouts=0.0, dropped_groups=0.0, constant_groups=1.0)},
                        0, {}, 0.0)
-    trainer = _started(tiny_model_dir, tmp_path, max_steps=50)
+    config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50), RecordingConsole(), RunState()
     for done in range(1, 3 * NO_UPDATE_MIN_STEPS):
-        trainer.state.step = done
-        trainer.check_learning(rollouts, equal)
-    warnings = [line for line in trainer.console.lines if "made no update" in line]
+        check_learning(config, console, state, done - 1, [group], equal)
+    warnings = [line for line in console.lines if "made no update" in line]
     assert len(warnings) == 3 * NO_UPDATE_MIN_STEPS - 1
     assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), warnings[-1]
 
-    asked = _started(tiny_model_dir, tmp_path / "asked", max_steps=50, limits={"max_no_signal_frac": 0.5})
+    asked = _config(tiny_model_dir, tmp_path / "asked", max_steps=50, limits={"max_no_signal_frac": 0.5})
+    asked_state = RunState()
     for done in range(1, NO_UPDATE_MIN_STEPS):
-        asked.state.step = done
-        asked.check_learning(rollouts, equal)
-    asked.state.step = NO_UPDATE_MIN_STEPS
+        check_learning(asked, console, asked_state, done - 1, [group], equal)
     with pytest.raises(RunStoppedError, match="10 of 10 steps made no update without a learning signal "
                                               r"\(more than max_no_signal_frac=0.5\)"):
-        asked.check_learning(rollouts, equal)
+        check_learning(asked, console, asked_state, NO_UPDATE_MIN_STEPS - 1, [group], equal)
 
 
 def _run_cli(args, cwd, env=None, **kw):

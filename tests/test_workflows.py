@@ -15,8 +15,8 @@ from polyrl import advantages as adv
 from polyrl.config import ConfigError, EnvConfig, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import Episode, run_group, split_roles
-from polyrl.rollouts import EnvRuntime
+from polyrl.episode import Episode
+from polyrl.rollouts import EnvRuntime, run_group, split_roles
 
 
 class _Policy:
@@ -93,7 +93,7 @@ def test_advantages_are_grouped_per_role(tokenizer):
                                 rt.settings, [1, 2, 3, 4]))
     groups = split_roles([eps])
     assert [{e.role for e in g} for g in groups] == [{"solver"}, {"judge"}] and [len(g) for g in groups] == [8, 4]
-    adv.compute_advantages(groups, "grpo")
+    adv.record_advantages(groups, adv.compute_advantages(groups, "grpo"))  # as the training step does
     for g in groups:
         mean = sum(e.reward for e in g) / len(g)
         for e in g:

@@ -30,9 +30,12 @@ import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from polyrl.aio import in_daemon_thread
+
+if TYPE_CHECKING:  # polyrl.episode builds on this module
+    from polyrl.episode import Episode, RolloutContext
 
 Message = dict[str, Any]
 ToolSpec = dict[str, Any]
@@ -108,11 +111,11 @@ class EnvBuilder(ABC):
         """An expert conversation for task ``index`` (for ``polyrl sft`` warm starts), or ``None``."""
         return None
 
-    async def rollout(self, ctx: Any) -> list[Any]:
+    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         """Drive the model yourself instead of through ``make``/``step``: multi-agent workflows and
         frameworks that run their own conversation loop override this. ``ctx`` is a
-        :class:`polyrl.rollouts.RolloutContext` (sampler, renderer, settings, seed, task). Return the
-        :class:`polyrl.rollouts.Episode` objects of ONE rollout, one per role (``episode.role``),
+        :class:`polyrl.episode.RolloutContext` (sampler, renderer, settings, seed, task). Return the
+        :class:`polyrl.episode.Episode` objects of ONE rollout, one per role (``episode.role``),
         each with its tokens, logprobs, action mask and final ``reward``; advantages are computed
         per role within the group. Raising counts as one failing rollout."""
         raise NotImplementedError

@@ -59,6 +59,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, call_env, register_env
+from polyrl.episode import Episode, RolloutContext, run_episode
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import message_text
 
@@ -461,8 +462,6 @@ class ModuleBuilder(EnvBuilder):
     def make(self, split: str, index: int) -> Env:
         return self._env(split, index)
 
-    async def rollout(self, ctx) -> list:
-        from polyrl.rollouts import run_episode
-
+    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         env = self._env(ctx.split, ctx.task_index, ctx.sampler)
         return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler, ctx.settings, ctx.seed)]

@@ -1,7 +1,9 @@
-"""Environment types by name: the built-in environments and the adapters, loaded on first use.
+"""Environment types by name: the built-in environments, the workflows and the adapters.
 
 :mod:`polyrl.envs.base` defines the interface and ``@register_env``; implementations import it and
-register themselves. This module imports the implementations, so it is the one place that knows them all.
+register themselves. This module imports the implementations, so it is the one place that knows them
+all: the built-ins and the workflows (:mod:`polyrl.workflows`, which registers each of its own) at the
+top, the adapters for third-party ecosystems on first use.
 """
 
 from __future__ import annotations
@@ -10,14 +12,14 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from polyrl import workflows  # noqa: F401 - registers the workflows (solver_judge)
 from polyrl.envs import builtin, python_tool  # noqa: F401 - register the built-in environments
 from polyrl.envs.base import ENV_TYPES, EnvBuilder
 
 # Adapters for third-party ecosystems. Their optional packages are imported only when such an
 # environment is configured, so a missing package fails that environment alone.
 _ADAPTER_MODULES = ("polyrl.envs.openreward_env", "polyrl.envs.module_env", "polyrl.envs.verifiers_env",
-                    "polyrl.envs.gem_env", "polyrl.envs.reasoning_gym_env", "polyrl.envs.textarena_env",
-                    "polyrl.workflows.solver_judge")
+                    "polyrl.envs.gem_env", "polyrl.envs.reasoning_gym_env", "polyrl.envs.textarena_env")
 
 
 def _load_adapters() -> None:

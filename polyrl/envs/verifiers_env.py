@@ -27,6 +27,8 @@ from typing import Any
 
 from polyrl.envs.base import EnvBuilder, register_env
 from polyrl.envs.module_env import check_load_environment, import_target
+from polyrl.episode import Episode, RolloutContext, SamplerError, finalize_reward
+from polyrl.openai_server import OpenAIServer, incoming_message
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +115,6 @@ class VerifiersBuilder(EnvBuilder):
     # -- rollouts ----------------------------------------------------------------------------------------
 
     def _ensure_server(self, renderer):
-        from polyrl.openai_server import OpenAIServer
-
         if self.server is None or self.server.renderer is not renderer or not self.server.running:
             if self.server is not None:
                 self.server.stop()
@@ -122,7 +122,7 @@ class VerifiersBuilder(EnvBuilder):
             self.server.start()
         return self.server
 
-    async def rollout(self, ctx) -> list:
+    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         from openai import AsyncOpenAI
 
         vf = _vf()
@@ -143,10 +143,7 @@ class VerifiersBuilder(EnvBuilder):
             await native.close()
         return [await self._episode(ctx, output, session)]
 
-    async def _episode(self, ctx, output: dict, session) -> Any:
-        from polyrl.openai_server import incoming_message
-        from polyrl.rollouts import finalize_reward
-
+    async def _episode(self, ctx: RolloutContext, output: dict, session) -> Episode:
         ep = ctx.episode()
         error = output.get("error")
         empty_reply = bool(error) and "EmptyModelResponseError" in str(error.get("error_chain_str", error))
@@ -204,7 +201,7 @@ class VerifiersBuilder(EnvBuilder):
         ep.stop_reasons = [t[3] for t in turns]
         return True
 
-    async def _append_retokenized(self, ep, ctx) -> None:
+    async def _append_retokenized(self, ep: Episode, ctx: RolloutContext) -> None:
         from tinker import types
 
         self.retokenized += 1
@@ -215,8 +212,6 @@ class VerifiersBuilder(EnvBuilder):
         tokens, weights = ctx.renderer.supervised(ep.messages, ep.tools or None)
         if not any(weights):
             raise RuntimeError("the verifiers rollout has no assistant turn to train on")
-        from polyrl.rollouts import SamplerError
-
         try:
             logprobs = await ctx.sampler.compute_logprobs(types.ModelInput.from_ints(tokens))
         except Exception as exc:  # noqa: BLE001 - a sampler without compute_logprobs

@@ -34,7 +34,7 @@ from typing import Any
 from polyrl.envs.answers import answer_value
 from polyrl.envs.base import EnvBuilder, Message, ToolSpec, register_env
 from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownEnv, countdown_expression
-from polyrl.rollouts import Episode
+from polyrl.episode import Episode, RolloutContext
 
 _ARGS = ("num_solvers", "task", "task_args", "judge_sees", "max_candidate_chars", "solver_max_tokens",
          "judge_max_tokens")
@@ -106,7 +106,7 @@ class SolverJudgeBuilder(EnvBuilder):
                       "candidate in \\boxed{}, e.g. \\boxed{1}."]
         return "\n".join(parts)
 
-    async def rollout(self, ctx: Any) -> list[Episode]:
+    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         start = time.monotonic()
         task = self.countdown.task(ctx.split, ctx.task_index)
         prompt = CountdownEnv(task).reset_sync().messages

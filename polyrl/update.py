@@ -1,0 +1,233 @@
+"""The update of one step: each minibatch of groups prepared and sent to ``forward_backward`` as it
+arrives, then one optimizer step once every loss came back finite.
+
+:func:`prepare_minibatch` applies each environment's failure budget, computes the advantages (plus the
+KL penalty's and the distillation teacher's per-token terms, when configured) and builds the Datums;
+:func:`forward_backward` sends them; :func:`optimizer_step` waits for the losses and applies one
+``optim_step``. :class:`StepUpdate` is what the step trained on.
+
+No non-finite number reaches the weights: an advantage, per-token term or sampler logprob past
+float32's range keeps its minibatch's Datums from being built; a loss that comes back NaN or inf, or an
+``optim_step`` the engine refuses, applies nothing. Such a step stops the run, or is skipped with its
+gradients discarded (:func:`refuse_update`, ``nonfinite_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+from tinker import types
+
+from polyrl import advantages as adv_lib
+from polyrl.backend import ServiceGuard, make_rest_client, update_refused
+from polyrl.config import TrainConfig, scheduled_lr
+from polyrl.episode import Episode
+from polyrl.errors import RunStoppedError
+from polyrl.rollouts import EnvRuntime, split_roles
+from polyrl.scoring import TokenSignals
+
+if TYPE_CHECKING:
+    from polyrl.clients import Future, TrainingClient
+    from polyrl.run import Run
+
+FLOAT32_MAX = 3.4028234663852886e38  # Datum inputs travel as float32: anything larger becomes inf
+
+
+@dataclass
+class GroupCounts:
+    """What became of one environment's groups in a minibatch (or a step)."""
+
+    failed_rollouts: float = 0.0  # episodes that failed (an error or a timeout)
+    dropped_groups: float = 0.0  # groups over their failure budget, or with no episode left: not trained
+    constant_groups: float = 0.0  # groups whose episodes all have the same reward
+
+    def __add__(self, other: GroupCounts) -> GroupCounts:
+        return GroupCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass
+class Minibatch:
+    """One minibatch of a step, ready for ``forward_backward``."""
+
+    kept_G: list[list[Episode]]  # the groups kept (split by role; failing episodes left out)
+    counts: dict[str, GroupCounts]  # per environment
+    episodes_D: list[Episode]  # the episodes trained on: a signal and sampled tokens; one Datum each
+    data_D: list[types.Datum]  # their Datums; none when ``problem`` is set
+    metrics: dict[str, float] = field(default_factory=dict)  # the per-token signals' (KL penalty, teacher)
+    problem: str | None = None  # what in it is not a finite float32, if anything
+
+
+@dataclass
+class Optimized:
+    """The step's ``forward_backward`` results and its optimizer step, or why none was applied."""
+
+    results: list[types.ForwardBackwardOutput]
+    optim: types.OptimStepResponse | None
+    refused: str | None = None  # the update is not finite: no optimizer step was applied
+
+
+@dataclass
+class StepUpdate:
+    """What a step trained on: the groups kept, their counts per environment, how many Datums, and the
+    optimizer's metrics; ``seconds`` is training time only (waiting for groups is the rollouts')."""
+
+    kept_G: list[list[Episode]]
+    counts: dict[str, GroupCounts]
+    datums: int
+    metrics: dict[str, float]
+    seconds: float
+
+    @classmethod
+    def of(cls, minibatches: list[Minibatch], metrics: dict[str, float], seconds: float) -> StepUpdate:
+        counts: dict[str, GroupCounts] = {}
+        for minibatch in minibatches:
+            for name, part in minibatch.counts.items():
+                counts[name] = counts.get(name, GroupCounts()) + part
+        kept_G = [group for minibatch in minibatches for group in minibatch.kept_G]
+        datums = sum(len(minibatch.episodes_D) for minibatch in minibatches)
+        return cls(kept_G, counts, datums, metrics, seconds)
+
+
+# ---- a minibatch --------------------------------------------------------------------------------
+def filter_groups(episodes_G: list[list[Episode]], runtimes: dict[str, EnvRuntime],
+                  remove_constant: bool) -> tuple[list[list[Episode]], dict[str, GroupCounts]]:
+    """Apply each environment's failure budget; failing episodes of a kept group are left out.
+    Returns the kept groups and the counts per environment."""
+    kept_G: list[list[Episode]] = []
+    counts: dict[str, GroupCounts] = {}
+    for group in episodes_G:
+        name = group[0].env_name
+        c = counts.setdefault(name, GroupCounts())
+        failures = sum(ep.failed for ep in group)
+        c.failed_rollouts += failures
+        ok = [ep for ep in group if not ep.failed]
+        if failures > runtimes[name].cfg.max_failing_rollouts or not ok:
+            c.dropped_groups += 1
+            continue
+        if len({ep.reward for ep in ok}) == 1:
+            c.constant_groups += 1
+            if remove_constant:
+                continue
+        kept_G.append(ok)
+    return kept_G, counts
+
+
+async def prepare_minibatch(episodes_G: list[list[Episode]], step: int, config: TrainConfig,
+                            runtimes: dict[str, EnvRuntime], signals: TokenSignals,
+                            guard: ServiceGuard) -> Minibatch:
+    """Groups of ``step`` as they came from the queue -> their kept groups, counts, advantages (recorded
+    on the episodes), the per-token signals scored for them, and their Datums. With a KL reference or a
+    teacher every sampled token carries a signal, so every episode of a kept group trains."""
+    adv = config.advantages
+    kept_G, counts = filter_groups(split_roles(episodes_G), runtimes, adv.remove_constant_reward_groups)
+    advantages_G = adv_lib.compute_advantages(kept_G, adv.estimator, adv.normalize_by_std, adv.gamma)
+    if config.teacher is not None:
+        advantages_G = adv_lib.scale_advantages(advantages_G, config.teacher.reward_weight)
+    adv_lib.record_advantages(kept_G, advantages_G)  # final now: the Datums and the trajectory log read them
+    trained = [(ep, advantages) for group, group_advantages in zip(kept_G, advantages_G)
+               for ep, advantages in zip(group, group_advantages)
+               if ep.action_tokens and (signals.active or any(a != 0 for a in advantages))]
+    episodes_D = [ep for ep, _ in trained]
+    terms_D, metrics = await guard.watch(f"scoring step {step}", signals.terms(episodes_D))
+    problem = nonfinite_inputs(episodes_D, [advantages for _, advantages in trained], terms_D)
+    data_D = [] if problem else [adv_lib.to_datum(ep, config.loss_fn, terms_T)
+                                 for ep, terms_T in zip(episodes_D, terms_D)]
+    return Minibatch(kept_G, counts, episodes_D, data_D, metrics, problem)
+
+
+def nonfinite_inputs(episodes_D: list[Episode], advantages_D: list[list[float]],
+                     terms_D: list[list[float]] | list[None]) -> str | None:
+    """What would reach the loss as inf or NaN (Datum inputs travel as float32): an advantage, a
+    per-token term or a sampler logprob past float32's range, or None."""
+    for ep, advantages, terms_T in zip(episodes_D, advantages_D, terms_D):
+        for what, values in (("advantage", advantages), ("per-token term", terms_T or ()),
+                             ("sampler logprob", ep.logprobs)):
+            bad = next((v for v in values if not abs(v) <= FLOAT32_MAX), None)
+            if bad is not None:
+                return f"an episode of {ep.env_name} has {what} {bad:g}, past float32's range"
+    return None
+
+
+def first_problem(minibatches: list[Minibatch]) -> str | None:
+    """Why the step's update is not finite, as far as its minibatches so far show."""
+    return next((m.problem for m in minibatches if m.problem is not None), None)
+
+
+def forward_backward(training: TrainingClient, data_D: list[types.Datum],
+                     config: TrainConfig) -> Future[types.ForwardBackwardOutput]:
+    """Send a minibatch's Datums to ``forward_backward`` (not awaited: the next minibatch is prepared
+    meanwhile); the gradients add up in the service until the optimizer step."""
+    return training.forward_backward(data_D, config.loss_fn, dict(config.loss_fn_config) or None)
+
+
+# ---- the optimizer step ---------------------------------------------------------------------------
+def adam_params(config: TrainConfig, step: int) -> types.AdamParams:
+    """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``."""
+    lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
+    optimizer = config.optimizer
+    return types.AdamParams(learning_rate=lr, beta1=optimizer.beta1, beta2=optimizer.beta2,
+                            eps=optimizer.eps, weight_decay=optimizer.weight_decay,
+                            grad_clip_norm=optimizer.grad_clip_norm)
+
+
+def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
+    """The ``forward_backward`` loss that came back NaN or inf, if one did."""
+    for result in results:
+        loss = (result.metrics or {}).get("loss:sum")
+        if loss is not None and not math.isfinite(loss):
+            return f"the forward_backward loss is {loss}"
+    return None
+
+
+async def optimizer_step(training: TrainingClient, guard: ServiceGuard,
+                         pending: list[Future[types.ForwardBackwardOutput]], problem: str | None,
+                         adam: types.AdamParams, step: int) -> Optimized:
+    """Wait for the step's ``forward_backward`` results, then apply one ``optim_step`` unless the update
+    is not finite: a ``problem`` in the inputs, a loss that came back NaN or inf (checked here, whatever
+    the backend does about it), or a step the engine refused. A service that reports a non-finite
+    metric for a step it applied stops the run: nothing more is saved."""
+
+    async def finish() -> Optimized:
+        results = [await fwd for fwd in pending]
+        refused = problem or nonfinite_loss(results)
+        if refused is not None:
+            return Optimized(results, None, refused)
+        try:
+            return Optimized(results, await training.optim_step(adam))
+        except Exception as exc:
+            if update_refused(exc):
+                return Optimized(results, None, " ".join(str(exc).split())[:300])
+            raise
+
+    optimized = await guard.watch(f"training step {step}", finish())
+    reported = (optimized.optim.metrics or {}) if optimized.optim is not None else {}
+    for key, value in reported.items():
+        if not math.isfinite(value):
+            raise RunStoppedError(f"step {step}: optim_step reports {key} = {value}, so the update it "
+                                  "applied is not finite; nothing more is saved")
+    return optimized
+
+
+async def refuse_update(run: Run, step: int, problem: str, sent: bool) -> None:
+    """A step whose update is not finite: no optimizer step was applied, so the weights are as they
+    were. ``nonfinite_steps: stop`` ends the run (the caller names the last checkpoint); ``skip`` warns,
+    discards what the step's ``forward_backward`` calls (``sent``) accumulated, and goes on."""
+    what = f"step {step}: the update is not finite ({problem}); no optimizer step was applied"
+    if run.config.limits.nonfinite_steps == "stop":
+        raise RunStoppedError(f"{what} (nonfinite_steps: skip passes over such steps)")
+    run.console.warn(f"{what}; the step is skipped (nonfinite_steps: skip)")
+    if sent:
+        await discard_gradients(run, step)
+
+
+async def discard_gradients(run: Run, step: int) -> None:
+    """Drop the gradients a skipped step accumulated in the service. The Tinker interface has no call
+    for it, so the training client reloads its own state (weights and optimizer, which the skipped
+    step left untouched), saved under a scratch name that is deleted right after."""
+    name, guard, training = f"skipped-{step:06d}", run.guard, run.training
+    saved = await guard(f"saving checkpoint {name}", training.save_state, name)
+    await guard(f"reloading checkpoint {name}", training.load_state_with_optimizer, saved.path)
+    rest = await guard("connecting", make_rest_client, run.config, run.service)
+    await guard(f"deleting checkpoint {name}", rest.delete_checkpoint_from_tinker_path, saved.path)
