@@ -91,8 +91,9 @@ def run(model: Path, root: Path, args, off_policy: int, blocking: bool, name: st
     from polyrl.train import train
 
     cfg = TrainConfig(model_name=str(model), lora_rank=8, batch_size=args.groups, max_steps=args.steps,
-                      max_tokens=args.tokens, save_every=0, report=False, learning_rate=1e-3, seed=0,
-                      log_path=str(root / name), store_dir=str(root / "store"), max_steps_off_policy=off_policy,
+                      max_tokens=args.tokens, save_every=0, outputs={"report": False}, learning_rate=1e-3,
+                      seed=0, log_path=str(root / name), local={"store_dir": str(root / "store")},
+                      off_policy={"max_steps": off_policy},
                       environments={"remote": {"type": "bench_latency", "num_rollouts": args.group,
                                                "max_turns": args.turns, "args": {"blocking": blocking},
                                                "splits": {"test": None}}})

@@ -134,8 +134,9 @@ def run_polyrl(args, model: str, work: Path) -> dict:
     config = {
         "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "lr_schedule": args.polyrl_schedule,
         "batch_size": args.batch,
-        "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed, "store_dir": str(work / "store"),
-        "log_path": str(log), "save_every": 0, "eval_every": 0, "report": False,
+        "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed,
+        "local": {"store_dir": str(work / "store")},
+        "log_path": str(log), "save_every": 0, "eval_every": 0, "outputs": {"report": False},
         "environments": {args.env: {"args": json.loads(args.env_args), "num_rollouts": args.group,
                                     "splits": {"test": None}}},
     }

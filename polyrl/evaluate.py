@@ -29,7 +29,8 @@ async def evaluate_sampler(sampler: Any, renderer: Any, runtimes: dict, num_samp
             continue
         n_tasks = rt.num_tasks("test")
         if n_tasks is None:
-            raise ValueError(f"environments.{name}.splits.test.num_samples must be set: the test split is unbounded")
+            raise ValueError(f"environments.{name}.splits.test.num_samples must be set: the test split is "
+                             "unbounded")
         plan += [(name, rt.task_index("test", i)) for i in range(n_tasks)]
     if not plan:
         return {}
@@ -71,16 +72,10 @@ def _score(out: dict[str, float], key: str, groups: list[list], num_samples: int
 async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dict[str, float]:
     """``polyrl eval``: the test splits of ``config.environments`` against a checkpoint (a sampler or
     state path) or, without one, the base model."""
-    from polyrl.backend import make_service_client
-    from polyrl.renderers import resolve_renderer
+    from polyrl.policy import open_policy
 
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
                 for n, c in config.environments.items()}
-    service = make_service_client(config)
-    if checkpoint:
-        sampler = await service.create_sampling_client(model_path=checkpoint)
-    else:
-        sampler = await service.create_sampling_client(base_model=config.model_name)
-    tokenizer = sampler.get_tokenizer()
-    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
-    return await evaluate_sampler(sampler, renderer, runtimes, config.eval_num_samples, config.seed)
+    policy = await open_policy(config, model_path=checkpoint)
+    return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
+                                  config.seed)

@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import sys
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -115,10 +116,12 @@ class ChatUser(Env):
 async def chat_loop(sampler: Any, renderer: Renderer, screen: Screen, temperature: float, max_tokens: int,
                     system: str | None = None) -> None:
     """Conversations until /quit; /reset starts a new one (a fresh token sequence)."""
-    settings = RolloutSettings(max_turns=1 << 62, max_tokens=max_tokens, temperature=temperature, timeout=math.inf)
+    settings = RolloutSettings(max_turns=1 << 62, max_tokens=max_tokens, temperature=temperature,
+                               timeout=math.inf)
     while True:
         try:
-            await run_episode(ChatUser(screen, system), Episode("chat", "chat", 0, 0), renderer, sampler, settings)
+            await run_episode(ChatUser(screen, system), Episode("chat", "chat", 0, 0), renderer, sampler,
+                              settings)
         except Quit:
             return
         screen.text("(new conversation)", style="dim")
@@ -137,7 +140,8 @@ class WatchedEnv(Env):
         for tool in obs.tools:
             fn = tool.get("function", tool)
             params = ", ".join((fn.get("parameters") or {}).get("properties", {}))
-            self.screen.text(f"tool: {fn.get('name')}({params}): {fn.get('description', '')}", style="magenta")
+            self.screen.text(f"tool: {fn.get('name')}({params}): {fn.get('description', '')}",
+                             style="magenta")
         return obs
 
     async def step(self, action: Message) -> StepResult:
@@ -146,7 +150,8 @@ class WatchedEnv(Env):
         for m in result.messages:
             self.screen.text(f"[{m.get('role')}] {message_text(m)}")
         metrics = "".join(f" · {k} {v:g}" for k, v in sorted(result.metrics.items()))
-        self.screen.text(f"reward {result.reward:g} · done {'yes' if result.done else 'no'}{metrics}", style="bold")
+        self.screen.text(f"reward {result.reward:g} · done {'yes' if result.done else 'no'}{metrics}",
+                         style="bold")
         return result
 
     async def close(self) -> None:
@@ -175,14 +180,15 @@ class ShownPolicy:
         from tinker import types
 
         tokens = prompt.to_ints()
-        continues = tokens[: len(self.seen)] == self.seen  # else another conversation (a workflow's other role)
-        self.screen.rule("what the policy sees" if continues else "what the policy sees (another conversation)")
+        continues = tokens[: len(self.seen)] == self.seen  # else another conversation (a workflow's role)
+        self.screen.rule("what the policy sees" + ("" if continues else " (another conversation)"))
         self.screen.text(self.renderer.decode(tokens[len(self.seen) if continues else 0:]), style="green")
         if self.sampler is None:
             self.screen.rule("your move: type the assistant's reply (/quit ends)")
             sampled = self.renderer.encode(self.screen.ask("move> ")) + self._end_of_turn()
             response = types.SampleResponse(sequences=[types.SampledSequence(
-                stop_reason="stop", sequence_id=uuid.uuid4().hex, tokens_np=np.asarray(sampled, dtype=np.int32),
+                stop_reason="stop", sequence_id=uuid.uuid4().hex,
+                tokens_np=np.asarray(sampled, dtype=np.int32),
                 logprobs_np=np.zeros(len(sampled), dtype=np.float32))])
         else:
             if self.pause:
@@ -228,28 +234,34 @@ async def play_episode(runtime: Any, split: str, task: int, renderer: Renderer, 
 
 # ----------------------------------------------------------------------------------- command line
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="tinker://<run>/sampler_weights/<name>, a checkpoint directory, a run's "
-                                      "log_path, or a base model directory / hub id")
-    p.add_argument("--store_dir", "--store-dir", dest="store_dir", help="local checkpoint store for tinker:// paths")
+    p.add_argument("checkpoint", help="tinker://<run>/sampler_weights/<name>, a checkpoint directory, a "
+                                      "run's log_path, or a base model directory / hub id")
+    p.add_argument("--store_dir", "--store-dir", dest="store_dir",
+                   help="local checkpoint store for tinker:// paths")
     p.add_argument("--renderer", help="chat format; default: the run's, else inferred from the model")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     p.add_argument("--max_tokens", "--max-tokens", dest="max_tokens", type=int, default=256,
                    help="tokens sampled per reply")
     p.add_argument("--system", help="a system prompt for every conversation")
+    _engine_arguments(p)
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
 def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
-    from polyrl.policy import open_sampler, renderer_for, resolve_policy
+    from polyrl.policy import open_trained, resolve_policy
 
     _check_sampling(args.temperature, args.max_tokens)
     screen = screen or Screen()
     policy = resolve_policy(args.checkpoint, args.store_dir)
     screen.text(f"loading {policy.label} ...", style="dim")
-    sampler = open_sampler(policy, args.device, args.dtype)
-    renderer = renderer_for(policy, sampler.get_tokenizer(), args.renderer)
-    screen.text(f"chat with {policy.label} (renderer {renderer.name}); /reset starts over, /quit ends", style="bold")
+    opened = open_trained(policy, args.device, args.dtype, args.renderer)
+    sampler, renderer = opened.client, opened.renderer
+    screen.text(f"chat with {policy.label} (renderer {renderer.name}); /reset starts over, /quit ends",
+                style="bold")
     try:
         asyncio.run(chat_loop(sampler, renderer, screen, args.temperature, args.max_tokens, args.system))
     except KeyboardInterrupt:
@@ -268,20 +280,25 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
                    help="environment args (values as YAML, e.g. low=1 high=10), or one JSON object")
     p.add_argument("--split", default="train", choices=["train", "test"])
     p.add_argument("--task", type=int, default=0, help="task index within the split")
-    p.add_argument("--seed", type=int, default=None, help="run seed (task generation, sampling); default: the config's or 0")
-    p.add_argument("--renderer", help="chat format; default: the config's or run's, else inferred from the model")
-    p.add_argument("--temperature", type=float, help="sampling temperature when watching; default: the environment's")
+    p.add_argument("--seed", type=int, default=None,
+                   help="run seed (task generation, sampling); default: the config's or 0")
+    p.add_argument("--renderer",
+                   help="chat format; default: the config's or run's, else inferred from the model")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature when watching; default: the environment's")
     p.add_argument("--max_tokens", "--max-tokens", dest="max_tokens", type=int, help="tokens per turn")
-    p.add_argument("--max_turns", "--max-turns", dest="max_turns", type=int, help="assistant turns before the episode is cut")
-    p.add_argument("--pause", action="store_true", help="when watching, wait for Enter before each policy turn")
-    p.add_argument("--store_dir", "--store-dir", dest="store_dir", help="local checkpoint store for tinker:// paths")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max_turns", "--max-turns", dest="max_turns", type=int,
+                   help="assistant turns before the episode is cut")
+    p.add_argument("--pause", action="store_true",
+                   help="when watching, wait for Enter before each policy turn")
+    p.add_argument("--store_dir", "--store-dir", dest="store_dir",
+                   help="local checkpoint store for tinker:// paths")
+    _engine_arguments(p)
 
 
 def parse_env_args(items: list[str]) -> dict[str, Any]:
     """``--args``: ``key=value`` pairs (values parsed as YAML) or a single JSON/YAML object."""
-    from polyrl.config import parse_scalar
+    from polyrl.config_files import parse_scalar
 
     if len(items) == 1 and items[0].lstrip().startswith("{"):
         value = parse_scalar(items[0])
@@ -299,7 +316,8 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
 
 def play_runtime(args: argparse.Namespace):
     """(the environment's :class:`polyrl.rollouts.EnvRuntime`, the run config or None) from the options."""
-    from polyrl.config import EnvConfig, load_config
+    from polyrl.config import EnvConfig
+    from polyrl.config_files import load_config
     from polyrl.envs.registry import get_env_builder
     from polyrl.rollouts import EnvRuntime
 
@@ -307,6 +325,8 @@ def play_runtime(args: argparse.Namespace):
     config = None
     if args.config_path:
         config = load_config(args.config_path)
+        for line in config.renamed_warnings:
+            print(f"warning: {line}", file=sys.stderr)
         if args.env not in config.environments:
             raise UserInputError(f"{args.config_path} has no environment {args.env!r} "
                                  f"(it has: {', '.join(config.environments)})")
@@ -326,7 +346,8 @@ def play_runtime(args: argparse.Namespace):
         runtime = EnvRuntime.create(args.env, cfg, seed, max_tokens)
     except ValueError as e:
         raise UserInputError(f"environment {args.env}: {e}") from None
-    changes = {k: getattr(args, k) for k in ("temperature", "max_tokens", "max_turns") if getattr(args, k) is not None}
+    changes = {k: getattr(args, k) for k in ("temperature", "max_tokens", "max_turns")
+               if getattr(args, k) is not None}
     runtime.settings = dataclasses.replace(runtime.settings, **changes)
     _check_sampling(runtime.settings.temperature, runtime.settings.max_tokens, runtime.settings.max_turns)
     return runtime, config
@@ -334,39 +355,41 @@ def play_runtime(args: argparse.Namespace):
 
 def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Episode]:
     from polyrl.models import resolve_model_path
-    from polyrl.policy import Policy, open_sampler, renderer_for, resolve_policy
+    from polyrl.policy import open_trained, resolve_policy
+    from polyrl.renderers import resolve_renderer
 
     screen = screen or Screen()
     runtime, config = play_runtime(args)
     renderer_name = args.renderer or (config.renderer if config else None)
     sampler = None
     if args.checkpoint:
-        store_dir = args.store_dir or (config.store_dir if config else None)
+        store_dir = args.store_dir or (config.local.store_dir if config else None)
         policy = resolve_policy(args.checkpoint, store_dir)
         screen.text(f"loading {policy.label} ...", style="dim")
-        sampler = open_sampler(policy, args.device, args.dtype)
-        tokenizer = sampler.get_tokenizer()
+        opened = open_trained(policy, args.device, args.dtype, renderer_name)
+        sampler, renderer = opened.client, opened.renderer
         who = policy.label
     else:
         model = args.model or (config.model_name if config else None)
         if not model:
-            raise UserInputError("playing by hand needs --model (its tokenizer renders what the policy sees), "
-                                 "--config_path, or --checkpoint to watch a policy")
+            raise UserInputError("playing by hand needs --model (its tokenizer renders what the policy "
+                                 "sees), --config_path, or --checkpoint to watch a policy")
         from transformers import AutoTokenizer
 
-        policy = Policy(model)
         try:
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
         except OSError as e:
             raise UserInputError(f"model {model!r}: no tokenizer could be loaded ({e})") from None
+        renderer = resolve_renderer(renderer_name, model, tokenizer)
         who = "you"
-    renderer = renderer_for(policy, tokenizer, renderer_name)
     settings = runtime.settings
-    screen.text(f"play {runtime.name} ({args.split} task {args.task}) · policy: {who} · renderer {renderer.name} · "
-                f"max {settings.max_turns} turns of {settings.max_tokens} tokens", style="bold")
+    screen.text(f"play {runtime.name} ({args.split} task {args.task}) · policy: {who} · renderer "
+                f"{renderer.name} · max {settings.max_turns} turns of {settings.max_tokens} tokens",
+                style="bold")
     seed = args.seed if args.seed is not None else runtime.run_seed
     try:
-        return asyncio.run(play_episode(runtime, args.split, args.task, renderer, screen, sampler, seed, args.pause))
+        return asyncio.run(play_episode(runtime, args.split, args.task, renderer, screen, sampler, seed,
+                                        args.pause))
     except KeyboardInterrupt:
         screen.text("")
         return []

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from polyrl.config import EnvConfig, TrainConfig
+from polyrl.config_checks import check_config
 from polyrl.evaluate import evaluate_checkpoint
 from polyrl.models.tiny import SIZES, build_tiny_model
 from polyrl.sft import SFTConfig, sft_async
@@ -75,7 +76,8 @@ def env_configs(split: str, group_size: int = 1, demos: bool = False) -> dict[st
     out = {}
     for name, spec in ENVIRONMENTS.items():
         if split == "train":
-            splits = {"train": {"shuffle": True, "num_samples": spec["demos"] if demos else None}, "test": None}
+            train = {"shuffle": True, "num_samples": spec["demos"] if demos else None}
+            splits = {"train": train, "test": None}
         else:
             splits = {"train": None, "test": {"shuffle": False, "num_samples": NUM_TEST}}
         out[name] = EnvConfig(args=spec["args"], max_turns=spec["max_turns"], max_tokens=spec["max_tokens"],
@@ -116,27 +118,31 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     ensure_model(model_dir, size)
     for sub in ("sft", "rl", "store"):  # a fresh warm start and RL run every time
         shutil.rmtree(workdir / sub, ignore_errors=True)
-    common = {"model_name": str(model_dir), "lora_rank": LORA_RANK, "seed": seed, "store_dir": str(workdir / "store")}
+    common = {"model_name": str(model_dir), "lora_rank": LORA_RANK, "seed": seed,
+              "local": {"store_dir": str(workdir / "store")}}
     lap("setup")
 
     demos = sum(spec["demos"] for spec in ENVIRONMENTS.values())
     say(f"warm start: {sft_steps} SFT steps on {demos} demonstrations of {', '.join(ENVIRONMENTS)}")
-    sft_config = SFTConfig(**common, **SFT, max_steps=sft_steps, log_path=str(workdir / "sft"),
-                           environments=env_configs("train", demos=True))
+    sft_config = check_config(SFTConfig(**common, **SFT, max_steps=sft_steps, log_path=str(workdir / "sft"),
+                                        environments=env_configs("train", demos=True)))
     sft_state = await sft_async(sft_config, console)
     sft_sampler = json.loads((workdir / "sft" / "sft.json").read_text())["sampler_path"]
     lap("sft")
 
-    eval_config = TrainConfig(**common, eval_num_samples=EVAL_SAMPLES, environments=env_configs("test"))
+    eval_config = check_config(TrainConfig(**common, eval_num_samples=EVAL_SAMPLES,
+                                           environments=env_configs("test")))
     before = await evaluate_checkpoint(eval_config, sft_sampler)
-    say("held-out pass@1 after the warm start: " + ", ".join(f"{k} {v:.2f}" for k, v in pass_at_1(before).items()))
+    say("held-out pass@1 after the warm start: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in pass_at_1(before).items()))
     lap("eval_before")
 
-    rl_config = TrainConfig(
+    rl_config = check_config(TrainConfig(
         **common, resume_from=sft_state, learning_rate=RL["learning_rate"], batch_size=RL["batch_size"],
-        max_steps=rl_steps, max_tokens=32, save_every=0, report=False, log_path=str(workdir / "rl"),
-        max_steps_off_policy=max_steps_off_policy, environments=env_configs("train", group_size=RL["group_size"]),
-    )
+        max_steps=rl_steps, max_tokens=32, save_every=0, outputs={"report": False},
+        log_path=str(workdir / "rl"), off_policy={"max_steps": max_steps_off_policy},
+        environments=env_configs("train", group_size=RL["group_size"]),
+    ))
     say(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples, both environments"
         + (f", sampling up to {max_steps_off_policy} steps ahead" if max_steps_off_policy else ""))
     await train_async(rl_config, console)
@@ -147,17 +153,20 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     lap("eval_after")
     times["total"] = time.monotonic() - t0
     summary = {"before": pass_at_1(before), "after": pass_at_1(after), "seconds": times,
-               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed, "max_steps_off_policy": max_steps_off_policy}
+               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed,
+               "max_steps_off_policy": max_steps_off_policy}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default=".quickstart", help="model, checkpoints and logs (default: .quickstart)")
+    p.add_argument("--workdir", default=".quickstart",
+                   help="model, checkpoints and logs (default: .quickstart)")
     p.add_argument("--sft-steps", type=int, default=600, help="warm-start steps (default: 600)")
     p.add_argument("--rl-steps", type=int, default=40, help="RL steps (default: 40)")
-    p.add_argument("--seed", type=int, default=0, help="seed of LoRA init, data order and sampling (default: 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of LoRA init, data order and sampling (default: 0)")
     p.add_argument("--size", default="quickstart-cpu", help="tiny model preset (default: quickstart-cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default: 1; these matrices are too small to gain from more)")
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
           f"evaluation {t['eval_before'] + t['eval_after']:.0f} s, set-up {t['setup']:.0f} s)")
     mean_b, mean_a = sum(b.values()) / len(b), sum(a.values()) / len(a)
     print(f"held-out success: before {mean_b:.2f} -> after {mean_a:.2f}"
-          f"   (pass@1 at temperature {RL['temperature']:g}, mean of {len(b)} environments x {NUM_TEST} test tasks)")
+          f"   (pass@1 at temperature {RL['temperature']:g}, mean of {len(b)} environments x {NUM_TEST} test "
+          "tasks)")
 
 
 if __name__ == "__main__":

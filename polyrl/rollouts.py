@@ -82,8 +82,9 @@ BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes")
 
 
 def rollout_bounds(config: Any) -> dict[str, Any]:
-    """The run config's bounds on what environments hand back, as :class:`RolloutSettings` fields."""
-    return {key: getattr(config, key) for key in BOUNDS}
+    """The run config's bounds on what environments hand back (``config.limits``), as
+    :class:`RolloutSettings` fields."""
+    return {key: getattr(config.limits, key) for key in BOUNDS}
 
 
 def stable_seed(*parts: Any) -> int:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from polyrl.backend import ServiceGuard, make_rest_client, make_service_client, service_url
+from polyrl.backend import ServiceGuard, make_rest_client, service_url
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
-from polyrl.renderers import resolve_renderer
+from polyrl.policy import open_policy
 from polyrl.renderers.base import Renderer
 from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.rollouts import EnvRuntime, plan_step, rollout_bounds, sample_group
@@ -91,7 +91,7 @@ async def open_run(config: TrainConfig, console: ConsoleLog | None = None) -> Ru
     ``resume_from``, or the run in ``log_path`` continued from its last checkpoint row. What it
     opened is closed again if opening fails."""
     console = console or ConsoleLog()
-    files = RunFiles(config.log_path, metrics_json=config.metrics_json)
+    files = RunFiles(config.log_path, metrics_json=config.outputs.metrics_json)
     files.write_config(config.dump())
     runtimes = {name: EnvRuntime.create(name, cfg, config.seed, config.max_tokens, **rollout_bounds(config))
                 for name, cfg in config.environments.items()}
@@ -103,7 +103,7 @@ async def open_run(config: TrainConfig, console: ConsoleLog | None = None) -> Ru
                               "so there is nothing to train on")
         for line in sampling_warnings(config):
             console.warn(line)
-        guard = ServiceGuard(service_url(config), config.service_timeout, console.warn)
+        guard = ServiceGuard(service_url(config), config.limits.service_timeout, console.warn)
         run = await open_service(config, console, files, guard, runtimes, weights, state)
     except BaseException as exc:
         await close_environments(runtimes, console)
@@ -147,36 +147,39 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
     else as given: a warm start from ``resume_from`` or a fresh run); then the first sampler, the rollout
     queue drawing from where the state stands, and the per-token signals' scorers. A W&B run already
     open keeps its id (``state.wandb_run_id``)."""
-    service = make_service_client(config)
     row = files.last_resumable()
-    if row is not None:
-        training = await guard("resuming", service.create_training_client_from_state_with_optimizer,
-                               row["state_path"])
-        state.restore(row)
-        console.info(f"resuming from {row['state_path']} at step {state.step}")
-    elif config.resume_from:
-        training = await guard("loading resume_from", service.create_training_client_from_state,
-                               config.resume_from)
-        console.info(f"initialized weights from {config.resume_from}")
-    else:
-        training = await guard("creating the model", service.create_lora_training_client,
-                               base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
+
+    async def connect(service: ServiceClient) -> TrainingClient:
+        if row is not None:
+            training = await guard("resuming", service.create_training_client_from_state_with_optimizer,
+                                   row["state_path"])
+            state.restore(row)
+            console.info(f"resuming from {row['state_path']} at step {state.step}")
+        elif config.resume_from:
+            training = await guard("loading resume_from", service.create_training_client_from_state,
+                                   config.resume_from)
+            console.info(f"initialized weights from {config.resume_from}")
+        else:
+            training = await guard("creating the model", service.create_lora_training_client,
+                                   base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
+        return training
+
+    policy = await open_policy(config, connect)
+    service, training, tokenizer, renderer = policy.service, policy.client, policy.tokenizer, policy.renderer
     files.truncate_from(state.step)
     earlier = [r for r in files.metrics() if r.get("optim/datums") == 0]
     state.no_update_steps = len(earlier)
     state.failed_steps = sum(bool(r.get("rollouts/dropped_groups")) for r in earlier)
     await remove_unlogged_checkpoints(config, console, files, guard, service, resuming=row is not None)
     files.log_attempt({"training_run_id": training.model_id, "step": state.step})
-    tokenizer = training.get_tokenizer()
-    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
     sampler = await guard("creating a sampler", training.save_weights_and_get_sampling_client)
-    ahead = config.max_steps_off_policy
+    ahead = config.off_policy.max_steps
     queue = RolloutQueue(
         partial(plan_step, weights, runtimes, config.batch_size),
         partial(sample_group, runtimes, renderer, config.seed), sampler, state.step,
         capacity=config.batch_size * (ahead + 1),
         wanted=config.batch_size * (config.max_steps - state.step), start=state.draw_point(),
-        max_staleness=ahead if config.stale_groups == "drop" else None)
+        max_staleness=ahead if config.off_policy.stale_groups == "drop" else None)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)

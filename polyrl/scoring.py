@@ -87,8 +87,8 @@ class TokenSignals:
                    policy: SamplingClient, tokenizer: Tokenizer, warn: Callable[[str], None]) -> TokenSignals:
         """Open the samplers ``config`` asks for; ``policy`` is a sampler of the policy being trained."""
         reference = teacher = None
-        if config.kl_penalty_coef > 0:
-            reference = await open_scorer("kl_reference", config.kl_reference, config, service, guard, policy,
+        if config.kl is not None:
+            reference = await open_scorer("kl.reference", config.kl.reference, config, service, guard, policy,
                                           tokenizer, warn)
         if config.teacher is not None:
             teacher = await open_scorer("teacher.model", config.teacher.model, config, service, guard, policy,
@@ -114,8 +114,10 @@ class TokenSignals:
         metrics: dict[str, float] = {}
         for scorer, logprobs in zip(scorers, answers):
             if scorer is self.reference:
-                terms, mean = adv_lib.reference_kl_terms(episodes, logprobs, config.kl_penalty_coef,
-                                                         config.kl_discount_factor)
+                kl = config.kl
+                assert kl is not None
+                terms, mean = adv_lib.reference_kl_terms(episodes, logprobs, kl.penalty_coef,
+                                                         kl.discount_factor)
                 metrics["kl/reference"] = metrics["kl_policy_base"] = mean
             else:
                 teacher = config.teacher

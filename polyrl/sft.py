@@ -11,50 +11,31 @@ import asyncio
 import json
 import random
 import time
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from tinker import types
 
-from polyrl.backend import make_service_client
-from polyrl.config import EnvConfig, LrSchedule, _Problems, local_model_problems, scheduled_lr
-from polyrl.renderers import resolve_renderer
+from polyrl.config import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
+from polyrl.policy import open_policy
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
 
 
-class SFTConfig(BaseModel):
-    """Supervised fine-tuning on demonstrations (``polyrl sft``)."""
+class SFTConfig(PolicyConfig):
+    """Supervised fine-tuning on demonstrations (``polyrl sft``); the policy's fields are train's."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    backend: Literal["local", "tinker"] = Field("local", description="Training service: in-process engine or Tinker.")
-    base_url: str | None = Field(None, description="Tinker-compatible server URL (backend tinker).")
-    model_name: str = Field(..., description="Base model: hub id or local directory.")
-    lora_rank: int = Field(32, gt=0, description="LoRA rank.")
-    renderer: str | None = Field(None, description="Chat format; inferred from the model when null.")
     learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     lr_schedule: LrSchedule = Field("linear", description="Learning-rate schedule over max_steps.")
     batch_size: int = Field(32, ge=1, description="Demonstrations per optimizer step.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     seed: int = Field(0, description="Seed of the LoRA init and the data order.")
     log_path: str = Field("runs/sft", description="Directory for metrics.jsonl and sft.json.")
-    save_name: str = Field("sft", description="Checkpoint name; the state path is printed and written to sft.json.")
-    device: str = Field("auto", description="Local engine device.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Local engine dtype.")
-    store_dir: str | None = Field(None, description="Local engine checkpoint store.")
-    micro_batch_tokens: int = Field(4096, ge=1, description="Local engine: tokens per forward/backward pass.")
-    gradient_checkpointing: Literal["auto", True, False] = Field(
-        "auto", description="Local engine: recompute activations in backward (auto: on from 300M parameters).")
+    save_name: str = Field("sft", description="Checkpoint name; the state path is printed and written to "
+                                              "sft.json.")
     environments: dict[str, EnvConfig] = Field(
-        ..., description="Environments whose demonstrations to learn; splits.train.num_samples = demonstrations each."
+        ..., description="Environments whose demonstrations to learn; splits.train.num_samples = "
+        "demonstrations each."
     )
-
-    @model_validator(mode="after")
-    def _check_model(self) -> SFTConfig:
-        if problems := local_model_problems(self.backend, self.model_name):
-            raise _Problems(problems)
-        return self
 
 
 def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
@@ -85,12 +66,10 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
     console = console or ConsoleLog()
     files = RunFiles(config.log_path)
     files.write_config(config.model_dump())
-    service = make_service_client(config)
-    training = await service.create_lora_training_client(base_model=config.model_name, rank=config.lora_rank,
-                                                          seed=config.seed)
-    tokenizer = training.get_tokenizer()
-    renderer = resolve_renderer(config.renderer, config.model_name, tokenizer)
-    datums = demonstration_datums(config, renderer)
+    policy = await open_policy(config, lambda service: service.create_lora_training_client(
+        base_model=config.model_name, rank=config.lora_rank, seed=config.seed))
+    training = policy.client
+    datums = demonstration_datums(config, policy.renderer)
     rng = random.Random(config.seed)
     order: list[int] = []
     log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
@@ -116,7 +95,8 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
                 console.info(f"sft step {step}: loss/token {row['optim/loss']:.4f}")
     state = await training.save_state(config.save_name)
     sampler = await training.save_weights_for_sampler(config.save_name)
-    atomic_write_text(files.root / "sft.json", json.dumps({"state_path": state.path, "sampler_path": sampler.path}))
+    atomic_write_text(files.root / "sft.json",
+                      json.dumps({"state_path": state.path, "sampler_path": sampler.path}))
     console.info(f"sft checkpoint: {state.path}")
     return state.path
 

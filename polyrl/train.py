@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from polyrl.config_checks import check_config
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.report import refresh_for_training
@@ -67,6 +68,7 @@ def train(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, f
 async def train_async(config: TrainConfig, console: ConsoleLog | None = None) -> dict[str, float]:
     """Open the run, run its steps (reopening it after a lost service, a bounded number of times) and
     close it; returns the last step's metrics row."""
+    check_config(config)  # a config built in code meets the checks a loaded one did (environments, models)
     run = await open_run(config, console)
     try:
         row: dict[str, float] = {}
@@ -75,14 +77,14 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
             try:
                 row = await train_step(run)
             except ServiceLostError as lost:
-                most = config.max_service_recoveries
+                most = config.limits.max_service_recoveries
                 if recoveries == most:
                     raise ServiceLostError(f"{lost}; reopened {recoveries} times already "
                                            f"(max_service_recoveries={most})") from None
                 recoveries += 1
                 run = await reopen_run(run, f"{lost}; reopening the run from its last checkpoint, as a "
                                             f"relaunch would (recovery {recoveries} of {most})")
-        if config.report:
+        if config.outputs.report:
             refresh_for_training(run.files.root, run.console)
         return row
     except RunStoppedError as exc:
@@ -102,7 +104,7 @@ async def train_step(run: Run) -> dict[str, float]:
     minibatches: list[Minibatch] = []
     pending: list[Future[types.ForwardBackwardOutput]] = []
     while batch.missing:
-        episodes_G = await take_groups(run, batch, config.stream_minibatches or config.batch_size)
+        episodes_G = await take_groups(run, batch, config.off_policy.stream_minibatches or config.batch_size)
         minibatch = await prepare_minibatch(episodes_G, step, config, run.runtimes, run.signals, run.guard)
         minibatches.append(minibatch)
         if minibatch.data_D and first_problem(minibatches) is None:
@@ -218,7 +220,7 @@ def log_step(run: Run, state: RunState, row: dict[str, float], batch: StepBatch,
     run.console.step(row)
     for line in bound_warnings(step, episodes):
         run.console.warn(line)
-    if config.report and saved.row is not None and not saved.row["final"]:
+    if config.outputs.report and saved.row is not None and not saved.row["final"]:
         refresh_for_training(files.root, run.console)
 
 
@@ -236,11 +238,12 @@ def check_learning(config: TrainConfig, console: ConsoleLog, state: RunState, st
     state.no_update_steps += 1
     state.failed_steps += failed
     reason = no_update_reason(episodes_G, update.counts)
+    limits = config.limits
     if failed:
-        count, limit, key, kind = state.failed_steps, config.max_no_update_frac, "max_no_update_frac", \
+        count, limit, key, kind = state.failed_steps, limits.max_no_update_frac, "max_no_update_frac", \
             "with failed groups"
     else:
-        count, limit, key, kind = (state.no_update_steps - state.failed_steps, config.max_no_signal_frac,
+        count, limit, key, kind = (state.no_update_steps - state.failed_steps, limits.max_no_signal_frac,
                                    "max_no_signal_frac", "without a learning signal")
     console.warn(f"step {step} made no update: {reason} ({count} of {done} steps so far {kind})")
     if done >= NO_UPDATE_MIN_STEPS and count > limit * done:

@@ -120,9 +120,9 @@ async def prepare_minibatch(episodes_G: list[list[Episode]], step: int, config: 
     """Groups of ``step`` as they came from the queue -> their kept groups, counts, advantages (recorded
     on the episodes), the per-token signals scored for them, and their Datums. With a KL reference or a
     teacher every sampled token carries a signal, so every episode of a kept group trains."""
-    kept_G, counts = filter_groups(split_roles(episodes_G), runtimes, config.remove_constant_reward_groups)
-    advantages_G = adv_lib.compute_advantages(kept_G, config.advantage_estimator,
-                                              config.normalize_advantages_by_std, config.gamma)
+    adv = config.advantages
+    kept_G, counts = filter_groups(split_roles(episodes_G), runtimes, adv.remove_constant_reward_groups)
+    advantages_G = adv_lib.compute_advantages(kept_G, adv.estimator, adv.normalize_by_std, adv.gamma)
     if config.teacher is not None:
         advantages_G = adv_lib.scale_advantages(advantages_G, config.teacher.reward_weight)
     adv_lib.record_advantages(kept_G, advantages_G)  # final now: the Datums and the trajectory log read them
@@ -166,9 +166,10 @@ def forward_backward(training: TrainingClient, data_D: list[types.Datum],
 def adam_params(config: TrainConfig, step: int) -> types.AdamParams:
     """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``."""
     lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
-    return types.AdamParams(learning_rate=lr, beta1=config.adam_beta1, beta2=config.adam_beta2,
-                            eps=config.adam_eps, weight_decay=config.weight_decay,
-                            grad_clip_norm=config.grad_clip_norm)
+    optimizer = config.optimizer
+    return types.AdamParams(learning_rate=lr, beta1=optimizer.beta1, beta2=optimizer.beta2,
+                            eps=optimizer.eps, weight_decay=optimizer.weight_decay,
+                            grad_clip_norm=optimizer.grad_clip_norm)
 
 
 def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
@@ -214,7 +215,7 @@ async def refuse_update(run: Run, step: int, problem: str, sent: bool) -> None:
     were. ``nonfinite_steps: stop`` ends the run (the caller names the last checkpoint); ``skip`` warns,
     discards what the step's ``forward_backward`` calls (``sent``) accumulated, and goes on."""
     what = f"step {step}: the update is not finite ({problem}); no optimizer step was applied"
-    if run.config.nonfinite_steps == "stop":
+    if run.config.limits.nonfinite_steps == "stop":
         raise RunStoppedError(f"{what} (nonfinite_steps: skip passes over such steps)")
     run.console.warn(f"{what}; the step is skipped (nonfinite_steps: skip)")
     if sent:

@@ -1,5 +1,5 @@
 """Asynchronous, off-policy training: the rollout queue's bounds, staleness and resume points, and
-whole runs with ``max_steps_off_policy`` and ``stream_minibatches``."""
+whole runs with ``off_policy.max_steps`` and ``off_policy.stream_minibatches``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
 from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.episode import Episode
@@ -153,13 +154,19 @@ def test_draw_point_redraws_what_was_in_flight_and_skips_what_was_trained():
 # ---------------------------------------------------------------------------- config
 def test_async_options_are_checked_when_the_config_loads():
     base = ["model_name=m", "environments.arithmetic.max_turns=2"]
-    cfg = load_config(None, base + ["max_steps_off_policy=2", "stale_groups=keep", "stream_minibatches=4"])
-    assert (cfg.max_steps_off_policy, cfg.stale_groups, cfg.stream_minibatches) == (2, "keep", 4)
-    for overrides, key in [(["stale_groups=keep"], "stale_groups: only used with max_steps_off_policy"),
-                           (["stream_minibatches=9"], "stream_minibatches: 9 groups per minibatch is more than"),
-                           (["stream_minibatches=2", "advantage_estimator=rebn"], "stream_minibatches: advantage"),
-                           (["max_steps_off_policy=-1"], "max_steps_off_policy"),
-                           (["stale_groups=later", "max_steps_off_policy=1"], "stale_groups")]:
+    cfg = load_config(None, base + ["off_policy.max_steps=2", "off_policy.stale_groups=keep",
+                                    "off_policy.stream_minibatches=4"])
+    off = cfg.off_policy
+    assert (off.max_steps, off.stale_groups, off.stream_minibatches) == (2, "keep", 4)
+    for overrides, key in [(["off_policy.stale_groups=keep"],
+                            "off_policy.stale_groups: only used with off_policy.max_steps"),
+                           (["off_policy.stream_minibatches=9"],
+                            "off_policy.stream_minibatches: 9 groups per minibatch is more than"),
+                           (["off_policy.stream_minibatches=2", "advantages.estimator=rebn"],
+                            "off_policy.stream_minibatches: advantage"),
+                           (["off_policy.max_steps=-1"], "off_policy.max_steps"),
+                           (["off_policy.stale_groups=later", "off_policy.max_steps=1"],
+                            "off_policy.stale_groups")]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, base + overrides)
 
@@ -199,8 +206,10 @@ class StragglerBuilder(EnvBuilder):
 
 def _config(model_dir, tmp_path, **over) -> TrainConfig:
     data = dict(model_name=model_dir, lora_rank=8, batch_size=2, max_steps=4, max_tokens=3, save_every=0,
-                learning_rate=3e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=5,
-                report=False, environments={"word": {"type": "test_straggler", "num_rollouts": 2, "max_turns": 1}})
+                learning_rate=3e-3, log_path=str(tmp_path / "run"),
+                local={"store_dir": str(tmp_path / "store")},
+                seed=5, outputs={"report": False},
+                environments={"word": {"type": "test_straggler", "num_rollouts": 2, "max_turns": 1}})
     data.update(over)
     return TrainConfig(**data)
 
@@ -227,8 +236,8 @@ def test_staleness_bound_holds_in_a_run_with_a_straggler(tiny_model_dir, tmp_pat
     batch_size groups and every group is drawn once."""
     envs = {"word": {"type": "test_straggler", "num_rollouts": 2, "max_turns": 1, "args": {"after": 14}}}
     steps = 7
-    cfg = _config(tiny_model_dir, tmp_path, max_steps=steps, max_steps_off_policy=1, stale_groups=stale_groups,
-                  environments=envs)
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=steps,
+                  off_policy={"max_steps": 1, "stale_groups": stale_groups}, environments=envs)
     train(cfg, ConsoleLog(enabled=False))
     rows = RunFiles(tmp_path / "run").metrics()
     assert [r["step"] for r in rows] == list(range(steps))
@@ -263,8 +272,9 @@ def test_streamed_minibatches_make_the_same_update_as_one_batch(tiny_model_dir, 
     of one forward_backward with the whole batch (same datums; gradients summed in another order)."""
     results = {}
     for name, stream in (("batch", None), ("stream", 1)):
-        cfg = _config(tiny_model_dir, tmp_path / name, batch_size=4, max_steps=1, stream_minibatches=stream,
-                      adam_eps=1.0)  # a large eps makes the first Adam step proportional to the gradient
+        cfg = _config(tiny_model_dir, tmp_path / name, batch_size=4, max_steps=1,
+                      off_policy={"stream_minibatches": stream},
+                      optimizer={"eps": 1.0})  # large: the first Adam step is proportional to the gradient
         row = train(cfg, ConsoleLog(enabled=False))
         results[name] = (row, _trajectories(tmp_path / name / "run")[0], _final_weights(tmp_path / name))
     (row_a, traj_a, w_a), (row_b, traj_b, w_b) = results["batch"], results["stream"]
@@ -301,8 +311,8 @@ def test_kill_and_resume_off_policy_repeats_no_step_and_trains_every_group_once(
     whole run are the first ones of the plan, each once: in-flight groups were drawn again."""
     envs = {"arithmetic": {"num_rollouts": 2}, "guess_number": {"num_rollouts": 2, "max_turns": 3}}
     steps = 8
-    cfg = _config(tiny_model_dir, tmp_path, batch_size=3, max_steps=steps, save_every=2, max_steps_off_policy=1,
-                  environments=envs)
+    cfg = _config(tiny_model_dir, tmp_path, batch_size=3, max_steps=steps, save_every=2,
+                  off_policy={"max_steps": 1}, environments=envs)
     (tmp_path / "run.yaml").write_text(json.dumps(cfg.model_dump()))
     run = tmp_path / "run"
     metrics, cps = run / "metrics.jsonl", run / "checkpoints.jsonl"
@@ -353,8 +363,8 @@ def test_off_policy_streamed_training_through_the_sdk_and_polyrl_serve(tiny_mode
     served = Served(tiny_model_dir, tmp_path / "serve-store")
     try:
         monkeypatch.setenv("TINKER_API_KEY", KEY)
-        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, store_dir=None, max_steps=4,
-                      save_every=2, max_steps_off_policy=1, stream_minibatches=1)
+        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, local={}, max_steps=4,
+                      save_every=2, off_policy={"max_steps": 1, "stream_minibatches": 1})
         train(cfg, ConsoleLog(enabled=False))
     finally:
         served.stop()

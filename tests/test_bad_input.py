@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.config import MAX_EPISODES_PER_STEP, ConfigError, load_config
+from polyrl.config import MAX_EPISODES_PER_STEP, ConfigError
+from polyrl.config_files import load_config
 from polyrl.sft import SFTConfig
 
 BASE = {"model_name": "tiny", "environments": {"arithmetic": {}}}
@@ -62,10 +63,11 @@ def test_duplicate_yaml_keys_are_rejected(tmp_path):
 
 
 @pytest.mark.parametrize("override", [
-    "learning_rate=.inf", "learning_rate=.nan", "adam_eps=.inf", "grad_clip_norm=.inf", "weight_decay=.nan",
+    "learning_rate=.inf", "learning_rate=.nan", "optimizer.eps=.inf", "optimizer.grad_clip_norm=.inf",
+    "optimizer.weight_decay=.nan",
     "environments.arithmetic.temperature=.inf", "environments.arithmetic.timeout=.inf",
     "environments.arithmetic.nonterminal_reward=-.inf", "environments.arithmetic.weight=.inf",
-    "loss_fn=ppo", "adam_beta1=.nan",
+    "loss_fn=ppo", "optimizer.beta1=.nan",
 ])
 def test_non_finite_numbers_are_rejected(override):
     overrides = [override] if override != "loss_fn=ppo" else [override, "loss_fn_config.clip_high_threshold=.inf"]
@@ -128,7 +130,8 @@ def _unwritable_dir(tmp_path: Path) -> str:
 
 def test_unusable_log_path_is_one_line_error(tiny_model_dir, tmp_path):
     (tmp_path / "a_file").write_text("x")
-    common = f"model_name: {tiny_model_dir}\nstore_dir: {tmp_path / 'store'}\nenvironments: {{arithmetic: {{}}}}\n"
+    common = (f"model_name: {tiny_model_dir}\nlocal: {{store_dir: {tmp_path / 'store'}}}\n"
+              "environments: {arithmetic: {}}\n")
     (tmp_path / "file.yaml").write_text(common + "log_path: a_file\n")
     (tmp_path / "under_file.yaml").write_text(common + "log_path: a_file/run\n")
     (tmp_path / "locked.yaml").write_text(common + f"log_path: {_unwritable_dir(tmp_path)}\n")
@@ -166,6 +169,7 @@ def test_yaml_alias_bomb_is_refused_at_load(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("returned", ["42", "None", "'a string'"])
 def test_module_environment_returning_no_environment_is_one_line(tmp_path, tiny_model_dir, returned):
     (tmp_path / "env.py").write_text(f"def load_environment():\n    return {returned}\n")
-    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nstore_dir: store\nreport: false\n"
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nlocal: {{store_dir: store}}\n"
+                                       "outputs: {report: false}\n"
                                        f"environments:\n  mine: {{type: 'module:{tmp_path / 'env.py'}'}}\n")
     run_all([(["train", "--config_path", "run.yaml"], f"load_environment() returned {returned}")], tmp_path)

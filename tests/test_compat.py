@@ -74,8 +74,9 @@ def test_minds_config_is_translated_and_printed(minds_repo):
     assert (config["model_name"], config["loss_fn"], config["max_tokens"]) == ("Qwen/Qwen3-30B-A3B",
                                                                                "importance_sampling", 4)
     assert (config["learning_rate"], config["lora_rank"], config["batch_size"]) == (0.001, 4, 1)
-    assert config["backend"] == "local" and config["metrics_json"] is True
-    assert config["log_path"] == "outputs/train" and config["max_steps_off_policy"] == 2
+    assert config["backend"] == "local" and config["outputs"]["metrics_json"] is True
+    assert config["log_path"] == "outputs/train" and config["off_policy"]["max_steps"] == 2
+    assert "warning:" not in out.stderr  # a translation is written in the current layout
 
     # what was printed is a polyrl config that reads back to the same thing
     (minds_repo / "printed.yaml").write_text(out.stdout)
@@ -109,7 +110,7 @@ def test_unknown_minds_keys_are_one_line_errors(minds_repo):
 @pytest.mark.slow
 def test_minds_config_runs_and_writes_its_metrics_json(minds_repo, tiny_model_dir):
     args = ["train", "--config_path", "configs/train.toml", "--overrides", f"model_name={tiny_model_dir}",
-            "store_dir=store", "max_steps=2", "report=false"]
+            "local.store_dir=store", "max_steps=2", "outputs.report=false"]
     out = polyrl(*args, cwd=minds_repo)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "note: [trainer] kl_beta = 0.1 is not used" in out.stderr
@@ -122,7 +123,7 @@ def test_minds_config_runs_and_writes_its_metrics_json(minds_repo, tiny_model_di
     episodes = [json.loads(line) for line in first_step]
     assert len(episodes) == 4 and episodes[0]["messages"][0]["content"] == "Reply with the letter b."
     # a relaunch with more steps resumes: metrics.json goes on from where it stopped, no step twice
-    out = polyrl(*args[:-2], "max_steps=3", "report=false", cwd=minds_repo)
+    out = polyrl(*args[:-2], "max_steps=3", "outputs.report=false", cwd=minds_repo)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in json.loads((run / "metrics.json").read_text())] == [0, 1, 2]
 
@@ -142,13 +143,15 @@ def test_gem_command_line_is_translated(tmp_path, monkeypatch):
     config = yaml.safe_load(out.stdout)
     env = config["environments"]["GuessTheNumber_v0_easy"]
     assert env["type"] == "gem:game:GuessTheNumber-v0-easy" and env["num_rollouts"] == 1
-    assert (config["advantage_estimator"], config["gamma"], config["renderer"]) == ("rebn", 0.9, "qwen3_game")
+    assert (config["advantages"]["estimator"], config["advantages"]["gamma"], config["renderer"]) == (
+        "rebn", 0.9, "qwen3_game")
+    assert "warning:" not in out.stderr
     assert (config["max_steps"], config["batch_size"], config["learning_rate"]) == (20, 128, 4e-5)
     assert (config["model_name"], config["save_every"], config["log_path"]) == (
         "Qwen/Qwen3-8B-Base", 0, "runs/gem-GuessTheNumber_v0_easy")
 
     ahead = yaml.safe_load(run_cli("train", *GEM_ARGS, "max_steps_off_policy=2", "--print-config").stdout)
-    assert ahead["max_steps_off_policy"] == 2 and config["max_steps_off_policy"] == 0
+    assert ahead["off_policy"]["max_steps"] == 2 and config["off_policy"]["max_steps"] == 0
 
     bad = run_cli("train", *GEM_ARGS, "use_rebn=false")
     assert bad.returncode == 2 and "use_rebn=false: polyrl has no raw-return estimator" in bad.stderr
@@ -162,8 +165,8 @@ def test_gem_command_line_is_translated(tmp_path, monkeypatch):
 def test_gem_command_line_trains(tmp_path, tiny_model_dir):
     pytest.importorskip("gem")
     out = polyrl("train", *GEM_ARGS[:1], "max_steps=1", *GEM_ARGS[2:], f"model_name={tiny_model_dir}",
-                 "batch_size=2", "max_tokens=4", "lora_rank=4", "--overrides", "store_dir=store", "report=false",
-                 "environments.GuessTheNumber_v0_easy.max_turns=2", cwd=tmp_path)
+                 "batch_size=2", "max_tokens=4", "lora_rank=4", "--overrides", "local.store_dir=store",
+                 "outputs.report=false", "environments.GuessTheNumber_v0_easy.max_turns=2", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "gem-GuessTheNumber_v0_easy" / "metrics.jsonl")
             .read_text().splitlines()]
@@ -197,15 +200,17 @@ def test_zero_reward_runs_go_their_configured_steps(minds_repo, tiny_model_dir, 
     environ.update(PYTHONPATH=str(ROOT))
     (tmp_path / "gem").mkdir()
     (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 12\nbatch_size: 2\nmax_tokens: 4\n"
-                                       "lora_rank: 4\nlog_path: yaml-run\nstore_dir: store\nreport: false\n"
+                                       "lora_rank: 4\nlog_path: yaml-run\nlocal: {store_dir: store}\n"
+                                       "outputs: {report: false}\n"
                                        "environments:\n  arithmetic: {num_rollouts: 2, max_turns: 1}\n")
     runs = {  # each run's command, directory and metrics file
         "minds": (["train", "--config_path", "configs/train.toml", "--overrides", f"model_name={tiny_model_dir}",
-                   "store_dir=store", "max_steps=12", "report=false", "environments.my_task.args.word=zzzzzzzz"],
+                   "local.store_dir=store", "max_steps=12", "outputs.report=false",
+                   "environments.my_task.args.word=zzzzzzzz"],
                   minds_repo, minds_repo / "outputs" / "train" / "metrics.jsonl"),
         "gem": (["train", *GEM_ARGS[:1], "max_steps=12", *GEM_ARGS[2:], f"model_name={tiny_model_dir}", "batch_size=2",
-                 "max_tokens=4", "lora_rank=4", "--overrides", "store_dir=store", "report=false",
-                 "environments.GuessTheNumber_v0_easy.max_turns=1"],
+                 "max_tokens=4", "lora_rank=4", "--overrides", "local.store_dir=store",
+                 "outputs.report=false", "environments.GuessTheNumber_v0_easy.max_turns=1"],
                 tmp_path / "gem", tmp_path / "gem" / "runs" / "gem-GuessTheNumber_v0_easy" / "metrics.jsonl"),
         "yaml": (["train", "--config_path", "run.yaml"], tmp_path, tmp_path / "yaml-run" / "metrics.jsonl"),
     }

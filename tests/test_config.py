@@ -7,16 +7,9 @@ import os
 
 import pytest
 
-from polyrl.config import (
-    ConfigError,
-    EnvConfig,
-    TrainConfig,
-    apply_overrides,
-    config_reference,
-    load_config,
-    load_dotenv_file,
-    parse_scalar,
-)
+from polyrl.config import ConfigError, EnvConfig, TrainConfig
+from polyrl.config_files import apply_overrides, load_config, load_dotenv_file, parse_scalar
+from polyrl.config_reference import config_reference
 from polyrl.secrets import SECRET_ENV_VARS, redact, redact_text
 
 KNOWN_ENV_TYPES = {"arithmetic", "wordle"}
@@ -110,7 +103,7 @@ def test_overrides_nested_new_entries_and_scalars(tmp_path):
             "environments.more.type=wordle",
             "environments.more.temperature=0.7",
             "environments.more.splits.test.num_samples=5",
-            "normalize_advantages_by_std=true",
+            "advantages.normalize_by_std=true",
             "wandb_project_name=2024",
             "renderer=qwen3",
         ],
@@ -120,7 +113,7 @@ def test_overrides_nested_new_entries_and_scalars(tmp_path):
     assert set(cfg.environments["arithmetic"].splits) == {"train"}
     more = cfg.environments["more"]
     assert more.type == "wordle" and more.temperature == 0.7 and more.splits["test"].num_samples == 5
-    assert cfg.normalize_advantages_by_std is True
+    assert cfg.advantages.normalize_by_std is True
     assert cfg.wandb_project_name == "2024"
     assert cfg.renderer == "qwen3"
 
@@ -169,8 +162,8 @@ def test_apply_overrides_copies_and_creates_mappings():
         (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
         (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
         (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"], "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
-        (["gamma=0.9"], "gamma: only used by advantage_estimator 'rebn'"),
-        (["gamma=0"], "gamma: Input should be greater than 0"),
+        (["advantages.gamma=0.9"], "advantages.gamma: only used by advantages.estimator 'rebn'"),
+        (["advantages.gamma=0"], "advantages.gamma: Input should be greater than 0"),
         (["eval_every=5", "environments.arithmetic.splits.test=null"], "eval_every: evaluation needs at least one environment with a test split"),
         (["renderer=nope"], "renderer: unknown renderer 'nope'"),
         (["environments.arithmetic.type=nope"], "environments.arithmetic.type: unknown environment type 'nope'"),
@@ -199,11 +192,12 @@ def test_several_errors_joined_on_one_line():
 def test_tinker_backend_rules(monkeypatch):
     message = error_of(None, ["backend=tinker"], base=BASE)
     assert message.startswith("backend: 'tinker' needs TINKER_API_KEY")
-    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "device=cpu"], base=BASE) == (
-        "device: only used by the local backend, but backend is 'tinker'"
+    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "local.device=cpu"], base=BASE) == (
+        "local.device: only used by the local backend, but backend is 'tinker'"
     )
-    message = error_of(None, ["backend=tinker", "dtype=bfloat16", "store_dir=/tmp/x"], base=BASE)
-    assert message.startswith("dtype: ") and "; store_dir: only used by the local backend" in message and "backend:" in message
+    message = error_of(None, ["backend=tinker", "local.dtype=bfloat16", "local.store_dir=/tmp/x"], base=BASE)
+    assert message.startswith("local.dtype: ") and "; local.store_dir: only used by the local backend" in message
+    assert "backend:" in message
     monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
     message = error_of(None, ["backend=tinker"], base=BASE)
     assert message.startswith("backend: TINKER_API_KEY") and "'tml-'" in message and "0123456789" not in message
@@ -336,7 +330,158 @@ def test_json_config_is_read_as_json(tmp_path):
 def test_nonterminal_reward_within_the_reward_bound():
     base = {"model_name": "tiny", "environments": {"arithmetic": {}}}
     message = error_of(None, ["environments.arithmetic.nonterminal_reward=-2e6"], base=base)
-    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past max_abs_reward=1e+06: every "
-                       "unfinished episode would fail"), message
-    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "max_abs_reward=1e7"],
-                       base=base).max_abs_reward == 1e7
+    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past limits.max_abs_reward=1e+06: "
+                       "every unfinished episode would fail"), message
+    assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "limits.max_abs_reward=1e7"],
+                       base=base).limits.max_abs_reward == 1e7
+
+
+# ------------------------------------------------------------------------ layout: flat keys of old
+
+
+OLD_FLAT = {  # every key that moved into a sub-model, most with a value other than the default
+    "device": "cpu", "dtype": "float32", "store_dir": "store", "micro_batch_tokens": 2048,
+    "gradient_checkpointing": True,
+    "advantage_estimator": "rebn", "gamma": 0.9, "normalize_advantages_by_std": False,
+    "remove_constant_reward_groups": True,
+    "kl_penalty_coef": 0.1, "kl_reference": "tinker://ref/sampler_weights/x", "kl_discount_factor": 0.5,
+    "adam_beta1": 0.8, "adam_beta2": 0.99, "adam_eps": 1e-6, "weight_decay": 0.01, "grad_clip_norm": 1.0,
+    "max_steps_off_policy": 2, "stale_groups": "keep", "stream_minibatches": None,
+    "max_abs_reward": 100.0, "max_observation_tokens": 500, "max_observation_bytes": 4000,
+    "nonfinite_steps": "skip", "max_no_update_frac": 0.25, "max_no_signal_frac": 0.75, "service_timeout": 30,
+    "max_service_recoveries": 1,
+    "report": False, "metrics_json": True,
+}
+NEW_NESTED = {  # the same settings, written as they are now
+    "local": {"device": "cpu", "dtype": "float32", "store_dir": "store", "micro_batch_tokens": 2048,
+              "gradient_checkpointing": True},
+    "advantages": {"estimator": "rebn", "gamma": 0.9, "normalize_by_std": False,
+                   "remove_constant_reward_groups": True},
+    "kl": {"penalty_coef": 0.1, "reference": "tinker://ref/sampler_weights/x", "discount_factor": 0.5},
+    "optimizer": {"beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.01, "grad_clip_norm": 1.0},
+    "off_policy": {"max_steps": 2, "stale_groups": "keep", "stream_minibatches": None},
+    "limits": {"max_abs_reward": 100.0, "max_observation_tokens": 500, "max_observation_bytes": 4000,
+               "nonfinite_steps": "skip", "max_no_update_frac": 0.25, "max_no_signal_frac": 0.75,
+               "service_timeout": 30, "max_service_recoveries": 1},
+    "outputs": {"report": False, "metrics_json": True},
+}
+
+
+def test_old_flat_keys_validate_to_their_new_layout_twin_with_one_warning_each():
+    assert set(OLD_FLAT) == set(TrainConfig.RENAMED)  # every moved key is exercised
+    old = load_config(None, base={**BASE, **OLD_FLAT})
+    new = load_config(None, base={**BASE, **NEW_NESTED})
+    assert old.model_dump() == new.model_dump() and new.renamed_warnings == []
+    note = "config key {!r} is now {!r}; the old name is accepted until the next release"
+    assert sorted(old.renamed_warnings) == sorted(note.format(k, TrainConfig.RENAMED[k]) for k in OLD_FLAT)
+    # what the old config said is where the code reads it now
+    assert (old.local.store_dir, old.advantages.gamma, old.kl.penalty_coef, old.optimizer.beta1,
+            old.off_policy.max_steps, old.limits.max_abs_reward, old.outputs.metrics_json) == (
+        "store", 0.9, 0.1, 0.8, 2, 100.0, True)
+    # the remaining combination: streaming minibatches (refused with rebn and a KL penalty)
+    streamed = load_config(None, ["stream_minibatches=2"], base=BASE)
+    assert streamed.off_policy.stream_minibatches == 2 and len(streamed.renamed_warnings) == 1
+
+
+def test_old_flat_keys_edge_cases():
+    # kl_penalty_coef 0 was the old way to say "no KL penalty"
+    off = load_config(None, ["kl_penalty_coef=0"], base=BASE)
+    assert off.kl is None and off.renamed_warnings == [
+        "config key 'kl_penalty_coef' is now 'kl.penalty_coef'; the old name is accepted until the next "
+        "release"]
+    # a reference without a penalty is a missing penalty now
+    assert error_of(None, ["kl_reference=tinker://r/sampler_weights/x"], base=BASE) == (
+        "kl.penalty_coef: Field required")
+    # a key given both ways is an error naming both, in a file or in overrides
+    assert error_of(None, ["device=cpu", "local.device=cuda"], base=BASE) == (
+        "local.device: given both as 'device' and as 'local.device' (keep 'local.device')")
+    assert error_of(None, ["max_steps_off_policy=1"], base={**BASE, "off_policy": {"max_steps": 2}}) == (
+        "off_policy.max_steps: given both as 'max_steps_off_policy' and as 'off_policy.max_steps' (keep "
+        "'off_policy.max_steps')")
+    # sft takes the local engine's old keys too
+    from polyrl.sft import SFTConfig
+
+    sft = load_config(None, ["device=cpu", "micro_batch_tokens=1024"], base=BASE, model=SFTConfig)
+    assert (sft.local.device, sft.local.micro_batch_tokens, len(sft.renamed_warnings)) == ("cpu", 1024, 2)
+    # direct construction (tests, scripts) maps the same way
+    assert TrainConfig(**BASE, store_dir="s", report=False).local.store_dir == "s"
+
+
+SEED_YAML = """\
+backend: local
+base_url: null
+model_name: tiny
+lora_rank: 16
+renderer: qwen3
+resume_from: null
+loss_fn: ppo
+loss_fn_config: {clip_low_threshold: 0.8, clip_high_threshold: 1.2}
+batch_size: 4
+learning_rate: 1e-5
+max_steps: 10
+max_tokens: 128
+save_every: 5
+eval_every: 5
+seed: 3
+log_path: runs/seed
+wandb_project_name: null
+wandb_run_name: null
+openreward_run_name: null
+environments:
+  arithmetic: {num_rollouts: 4}
+"""
+
+
+def test_the_seed_yaml_keys_stay_flat_without_warnings(tmp_path):
+    (tmp_path / "seed.yaml").write_text(SEED_YAML)
+    cfg = load_config(tmp_path / "seed.yaml")
+    assert cfg.renamed_warnings == []
+    assert (cfg.lora_rank, cfg.loss_fn, cfg.batch_size, cfg.learning_rate, cfg.max_steps, cfg.seed) == (
+        16, "ppo", 4, 1e-5, 10, 3)
+    assert len(TrainConfig.model_fields) <= 30
+
+
+def test_the_command_line_warns_about_old_keys_and_prints_the_new_layout(tmp_path, capsys):
+    import yaml
+
+    from polyrl.cli import main
+
+    (tmp_path / "old.yaml").write_text("model_name: tiny\nenvironments: {arithmetic: {}}\nstore_dir: store\n")
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--config_path", "old.yaml", "--overrides", "device=cpu", "--print-config"])
+    assert done.value.code == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "warning: config key 'device' is now 'local.device'; the old name is accepted until the next release",
+        "warning: config key 'store_dir' is now 'local.store_dir'; the old name is accepted until the next "
+        "release",
+    ]
+    printed = yaml.safe_load(out)
+    assert printed["local"]["store_dir"] == "store" and printed["local"]["device"] == "cpu"
+    assert not set(printed) & set(TrainConfig.RENAMED)
+    (tmp_path / "printed.yaml").write_text(out)
+    with pytest.raises(SystemExit):
+        main(["train", "--config_path", "printed.yaml", "--print-config"])
+    again, err = capsys.readouterr()
+    assert yaml.safe_load(again) == printed and err == ""
+
+
+def test_help_config_describes_every_nested_field():
+    text = config_reference()
+    for section in ("local", "advantages", "optimizer", "off_policy", "limits", "outputs", "kl"):
+        model = TrainConfig.model_fields[section].annotation
+        model = next((arg for arg in getattr(model, "__args__", ()) if arg is not type(None)), model)
+        for name, field in model.model_fields.items():
+            assert f"\n{section}.{name}  (" in text, (section, name)
+            assert field.description, (section, name)
+    assert "local.micro_batch_tokens  (int, >= 1, default 4096)" in text
+
+
+def test_a_dump_of_the_flat_layout_reads_back_to_the_same_settings():
+    """What ``--print-config`` and ``config.json`` held before the sections existed: every key flat, the
+    KL penalty off as ``kl_penalty_coef: 0.0`` beside ``kl_reference: null``."""
+    from pathlib import Path
+
+    old = load_config(Path(__file__).parent / "fixtures" / "flat_layout_dump.yaml")
+    assert old.model_dump() == TrainConfig(**BASE).model_dump() and old.kl is None
+    assert len(old.renamed_warnings) == len(TrainConfig.RENAMED)

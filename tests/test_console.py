@@ -87,7 +87,8 @@ def test_sft_shows_a_progress_bar_with_the_loss(tiny_model_dir, tmp_path):
         batch_size: 2
         max_steps: 4
         log_path: {tmp_path / "sft"}
-        store_dir: {tmp_path / "store"}
+        local:
+          store_dir: {tmp_path / "store"}
         environments:
           arithmetic: {{splits: {{train: {{num_samples: 4}}}}}}
     """))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer
 from polyrl.episode import Episode, RolloutSettings, run_episode
@@ -170,7 +171,8 @@ def test_gem_trains_two_steps(tiny_model_dir, tmp_path):
     from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), renderer="qwen3_game",
+                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+                      renderer="qwen3_game",
                       environments={"guess": {"type": GUESS, "num_rollouts": 3, "max_turns": 4,
                                               "args": {"wrappers": ["episode_tracking"]}}})
     train(cfg, ConsoleLog(enabled=False))

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.base import StepResult
 from polyrl.envs.registry import get_env_builder, make_env_builder
 from polyrl.envs.module_env import ModuleBuilder, RewardCoercion, parse_rubric, parse_step
@@ -128,7 +129,8 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
 
     cfg = TrainConfig(
         model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
-        learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=2, report=False,
+        learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+        seed=2, outputs={"report": False},
         environments={
             "letters": {"type": f"module:{STEP_FILE}", "num_rollouts": 3, "max_turns": 2, "args": {"max_tries": 2}},
             "judged": {"type": f"module:{RUBRIC_MODULE}", "num_rollouts": 3, "max_turns": 1, "args": {"letter": "a"}},

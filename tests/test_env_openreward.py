@@ -20,7 +20,8 @@ from openreward.environments import Environment, Server, TextBlock, ToolOutput, 
 from fastapi import FastAPI, Request  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from polyrl.config import ConfigError, TrainConfig, load_config  # noqa: E402
+from polyrl.config import ConfigError, TrainConfig  # noqa: E402
+from polyrl.config_files import load_config  # noqa: E402
 from polyrl.envs.openreward_env import OpenRewardBuilder, chat_tool_spec  # noqa: E402
 from polyrl.envs.registry import get_env_builder, make_env_builder  # noqa: E402
 from polyrl.renderers import get_renderer  # noqa: E402
@@ -256,7 +257,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     capture = openreward_env
     cfg = TrainConfig(
         model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0, eval_every=2,
-        learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=1, report=False,
+        learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+        seed=1, outputs={"report": False},
         openreward_run_name="polyrl-test-run",
         environments={"letters": {"type": "openreward:Polyrl/LetterQuest", "num_rollouts": 3, "max_turns": 2,
                                   "args": {"base_url": url}}})

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.registry import make_env_builder
 
 
@@ -104,7 +105,7 @@ def test_reasoning_gym_trains_two_steps(tiny_model_dir, tmp_path):
     # power_function gives 0.01 for any parseable but wrong number and 0 for none: a random tiny model
     # already gets different rewards within a group, so the update has advantages to follow
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=3, max_steps=2, max_tokens=12, save_every=0,
-                      log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=1,
+                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")}, seed=1,
                       environments={"power": {"type": "reasoning_gym:power_function", "num_rollouts": 6,
                                               "max_turns": 1,
                                               "args": {"answer_extraction": "regex", "answer_regex": r"-?\d+"}}})

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.registry import make_env_builder
 from polyrl.envs.textarena_env import offered_moves
 
@@ -129,7 +130,7 @@ def test_textarena_trains_two_steps(tiny_model_dir, tmp_path):
     from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"),
+                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
                       environments={
                           "auction": {"type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 3, "max_turns": 4,
                                       "args": {"opponent": "random", "player_id": "alternate"}},

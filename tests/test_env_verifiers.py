@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig, load_config
+from polyrl.config import ConfigError, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.openai_server import OpenAIServer
 from polyrl.renderers import get_renderer
 
@@ -126,7 +127,8 @@ def test_train_verifiers_environments_through_the_endpoint(in_repo, tiny_model_d
 
     cfg = TrainConfig(
         model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
-        learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=4, report=False,
+        learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+        seed=4, outputs={"report": False},
         environments={
             "vfmulti": {"type": VF_ENV, "num_rollouts": 3, "args": {"kind": "multi"}},
             "vfrewrite": {"type": VF_ENV, "num_rollouts": 2, "args": {"kind": "rewrite"}},

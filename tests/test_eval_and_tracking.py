@@ -32,7 +32,8 @@ def test_pass_at_k_needs_enough_samples():
 
 def _config(model_dir, tmp_path, **over):
     data = dict(model_name=model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=4, save_every=0,
-                log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), eval_every=1, eval_num_samples=3,
+                log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")}, eval_every=1,
+                eval_num_samples=3,
                 environments={"arithmetic": {"num_rollouts": 2, "splits": {"test": {"num_samples": 3}}}})
     data.update(over)
     return TrainConfig(**data)

@@ -205,6 +205,10 @@ def test_a_run_directory_names_its_latest_checkpoint_and_its_renderer(trained, t
     assert renderer_for(policy, tokenizer, "qwen3").name == "qwen3"
     with pytest.raises(UserInputError, match="unknown renderer 'nope'"):
         renderer_for(policy, tokenizer, "nope")
+    # a run written with the engine's settings in their section (local.store_dir) is found the same way
+    config = {**{k: v for k, v in config.items() if k != "store_dir"}, "local": {"store_dir": trained.store_dir}}
+    (run / "config.json").write_text(json.dumps(config))
+    assert resolve_policy(str(run)).tinker_path == trained.path
 
     # the checkpoint's own directory: the store around it is found, so it samples like its tinker:// path
     by_dir = resolve_policy(str(policy.checkpoint_dir))

@@ -121,11 +121,16 @@ def _policy(tokenizer, n: int = 64) -> tuple:
 
 
 def _config(model_dir, tmp_path, **over) -> TrainConfig:
+    """A small run; ``over`` replaces top-level settings and is merged into the sub-models it names."""
     data = dict(model_name=model_dir, lora_rank=4, batch_size=2, max_steps=4, max_tokens=4, save_every=2,
-                learning_rate=1e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=3,
-                report=False, max_no_update_frac=1.0,  # a tiny random model rarely earns a reward
+                learning_rate=1e-3, log_path=str(tmp_path / "run"),
+                local={"store_dir": str(tmp_path / "store")},
+                seed=3, outputs={"report": False},
+                limits={"max_no_update_frac": 1.0},  # a tiny random model rarely earns a reward
                 environments={"arithmetic": {"num_rollouts": 2, "max_turns": 1}})
-    data.update(over)
+    for key, value in over.items():
+        section = key in ("local", "outputs", "limits")
+        data[key] = {**data[key], **value} if section and isinstance(data.get(key), dict) else value
     return TrainConfig(**data)
 
 
@@ -224,7 +229,7 @@ def test_ctrl_c_still_stops_the_trainer(tiny_model_dir, tmp_path):
 def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError
 
-    cfg = _config(tiny_model_dir, tmp_path, max_steps=30, max_no_update_frac=0.5,
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=30, limits={"max_no_update_frac": 0.5},
                   environments={"broken": {"type": "faults_broken", "num_rollouts": 2}})
     with pytest.raises(RunStoppedError) as info:
         train(cfg, ConsoleLog(enabled=False))
@@ -316,7 +321,7 @@ def test_absurd_reward_fails_its_episode_with_a_warning(tiny_model_dir, tmp_path
     episodes = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").open()]
     assert [ep["error"] for ep in episodes if ep["error"]] == ["RewardOutOfBounds: reward 1e+308 is past "
                                                                 "max_abs_reward=1e+06"] * 2
-    adapters = _adapters(cfg.store_dir)
+    adapters = _adapters(cfg.local.store_dir)
     assert len(adapters) == 6 and not _nonfinite(adapters)
 
     # step rewards are bounded too, even when they add up to an ordinary reward
@@ -330,7 +335,7 @@ def test_nonfinite_update_stops_with_one_line_and_no_nan_checkpoint(tiny_model_d
     """With the reward bound set absurdly high, a 1e300 reward gets through: its advantages cannot be
     float32. The trainer applies no optimizer step and stops with one line naming the last checkpoint;
     no checkpoint with non-finite weights is ever written."""
-    cfg = _absurd_config(tiny_model_dir, tmp_path, 1e300, max_abs_reward=1e300)
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 1e300, limits={"max_abs_reward": 1e300})
     proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path)
     _, err = proc.communicate(timeout=300)
     line = _one_error_line(err)
@@ -338,7 +343,7 @@ def test_nonfinite_update_stops_with_one_line_and_no_nan_checkpoint(tiny_model_d
     assert proc.returncode == 1 and [r["name"] for r in rows] == ["000001"], err[-3000:]
     assert "step 1: the update is not finite" in line and "no optimizer step was applied" in line, line
     assert f"last checkpoint: {rows[0]['state_path']}" in line, line
-    adapters = _adapters(cfg.store_dir)
+    adapters = _adapters(cfg.local.store_dir)
     assert len(adapters) == 2 and not _nonfinite(adapters)
 
 
@@ -348,14 +353,16 @@ def test_nonfinite_loss_is_skipped_when_asked(tiny_model_dir, tmp_path):
     they were (its gradients discarded); the next step trains as usual."""
     from test_train import RecordingConsole
 
-    cfg = _absurd_config(tiny_model_dir, tmp_path, 3e38, max_abs_reward=1e39, nonfinite_steps="skip")
+    cfg = _absurd_config(tiny_model_dir, tmp_path, 3e38,
+                         limits={"max_abs_reward": 1e39, "nonfinite_steps": "skip"})
     console = RecordingConsole()
     train(cfg, console)
     rows = RunFiles(cfg.log_path).metrics()
     assert [r.get("optim/nonfinite_skipped", 0.0) for r in rows] == [0.0, 1.0, 0.0]
     assert any("step 1: the update is not finite (the forward_backward loss is" in line and "skipped" in line
                for line in console.lines), console.lines
-    states = {Path(name).name: tensors for name, tensors in _adapters(cfg.store_dir).items() if "/weights/" in name}
+    states = {Path(name).name: tensors for name, tensors in _adapters(cfg.local.store_dir).items()
+              if "/weights/" in name}
     assert sorted(states) == ["000001", "000002", "final"] and not _nonfinite(states)
     for key, before in states["000001"].items():
         assert bool((states["000002"][key] == before).all()), key  # the skipped step changed nothing
@@ -391,7 +398,8 @@ def test_engine_refusing_an_optimizer_step(tiny_model_dir, tmp_path, monkeypatch
                                               r"gradient norm is nan.*; no checkpoint saved yet"):
         train(cfg, ConsoleLog(enabled=False))
     (tmp_path / "skip").mkdir()
-    cfg = _absurd_config(tiny_model_dir, tmp_path / "skip", 1.0, max_steps=3, save_every=0, nonfinite_steps="skip")
+    cfg = _absurd_config(tiny_model_dir, tmp_path / "skip", 1.0, max_steps=3, save_every=0,
+                         limits={"nonfinite_steps": "skip"})
     train(cfg, ConsoleLog(enabled=False))
     assert [r.get("optim/nonfinite_skipped", 0.0) for r in RunFiles(cfg.log_path).metrics()] == [0.0, 1.0, 1.0]
 
@@ -433,7 +441,7 @@ def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_di
 
     register_env("faults_talkative")(type("Talkative", (EnvBuilder,), {"make": lambda self, split, index:
                                                                        _Talkative(5_000, first=True)}))
-    cfg = _config(tiny_model_dir, tmp_path, max_steps=1, max_observation_bytes=4_000,
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=1, limits={"max_observation_bytes": 4_000},
                   environments={"talkative": {"type": "faults_talkative", "num_rollouts": 2}})
     console = RecordingConsole()
     train(cfg, console)
@@ -551,7 +559,7 @@ def test_service_lost_is_told_from_other_failures():
 def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path):
     port = _free_port()
     cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=f"http://127.0.0.1:{port}",
-                  store_dir=None, service_timeout=2)
+                  local={"store_dir": None}, limits={"service_timeout": 2})
     start = time.monotonic()
     proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
                 {"TINKER_API_KEY": "tml-faults-test"})
@@ -563,7 +571,8 @@ def test_unreachable_tinker_service_stops_with_one_line(tiny_model_dir, tmp_path
 
 
 def test_malformed_tinker_api_key_is_one_line_exit_2(tiny_model_dir, tmp_path):
-    cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url="http://127.0.0.1:9", store_dir=None)
+    cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url="http://127.0.0.1:9",
+                  local={"store_dir": None})
     proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
                 {"TINKER_API_KEY": "sk-not-a-tinker-key-4711"})
     _, err = proc.communicate(timeout=120)
@@ -591,8 +600,8 @@ def test_trainer_stops_with_one_line_when_polyrl_serve_dies(tiny_model_dir, tmp_
 
     served = Served(tiny_model_dir, tmp_path / "serve-store")
     try:
-        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, store_dir=None,
-                      max_steps=500, save_every=1, service_timeout=3)
+        cfg = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url,
+                      local={"store_dir": None}, max_steps=500, save_every=1, limits={"service_timeout": 3})
         proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
                     {"TINKER_API_KEY": KEY})
         files = RunFiles(tmp_path / "run")
@@ -624,8 +633,9 @@ def _restart_serve_mid_run(model_dir, tmp_path, **over) -> tuple[subprocess.Pope
     port, store = _free_port(), tmp_path / "serve-store"
     servers = [Served(model_dir, store, "--port", str(port))]
     try:
-        cfg = _config(model_dir, tmp_path, backend="tinker", base_url=servers[0].url, store_dir=None,
-                      save_every=2, service_timeout=120, **over)
+        limits = {"service_timeout": 120, **over.pop("limits", {})}
+        cfg = _config(model_dir, tmp_path, backend="tinker", base_url=servers[0].url,
+                      local={"store_dir": None}, save_every=2, limits=limits, **over)
         proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
                     {"TINKER_API_KEY": KEY})
         files = RunFiles(tmp_path / "run")
@@ -666,7 +676,7 @@ def test_trainer_recovers_when_polyrl_serve_restarts(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_trainer_stops_with_one_line_past_its_recoveries(tiny_model_dir, tmp_path):
     proc, files, servers = _restart_serve_mid_run(tiny_model_dir, tmp_path, max_steps=500,
-                                                  max_service_recoveries=0)
+                                                  limits={"max_service_recoveries": 0})
     try:
         _, err = proc.communicate(timeout=300)
     finally:
@@ -697,7 +707,7 @@ def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_d
     with pytest.raises(SimulatedCrash):
         train(cfg, ConsoleLog(enabled=False))
     monkeypatch.undo()
-    store = Store(cfg.store_dir)
+    store = Store(cfg.local.store_dir)
     unlogged = [c["tinker_path"] for run in store.runs() for c in store.list(run)
                 if c["tinker_path"].endswith("/final")]
     assert len(unlogged) == 2  # the killed attempt's state and sampler weights of step 4

@@ -110,8 +110,10 @@ def test_teacher_advantage_is_the_negative_reverse_kl_by_hand():
 # ------------------------------------------------------------------ the same as tinker-cookbook's code
 def _config(model_dir: str, tmp_path: Path, **over) -> TrainConfig:
     data = dict(model_name=model_dir, lora_rank=4, batch_size=2, max_steps=3, max_tokens=5, save_every=0,
-                learning_rate=3e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=3,
-                report=False, environments={"word": {"type": "kl_test_word", "num_rollouts": 4, "max_turns": 1}})
+                learning_rate=3e-3, log_path=str(tmp_path / "run"),
+                local={"store_dir": str(tmp_path / "store")},
+                seed=3, outputs={"report": False},
+                environments={"word": {"type": "kl_test_word", "num_rollouts": 4, "max_turns": 1}})
     data.update(over)
     return TrainConfig(**data)
 
@@ -166,7 +168,7 @@ def test_terms_equal_tinker_cookbooks_incorporate_kl_penalty(tiny_model_dir, tok
         return data
 
     for discount in (0.0, 0.9):
-        config = _config(tiny_model_dir, tmp_path, kl_penalty_coef=0.3, kl_discount_factor=discount,
+        config = _config(tiny_model_dir, tmp_path, kl={"penalty_coef": 0.3, "discount_factor": discount},
                          teacher={"model": tiny_model_dir, "kl_coef": 0.7, "kl_discount_factor": discount,
                                   "reward_weight": 1.0})
         for which in ("reference", "teacher"):
@@ -257,7 +259,7 @@ def test_reference_logprobs_through_serve_equal_the_engines_forward_pass(served,
 
     service = tinker.ServiceClient(base_url=served.url, api_key=KEY)
     checkpoint = _trained_checkpoint(service, tiny_model_dir, tokenizer)
-    config = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, store_dir=None)
+    config = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, local={})
     _check_scorers_match_forward(service, config, tokenizer, checkpoint)
 
 
@@ -277,14 +279,14 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
 
     def run(name, service, **over):
         teacher = _trained_checkpoint(service, tiny_model_dir, tokenizer)
-        config = _config(tiny_model_dir, tmp_path, log_path=str(tmp_path / name), kl_penalty_coef=0.2,
+        config = _config(tiny_model_dir, tmp_path, log_path=str(tmp_path / name), kl={"penalty_coef": 0.2},
                          teacher={"model": teacher, "kl_coef": 0.5, "reward_weight": 1.0}, **over)
         train(config, ConsoleLog(enabled=False))
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     local = run("local", ServiceClient(store_dir=tmp_path / "store"))
     remote = run("remote", tinker.ServiceClient(base_url=served.url, api_key=KEY), backend="tinker",
-                 base_url=served.url, store_dir=None)
+                 base_url=served.url, local={})
     assert [r["step"] for r in remote] == [0, 1, 2]
     assert abs(local[0]["kl/reference"]) < 1e-5  # a LoRA adapter that is still zero is the base model
     assert abs(local[0]["kl/teacher"]) > 0.01  # the teacher is another policy
@@ -298,27 +300,31 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
 
 # ----------------------------------------------------------------------------------- config and errors
 def test_settings_without_effect_and_missing_models_are_config_errors(tiny_model_dir, tmp_path):
-    from polyrl.config import load_config
+    from polyrl.config_files import load_config
 
     def _config(model_dir, tmp_path, **over):  # as a config file would be loaded: one ConfigError line
         return load_config(None, base=dict(model_name=model_dir, environments={"word": {"type": "kl_test_word"}},
                                            **over))
 
-    with pytest.raises(ConfigError, match="kl_reference: only used with a KL penalty, but kl_penalty_coef is 0"):
-        _config(tiny_model_dir, tmp_path, kl_reference=tiny_model_dir)
-    with pytest.raises(ConfigError, match="kl_discount_factor: only used with a KL penalty"):
-        _config(tiny_model_dir, tmp_path, kl_discount_factor=0.9)
+    # a reference or a discount without a penalty: the penalty is what is missing
+    with pytest.raises(ConfigError, match="kl.penalty_coef: Field required"):
+        _config(tiny_model_dir, tmp_path, kl={"reference": tiny_model_dir})
+    with pytest.raises(ConfigError, match="kl.penalty_coef: Field required"):
+        _config(tiny_model_dir, tmp_path, kl={"discount_factor": 0.9})
     with pytest.raises(ConfigError, match="teacher.model: .*no-such-model"):
         _config(tiny_model_dir, tmp_path, teacher={"model": str(tmp_path / "no-such-model")})
-    with pytest.raises(ConfigError, match="kl_reference: .*no-such-model"):
-        _config(tiny_model_dir, tmp_path, kl_penalty_coef=0.1, kl_reference=str(tmp_path / "no-such-model"))
-    with pytest.raises(ConfigError, match="remove_constant_reward_groups: .*teacher.reward_weight is 0"):
-        _config(tiny_model_dir, tmp_path, teacher={"model": tiny_model_dir}, remove_constant_reward_groups=True)
+    with pytest.raises(ConfigError, match="kl.reference: .*no-such-model"):
+        _config(tiny_model_dir, tmp_path,
+                kl={"penalty_coef": 0.1, "reference": str(tmp_path / "no-such-model")})
+    with pytest.raises(ConfigError,
+                       match="advantages.remove_constant_reward_groups: .*teacher.reward_weight is 0"):
+        _config(tiny_model_dir, tmp_path, teacher={"model": tiny_model_dir},
+                advantages={"remove_constant_reward_groups": True})
     with pytest.raises(ConfigError, match="teacher.kl_coef: Input should be greater than 0"):
         _config(tiny_model_dir, tmp_path, teacher={"model": tiny_model_dir, "kl_coef": 0})
-    ok = _config(tiny_model_dir, tmp_path, kl_penalty_coef=0.1, teacher={"model": "tinker://run/sampler_weights/t"},
-                 )
-    assert ok.teacher.reward_weight == 0 and ok.teacher.kl_coef == 1.0 and ok.kl_reference is None
+    ok = _config(tiny_model_dir, tmp_path, kl={"penalty_coef": 0.1},
+                 teacher={"model": "tinker://run/sampler_weights/t"})
+    assert ok.teacher.reward_weight == 0 and ok.teacher.kl_coef == 1.0 and ok.kl.reference is None
 
 
 def test_a_missing_teacher_or_one_with_another_tokenizer_is_refused_at_start(tiny_model_dir, small_model_dir,
@@ -328,8 +334,10 @@ def test_a_missing_teacher_or_one_with_another_tokenizer_is_refused_at_start(tin
     config = _config(tiny_model_dir, tmp_path, teacher={"model": small_model_dir})
     with pytest.raises(ConfigError, match="teacher.model: .* does not share the tokenizer of"):
         asyncio.run(open_run(config))
-    config = _config(tiny_model_dir, tmp_path, kl_penalty_coef=0.1, kl_reference="tinker://r/sampler_weights/x")
-    with pytest.raises(ConfigError, match=r"kl_reference: checkpoint tinker://r/sampler_weights/x not found"):
+    config = _config(tiny_model_dir, tmp_path,
+                     kl={"penalty_coef": 0.1, "reference": "tinker://r/sampler_weights/x"})
+    with pytest.raises(ConfigError,
+                       match=r"kl\.reference: checkpoint tinker://r/sampler_weights/x not found"):
         asyncio.run(open_run(config))
 
 
@@ -356,7 +364,7 @@ def test_distilled_student_reaches_its_teachers_success(tmp_path):
     from polyrl.tracking.console import ConsoleLog
 
     model = str(build_tiny_model(tmp_path / "model", "quickstart-cpu", seed=0))
-    common = {"model_name": model, "lora_rank": 16, "store_dir": str(tmp_path / "store")}
+    common = {"model_name": model, "lora_rank": 16, "local": {"store_dir": str(tmp_path / "store")}}
 
     async def warm_start(name: str, demo_error_rate: float, steps: int, seed: int) -> None:
         config = SFTConfig(**common, learning_rate=1e-2, batch_size=16, max_steps=steps, seed=seed,
@@ -374,7 +382,8 @@ def test_distilled_student_reaches_its_teachers_success(tmp_path):
     assert teacher_success >= 0.9 and student_success <= teacher_success - 0.15, (teacher_success, student_success)
 
     config = {**common, "resume_from": student["state_path"], "learning_rate": 1e-3, "batch_size": 16, "max_steps": 16,
-              "max_tokens": 3, "save_every": 0, "report": False, "log_path": str(tmp_path / "distill"),
+              "max_tokens": 3, "save_every": 0, "outputs": {"report": False},
+              "log_path": str(tmp_path / "distill"),
               "environments": _guess_number("train", group=8)}
     (tmp_path / "distill.yaml").write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1",

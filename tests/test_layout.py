@@ -143,8 +143,6 @@ def _function_level(tree: ast.Module) -> list[str]:
 
 LOW = [name for name in FILES if name.startswith(("polyrl.envs", "polyrl.workflows"))
        or FILES[name].parent == ROOT / "polyrl" and FILES[name].name.startswith("config")]
-CONFIG_SPLIT = pytest.mark.xfail(strict=False, reason="polyrl/config.py still reaches up into envs, models "
-                                 "and renderers from functions; it is being split into a leaf")
 
 
 def _cases(names: list[str], known: dict[str, pytest.MarkDecorator]) -> list:
@@ -153,7 +151,7 @@ def _cases(names: list[str], known: dict[str, pytest.MarkDecorator]) -> list:
             for n in names]
 
 
-@pytest.mark.parametrize("name", _cases(LOW, {"polyrl.config": CONFIG_SPLIT}))
+@pytest.mark.parametrize("name", _cases(LOW, {}))
 def test_no_function_level_polyrl_import_in_low_modules(name):
     found = _function_level(TREES[name])
     assert not found, f"{_rel(name)} imports polyrl inside functions: {', '.join(found)}"
@@ -166,11 +164,7 @@ def _private_names(tree: ast.Module, importer: str) -> list[str]:
             if alias and alias.startswith("_") and not alias.startswith("__") and module != importer]
 
 
-PRIVATE_CONFIG = pytest.mark.xfail(strict=False, reason="sft.py imports _Problems from polyrl/config.py, "
-                                   "which is being split (the error type becomes public there)")
-
-
-@pytest.mark.parametrize("name", _cases(list(FILES), {"polyrl.sft": PRIVATE_CONFIG}))
+@pytest.mark.parametrize("name", _cases(list(FILES), {}))
 def test_no_underscore_name_is_imported_from_another_module(name):
     found = _private_names(TREES[name], name)
     assert not found, f"{_rel(name)} imports private names of other modules: {', '.join(found)}"
@@ -180,8 +174,16 @@ SERVE_SERVER = pytest.mark.xfail(strict=False, reason="polyrl/serve/server.py is
                                  "split; serve/ has its own")
 
 
-@pytest.mark.parametrize("name", _cases(list(FILES), {"polyrl.config": CONFIG_SPLIT,
-                                                      "polyrl.serve.server": SERVE_SERVER}))
+@pytest.mark.parametrize("name", _cases(list(FILES), {"polyrl.serve.server": SERVE_SERVER}))
 def test_no_python_file_over_600_lines(name):
     lines = len(FILES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{_rel(name)} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_the_config_schema_is_a_leaf():
+    """``polyrl/config.py`` (the schema) imports, anywhere in it, only the environment entry's schema and
+    the leaves errors and secrets: files, checks, errors and the reference sit above it."""
+    imports = [node for node in ast.walk(TREES["polyrl.config"])
+               if isinstance(node, (ast.Import, ast.ImportFrom))]
+    imported = {module for node in imports for module, _ in _targets(node, "polyrl.config")}
+    assert imported <= {"polyrl.config_env", "polyrl.errors", "polyrl.secrets"}, sorted(imported)

@@ -58,12 +58,13 @@ def _trajectories(run, step):
 
 @pytest.mark.slow
 def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_path):
-    from polyrl.config import load_config
+    from polyrl.config_files import load_config
     from polyrl.tracking.console import ConsoleLog
     from polyrl.train import train
 
     data = yaml.safe_load(CONFIG)
-    data.update(model_name=tiny_model_dir, log_path=str(tmp_path / "a"), store_dir=str(tmp_path / "store"))
+    data.update(model_name=tiny_model_dir, log_path=str(tmp_path / "a"),
+                local={"store_dir": str(tmp_path / "store")})
     config_path = tmp_path / "mixed.yaml"
     config_path.write_text(yaml.safe_dump(data))
     out = subprocess.run([sys.executable, "-m", "polyrl.cli", "train", "--config_path", str(config_path)],
@@ -105,7 +106,7 @@ def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_
 
     # the same config again, in this process: the same tasks, samples and rewards (the packages'
     # use of the global RNG stays on each episode's private copy)
-    cfg = load_config(config_path, [f"log_path={tmp_path / 'b'}", f"store_dir={tmp_path / 'store_b'}"])
+    cfg = load_config(config_path, [f"log_path={tmp_path / 'b'}", f"local.store_dir={tmp_path / 'store_b'}"])
     train(cfg, ConsoleLog(enabled=False))
     for step in (0, 1):
         first, second = _trajectories(tmp_path / "a", step), _trajectories(tmp_path / "b", step)

@@ -212,7 +212,8 @@ def test_malformed_calls_and_the_call_budget():
 
 
 def test_bad_args_are_config_errors():
-    from polyrl.config import ConfigError, TrainConfig, load_config
+    from polyrl.config import ConfigError, TrainConfig
+    from polyrl.config_files import load_config
 
     for args, needle in [({"tasks": ["poetry"]}, "tasks must be a non-empty list"),
                          ({"timeout": 0}, "timeout must be a number of seconds"),
@@ -258,8 +259,8 @@ def test_a_training_run_uses_the_tool(tiny_model_dir, tokenizer, tmp_path, monke
     monkeypatch.setattr(service.SamplingClient, "sample", policy)
     env = {"num_rollouts": 2, "max_turns": 3, "args": {"tasks": ["math"]}, "splits": {"test": None}}
     config = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=4, max_steps=2, max_tokens=256,
-                         save_every=0, report=False, log_path=str(tmp_path / "run"),
-                         store_dir=str(tmp_path / "store"), environments={"python_tool": env})
+                         save_every=0, outputs={"report": False}, log_path=str(tmp_path / "run"),
+                         local={"store_dir": str(tmp_path / "store")}, environments={"python_tool": env})
     train(config, ConsoleLog(enabled=False))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

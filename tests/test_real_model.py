@@ -120,10 +120,11 @@ def test_rl_on_smollm2_raises_held_out_success(smollm2_gguf, gguf_cache, tmp_pat
     monkeypatch.setenv("POLYRL_CACHE_DIR", gguf_cache)
     env = {"args": {"min_value": 0, "max_value": 9, "ops": ["+"]}, "num_rollouts": 8,
            "splits": {"test": {"num_samples": 32}}}
-    config = TrainConfig(model_name=smollm2_gguf, store_dir=str(tmp_path / "store"), log_path=str(tmp_path / "run"),
+    config = TrainConfig(model_name=smollm2_gguf, local={"store_dir": str(tmp_path / "store")},
+                         log_path=str(tmp_path / "run"),
                          max_tokens=6, lora_rank=32, learning_rate=1e-3, batch_size=16, max_steps=12,
-                         normalize_advantages_by_std=True, eval_every=12, eval_num_samples=4, save_every=0,
-                         report=False,
+                         advantages={"normalize_by_std": True}, eval_every=12, eval_num_samples=4,
+                         save_every=0, outputs={"report": False},
                          environments={"arithmetic": env})
     before = asyncio.run(evaluate_checkpoint(config))["test/pass@1"]
     after = train(config)["test/pass@1"]

@@ -411,7 +411,7 @@ def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, t
         eval_every=2,
         eval_num_samples=2,
         log_path=str(tmp_path / "run"),
-        store_dir=str(tmp_path / "store"),
+        local={"store_dir": str(tmp_path / "store")},
         environments={
             "arithmetic": {"num_rollouts": 2, "splits": {"test": {"num_samples": 2}}},
             "calculator": {"num_rollouts": 2, "max_turns": 2},

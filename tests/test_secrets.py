@@ -75,7 +75,8 @@ def test_planted_keys_appear_in_no_output_of_a_real_run(tiny_model_dir, tmp_path
     capture = UploadCapture()
     config = {
         "model_name": tiny_model_dir, "lora_rank": 4, "batch_size": 2, "max_steps": 2, "max_tokens": 3,
-        "save_every": 1, "eval_every": 2, "log_path": "run", "store_dir": "store", "report": True,
+        "save_every": 1, "eval_every": 2, "log_path": "run", "local": {"store_dir": "store"},
+        "outputs": {"report": True},
         "wandb_project_name": "polyrl-secrets", "openreward_run_name": "leaky-run",
         "environments": {"leaky": {"type": f"module:{FIXTURES / 'module_leaky_env.py'}", "num_rollouts": 2,
                                    "max_turns": 2, "splits": {"test": {"num_samples": 2}}}},

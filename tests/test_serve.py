@@ -851,9 +851,11 @@ def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tin
     import asyncio
 
     from polyrl.serve import protocol as P
+    from polyrl.config import LocalEngineConfig
     from polyrl.serve.server import ServeConfig, Server
 
-    server = Server(ServeConfig(models=[tiny_model_dir], api_keys=[KEY], store_dir=str(tmp_path), preload=False))
+    server = Server(ServeConfig(models=[tiny_model_dir], api_keys=[KEY],
+                                local=LocalEngineConfig(store_dir=str(tmp_path)), preload=False))
     me = "owner-digest"
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
 
@@ -1034,7 +1036,7 @@ def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_d
         train(cfg, ConsoleLog(enabled=False))
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    local = run("local", store_dir=str(tmp_path / "store"))
+    local = run("local", local={"store_dir": str(tmp_path / "store")})
     remote = run("remote", backend="tinker", base_url=served.url)
     assert [r["step"] for r in remote] == [0, 1, 2]
     for a, b in zip(local, remote):
@@ -1122,6 +1124,24 @@ def test_limits_on_the_command_line_default_to_the_servers():
     names = [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_") or "timeout" in f.name]
     assert len(names) >= 10
     assert {n: getattr(given, n) for n in names} == {n: getattr(default, n) for n in names}
+
+
+def test_engine_settings_on_the_command_line_are_the_train_configs():
+    """``polyrl serve``'s engine flags fill the same LocalEngineConfig as ``local:`` in a run config."""
+    import argparse
+
+    from polyrl.config import LocalEngineConfig, TrainConfig
+    from polyrl.serve.main import add_arguments, config_from_args
+    from polyrl.serve.server import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([]), [KEY]).local == LocalEngineConfig() == ServeConfig().local
+    assert LocalEngineConfig() == TrainConfig(model_name="m", environments={"arithmetic": {}}).local
+    flags = ["--store-dir", "s", "--device", "cpu", "--dtype", "float32", "--micro-batch-tokens", "512",
+             "--gradient-checkpointing", "true"]
+    assert config_from_args(parser.parse_args(flags), [KEY]).local == LocalEngineConfig(
+        store_dir="s", device="cpu", dtype="float32", micro_batch_tokens=512, gradient_checkpointing=True)
 
 
 def test_serve_command_line_errors_are_one_line(tmp_path):

@@ -19,7 +19,8 @@ import torch
 from scripted import ScriptedSampler
 
 from polyrl import advantages as adv
-from polyrl.config import EnvConfig, TrainConfig, load_config
+from polyrl.config import EnvConfig, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
 from polyrl.episode import Episode, RolloutSettings, finalize_reward, run_episode
 from polyrl.renderers import get_renderer
@@ -173,8 +174,8 @@ def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
 def test_rebn_with_normalize_by_std_is_a_config_error(tmp_path):
     from polyrl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="normalize_advantages_by_std"):
-        load_config(None, ["model_name=m", "advantage_estimator=rebn", "normalize_advantages_by_std=true",
+    with pytest.raises(ConfigError, match="advantages.normalize_by_std"):
+        load_config(None, ["model_name=m", "advantages.estimator=rebn", "advantages.normalize_by_std=true",
                            "environments.arithmetic.max_turns=2"])
 
 
@@ -350,7 +351,8 @@ def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
 # ---------------------------------------------------------------------------- whole runs
 def _config(model_dir, tmp_path, **over) -> TrainConfig:
     data = dict(model_name=model_dir, lora_rank=8, batch_size=4, max_steps=4, max_tokens=4, save_every=2,
-                learning_rate=3e-3, log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), seed=3,
+                learning_rate=3e-3, log_path=str(tmp_path / "run"),
+                local={"store_dir": str(tmp_path / "store")}, seed=3,
                 environments={"letter": {"type": "test_letter", "num_rollouts": 4, "max_turns": 1}})
     data.update(over)
     return TrainConfig(**data)
@@ -488,7 +490,8 @@ def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
     from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning
     from polyrl.update import GroupCounts, StepUpdate
 
-    config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50, max_no_update_frac=0.5), \
+    config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50,
+                                     limits={"max_no_update_frac": 0.5}), \
         RecordingConsole(), RunState()
     group = [Episode("letter", "train", 0, 0, error="RuntimeError: no backend")] * 2
     nothing = StepUpdate([], {"letter": GroupCounts(failed_rollouts=2.0, dropped_groups=1.0, constant_groups=0.0)},
@@ -520,7 +523,8 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
     assert len(warnings) == 3 * NO_UPDATE_MIN_STEPS - 1
     assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), warnings[-1]
 
-    asked, asked_state = _config(tiny_model_dir, tmp_path / "asked", max_steps=50, max_no_signal_frac=0.5), RunState()
+    asked = _config(tiny_model_dir, tmp_path / "asked", max_steps=50, limits={"max_no_signal_frac": 0.5})
+    asked_state = RunState()
     for done in range(1, NO_UPDATE_MIN_STEPS):
         check_learning(asked, console, asked_state, done - 1, [group], equal)
     with pytest.raises(RunStoppedError, match="10 of 10 steps made no update without a learning signal "
@@ -611,7 +615,8 @@ def test_cli_config_errors_are_one_line_exit_2(tmp_path):
 
 
 def test_cli_missing_checkpoints_are_one_line_exit_2(tiny_model_dir, tmp_path):
-    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 1\nstore_dir: {tmp_path / 'store'}\n"
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 1\n"
+                                       f"local: {{store_dir: {tmp_path / 'store'}}}\n"
                                        "environments: {arithmetic: {}}\n")
     cases = [
         (["train", "--overrides", "resume_from=tinker://gone/weights/x"], "error: checkpoint tinker://gone/weights/x not found"),

@@ -157,7 +157,7 @@ class _WordBuilder(EnvBuilder):
 
 
 def _config(tmp_path, **over) -> TrainConfig:
-    data = dict(model_name="m", batch_size=2, max_steps=4, save_every=2, report=False,
+    data = dict(model_name="m", batch_size=2, max_steps=4, save_every=2, outputs={"report": False},
                 log_path=str(tmp_path / "run"),
                 environments={"word": {"type": "steps_test_word", "num_rollouts": 2,
                                        "splits": {"train": {}, "test": {"num_samples": 3}}}})
@@ -254,7 +254,8 @@ def test_prepare_minibatch_keeps_groups_within_budget_and_builds_datums_for_the_
     assert minibatch.data_D[0].loss_fn_inputs["advantages"].tolist() == [0.0, 0.5, 0.5, 0.5]
 
     dropped = asyncio.run(prepare_minibatch([[_episode(1.0), _episode(1.0)]], 0,
-                                            _config(tmp_path, remove_constant_reward_groups=True), runtimes,
+                                            _config(tmp_path, advantages={"remove_constant_reward_groups": True}),
+                                            runtimes,
                                             TokenSignals(), ServiceGuard(None, 5.0)))
     assert dropped.kept_G == [] and dropped.episodes_D == [] and dropped.counts["word"].constant_groups == 1
 
@@ -326,7 +327,7 @@ def test_refuse_update_stops_or_skips_the_step_discarding_its_gradients(tmp_path
         asyncio.run(refuse_update(run, 3, "the loss is nan", sent=True))
 
     calls: list = []
-    run = _run(tmp_path, calls=calls, nonfinite_steps="skip")
+    run = _run(tmp_path, calls=calls, limits={"nonfinite_steps": "skip"})
     asyncio.run(refuse_update(run, 3, "the loss is nan", sent=True))
     saved = "tinker://run-a/weights/skipped-000003"
     assert calls == [("save_state", "skipped-000003"), ("load_state_with_optimizer", saved),
@@ -339,7 +340,8 @@ def test_refuse_update_stops_or_skips_the_step_discarding_its_gradients(tmp_path
 
 
 def test_adam_params_follow_the_learning_rate_schedule(tmp_path):
-    config = _config(tmp_path, learning_rate=0.01, lr_schedule="linear", adam_beta1=0.8, max_steps=4)
+    config = _config(tmp_path, learning_rate=0.01, lr_schedule="linear", optimizer={"beta1": 0.8},
+                     max_steps=4)
     rates = [adam_params(config, s).learning_rate for s in range(4)]
     assert rates == pytest.approx([0.01, 0.0075, 0.005, 0.0025])
     assert adam_params(config, 0).beta1 == 0.8
@@ -459,7 +461,8 @@ def test_step_row_reports_episodes_staleness_and_time(tmp_path):
 
 
 def test_check_learning_counts_steps_without_update_and_stops_past_the_share(tmp_path):
-    config, console, state = _config(tmp_path, max_steps=50, max_no_update_frac=0.3), Lines(), RunState()
+    config = _config(tmp_path, max_steps=50, limits={"max_no_update_frac": 0.3})
+    console, state = Lines(), RunState()
     group = [_episode(0.0, error="RuntimeError: no backend")] * 2
     failed = StepUpdate([], {"word": GroupCounts(2.0, 1.0, 0.0)}, 0, {}, 0.0)
     check_learning(config, console, state, 0, [group], StepUpdate([group], {}, 2, {}, 0.0))

@@ -12,7 +12,8 @@ import pytest
 from tinker import types
 
 from polyrl import advantages as adv
-from polyrl.config import ConfigError, EnvConfig, TrainConfig, load_config
+from polyrl.config import ConfigError, EnvConfig, TrainConfig
+from polyrl.config_files import load_config
 from polyrl.renderers import get_renderer
 from polyrl.episode import Episode
 from polyrl.rollouts import EnvRuntime, run_group, split_roles
@@ -134,7 +135,8 @@ def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
     from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), store_dir=str(tmp_path / "store"), eval_every=2,
+                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+                      eval_every=2,
                       eval_num_samples=2,
                       environments={"sj": {"type": "solver_judge", "num_rollouts": 2, "args": {"num_solvers": 3},
                                            "splits": {"test": {"num_samples": 2}}}})

@@ -36,7 +36,7 @@ def translate_run(config_path: str | None, arguments: list[str]) -> Translation 
         return gem_cli.translate(arguments)
     if config_path:
         from polyrl.compat import minds_rl
-        from polyrl.config import read_config_file
+        from polyrl.config_files import read_config_file
 
         raw = read_config_file(config_path)
         if minds_rl.is_minds_config(raw):

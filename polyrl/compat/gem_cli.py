@@ -10,9 +10,9 @@ are accepted too. GEM argument -> polyrl key:
   ``env_kwargs_json`` -> its ``args.env_kwargs``; ``env_wrappers`` (default ``concat``) -> its
   ``args.wrappers``, less the history-concatenating ones (``concat*``): polyrl's episodes carry the
   whole conversation already;
-- ``use_rebn`` (default true) -> ``advantage_estimator: rebn`` (per-turn discounted returns normalized
-  over the batch); ``gamma`` (default 0.9) -> ``gamma``. ``use_rebn=false`` (raw returns) has no
-  polyrl estimator: it becomes ``grpo``, which needs ``group_size`` > 1;
+- ``use_rebn`` (default true) -> ``advantages.estimator: rebn`` (per-turn discounted returns normalized
+  over the batch); ``gamma`` (default 0.9) -> ``advantages.gamma``. ``use_rebn=false`` (raw returns) has
+  no polyrl estimator: it becomes ``grpo``, which needs ``group_size`` > 1;
 - ``batch_size`` (default 128) -> ``batch_size``: GEM counts turns, polyrl counts episodes (groups of
   ``group_size``, default 1): the same for single-turn environments, more turns per step for
   multi-turn ones. ``groups_per_batch`` -> ``batch_size``; ``group_size`` -> ``num_rollouts``;
@@ -24,7 +24,8 @@ are accepted too. GEM argument -> polyrl key:
   ``resume_from``;
 - ``wandb_project`` / ``wandb_name`` -> ``wandb_project_name`` / ``wandb_run_name``; ``log_dir`` /
   ``log_path`` -> ``log_path`` (default ``runs/gem-<env>``);
-- ``max_steps_off_policy`` -> ``max_steps_off_policy`` (asynchronous training);
+- ``max_steps_off_policy`` -> ``off_policy.max_steps`` (asynchronous training); ``kl_penalty_coef`` ->
+  ``kl.penalty_coef``;
 - ``num_env`` (parallel environments), ``prompt_type``, ``compute_post_kl``, ``num_substeps``,
   ``behavior_if_log_dir_exists``: notes (polyrl runs a step's episodes concurrently and resumes an
   existing log_path).
@@ -41,7 +42,8 @@ import re
 from typing import Any
 
 from polyrl.compat import Translation
-from polyrl.config import ConfigError, parse_scalar
+from polyrl.config import ConfigError
+from polyrl.config_files import parse_scalar, set_dotted
 
 DEFAULTS: dict[str, Any] = {  # tinker_train.Config
     "model_name": "Qwen/Qwen3-8B-Base", "batch_size": 128, "learning_rate": 4e-5, "lora_rank": 32,
@@ -53,8 +55,8 @@ SAME_NAME = ("model_name", "learning_rate", "lora_rank", "max_tokens", "seed", "
 RENAMED = {"n_batches": "max_steps", "groups_per_batch": "batch_size", "batch_size": "batch_size",
            "template": "renderer", "renderer_name": "renderer", "load_checkpoint_path": "resume_from",
            "wandb_project": "wandb_project_name", "wandb_name": "wandb_run_name", "log_dir": "log_path",
-           "log_path": "log_path", "kl_penalty_coef": "kl_penalty_coef",
-           "max_steps_off_policy": "max_steps_off_policy"}
+           "log_path": "log_path", "kl_penalty_coef": "kl.penalty_coef",
+           "max_steps_off_policy": "off_policy.max_steps"}
 NOTES = {
     "num_env": "polyrl runs all of a step's episodes concurrently",
     "prompt_type": "the renderer (template) shapes the prompt",
@@ -92,7 +94,7 @@ def translate(args: list[str]) -> Translation:
             data[key] = gem[key]
     for key, target in RENAMED.items():
         if key in gem and not (key in ("kl_penalty_coef", "max_steps_off_policy") and not gem[key]):
-            data[target] = gem[key]
+            set_dotted(data, target, gem[key])
     for key, why in NOTES.items():
         if key in given:
             notes.append(f"{key}={given[key]!r} is not used: {why}")
@@ -118,14 +120,14 @@ def translate(args: list[str]) -> Translation:
     data.setdefault("log_path", f"runs/gem-{name}")
 
     if gem["use_rebn"] is True or str(gem["use_rebn"]).lower() == "true":
-        data.update(advantage_estimator="rebn", gamma=gem["gamma"])
+        data["advantages"] = {"estimator": "rebn", "gamma": gem["gamma"]}
     else:
         if env["num_rollouts"] < 2:
             raise ConfigError("use_rebn=false: polyrl has no raw-return estimator; its group baseline (grpo) "
                               "needs group_size >= 2 (or keep use_rebn=true)")
-        data["advantage_estimator"] = "grpo"
+        data["advantages"] = {"estimator": "grpo"}
         if "gamma" in given:
-            data["gamma"] = given["gamma"]  # grpo refuses gamma != 1 with a clear error
+            data["advantages"]["gamma"] = given["gamma"]  # grpo refuses gamma != 1 with a clear error
         notes.append("use_rebn=false: grpo (reward minus the group's mean) instead of raw returns")
     if os.environ.get("TINKER_API_KEY") or data.get("base_url"):
         data["backend"] = "tinker"

@@ -17,8 +17,8 @@ A file whose top-level tables are Minds RL's (``[env]`` or ``[[envs]]``, ``[trai
 - ``[tinker] api_key`` / ``api_key_env`` -> ``backend: tinker`` with that key (below);
   ``resume_checkpoint_id``/``resume_from`` -> ``resume_from``; ``base_url`` -> ``base_url``;
 - the harness's output directory -> ``log_path: outputs/<config file stem>`` with
-  ``metrics_json: true``: ``metrics.json`` there is the list of ``{"reward", "loss", "step"}`` rows the
-  harness wrote, beside polyrl's own files.
+  ``outputs.metrics_json: true``: ``metrics.json`` there is the list of ``{"reward", "loss", "step"}``
+  rows the harness wrote, beside polyrl's own files.
 
 The key (``api_key`` inline, or the variable ``api_key_env`` names, default ``TINKER_API_KEY``) is
 exported as ``TINKER_API_KEY`` for the Tinker SDK and never written into the config, its dump or the
@@ -37,6 +37,7 @@ from typing import Any
 
 from polyrl.compat import Translation
 from polyrl.config import ConfigError
+from polyrl.config_files import set_dotted
 
 SECTIONS = ("env", "envs", "trainer", "model", "tinker", "inference")
 _TRAINER_KEYS = {
@@ -45,7 +46,7 @@ _TRAINER_KEYS = {
     "num_batches": "max_steps", "max_steps": "max_steps", "learning_rate": "learning_rate",
     "training_rank": "lora_rank", "save_every": "save_every", "save_every_n_steps": "save_every",
     "eval_every": "eval_every", "seed": "seed", "max_new_tokens": "max_tokens",
-    "async_off_policy_steps": "max_steps_off_policy",
+    "async_off_policy_steps": "off_policy.max_steps",
 }
 _UNUSED = {  # read by some version of the harness; what polyrl does instead
     "kl_beta": "no reference-KL penalty in this translation",
@@ -54,9 +55,9 @@ _UNUSED = {  # read by some version of the harness; what polyrl does instead
     "micro_batch_size": "the engine packs sequences itself",
     "run_name": "the run is named by log_path",
     "update_sampler_every_n_steps": "polyrl samples from the latest weights every step",
-    "stream_minibatches": "it counts minibatches per batch; polyrl's stream_minibatches counts groups per "
-                          "minibatch",
-    "gpus": "the local engine uses `device`",
+    "stream_minibatches": "it counts minibatches per batch; polyrl's off_policy.stream_minibatches counts "
+                          "groups per minibatch",
+    "gpus": "the local engine uses `local.device`",
     "enforce_eager": "no vLLM here", "max_model_len": "no vLLM here",
 }
 
@@ -70,8 +71,8 @@ def translate(raw: dict[str, Any], path: str | Path) -> Translation:
     """``raw`` (a parsed Minds RL TOML file at ``path``) as polyrl config data."""
     path = Path(path)
     notes: list[str] = []
-    data: dict[str, Any] = {"log_path": f"outputs/{path.stem}", "metrics_json": True, "batch_size": 1,
-                            "max_steps": 100}
+    data: dict[str, Any] = {"log_path": f"outputs/{path.stem}", "outputs": {"metrics_json": True},
+                            "batch_size": 1, "max_steps": 100}
     trainer = _table(raw, "trainer")
     sources = [("trainer", trainer), ("trainer.args", _table(trainer, "args", "trainer")),
                ("inference.args", _table(_table(raw, "inference"), "args", "inference"))]
@@ -84,7 +85,7 @@ def translate(raw: dict[str, Any], path: str | Path) -> Translation:
             if target == "num_rollouts":
                 num_rollouts = value
             elif target is not None:
-                data[target] = value
+                set_dotted(data, target, value)
             else:
                 _note_unused(notes, path, where, key, value)
     for key, value in _table(raw, "inference").items():
@@ -98,7 +99,8 @@ def translate(raw: dict[str, Any], path: str | Path) -> Translation:
         elif key in ("renderer_name", "renderer"):
             data["renderer"] = value
         else:
-            raise ConfigError(f"{path}: [model] {key}: unknown Minds RL key (known: base_model, renderer_name)")
+            raise ConfigError(f"{path}: [model] {key}: unknown Minds RL key (known: base_model, "
+                              "renderer_name)")
     if "model_name" not in data:
         raise ConfigError(f"{path}: [model] base_model is required")
 
@@ -118,13 +120,15 @@ def _environments(raw: dict[str, Any], path: Path, num_rollouts: Any) -> dict[st
     environments: dict[str, Any] = {}
     for where, entry in entries:
         if not isinstance(entry, dict) or not str(entry.get("id", "")).strip():
-            raise ConfigError(f"{path}: [{where}] id is required (a module or ./environments/<name> directory)")
+            raise ConfigError(f"{path}: [{where}] id is required (a module or ./environments/<name> "
+                              "directory)")
         unknown = sorted(set(entry) - {"id", "args", "name", "weight", "ratio"})
         if unknown:
             raise ConfigError(f"{path}: [{where}] {unknown[0]}: unknown Minds RL key "
                               "(known: id, args, name, weight)")
         env_id = str(entry["id"]).strip()
-        name = re.sub(r"\W+", "_", str(entry.get("name") or Path(env_id.rstrip("/")).name)).strip("_") or "env"
+        stem = str(entry.get("name") or Path(env_id.rstrip("/")).name)
+        name = re.sub(r"\W+", "_", stem).strip("_") or "env"
         while name in environments:
             name += "_"
         env: dict[str, Any] = {"type": f"module:{env_id}", "args": dict(entry.get("args") or {})}

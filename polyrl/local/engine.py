@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tinker import types
 
+from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.local import losses
 from polyrl.local.checkpoints import CheckpointPath, Store, check_name
 from polyrl.local.compute import packed_logprobs
@@ -32,9 +33,6 @@ from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
 
-# Tokens (packed, padding included) per forward/backward pass; a call's datums are split into as many
-# micro-batches as this needs and their gradients summed. Chunked logits keep memory per token small.
-DEFAULT_MICRO_BATCH_TOKENS = 4096
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
 

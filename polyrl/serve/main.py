@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -37,27 +38,35 @@ LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port (0: any free port; the chosen one is printed)")
     p.add_argument("--models", nargs="*", default=[], metavar="DIR_OR_ID",
-                   help="base models to serve (model directories, .gguf files or hub ids); none: any the engine can load")
+                   help="base models to serve (model directories, .gguf files or hub ids); none: any the "
+                        "engine can load")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help=f"accepted X-API-Key (repeatable; also --api-key-file and ${KEYS_ENV}). "
-                        "The tinker SDK only sends keys starting with 'tml-'. None given: one is generated and printed")
-    p.add_argument("--api-key-file", metavar="PATH", help="file of accepted keys, one per line ('#' comments)")
-    p.add_argument("--store-dir", help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
+                   help=f"accepted X-API-Key (repeatable; also --api-key-file and ${KEYS_ENV}). The tinker "
+                        "SDK only sends keys starting with 'tml-'. None given: one is generated and printed")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="file of accepted keys, one per line ('#' comments)")
+    p.add_argument("--store-dir",
+                   help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
-                   help="tokens per forward/backward pass (default 4096); lower it if training runs out of memory")
+                   help=f"tokens per forward/backward pass (default {DEFAULT_MICRO_BATCH_TOKENS}); lower it "
+                        "if training runs out of memory")
     p.add_argument("--gradient-checkpointing", choices=["auto", "true", "false"], default="auto",
-                   help="recompute activations in backward to save memory (auto: on for models of 300M+ parameters)")
-    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest accepted request body (413 above)")
+                   help="recompute activations in backward to save memory (auto: on for models of 300M+ "
+                        "parameters)")
+    p.add_argument("--max-body-mb", type=float, default=64.0,
+                   help="largest accepted request body (413 above)")
     p.add_argument("--long-poll", type=float, default=30.0, help="seconds retrieve_future waits before a 408")
     p.add_argument("--seq-gap-timeout", type=float, default=120.0,
                    help="seconds a training operation waits for a missing earlier seq_id before it is failed")
     p.add_argument("--sample-gather-ms", type=float, default=10.0,
                    help="while the engine is idle, hold sampling requests until none arrived for this long "
-                        "(3x once several wait, at most 100x in all) so a rollout's requests decode in one batch; 0: off")
+                        "(3x once several wait, at most 100x in all) so a rollout's requests decode in one "
+                        "batch; 0: off")
     p.add_argument("--no-preload", action="store_true", help="load models on first use, not at start-up")
     limits = p.add_argument_group("limits", "what one request, and one API key, may take (so that no key "
                                             "starves the others)")
@@ -92,16 +101,19 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 
 def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
+    from polyrl.config import LocalEngineConfig
     from polyrl.errors import UserInputError
-    from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS
     from polyrl.serve.server import ServeConfig
 
     if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
-        raise UserInputError(f"--micro-batch-tokens must be a positive integer, got {args.micro_batch_tokens}")
+        raise UserInputError(f"--micro-batch-tokens must be a positive integer, got "
+                             f"{args.micro_batch_tokens}")
     checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
-    return ServeConfig(models=list(args.models), api_keys=keys, store_dir=args.store_dir, device=args.device,
-                       dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
-                       gradient_checkpointing=checkpointing, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+    local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
+                              micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
+                              gradient_checkpointing=checkpointing)
+    return ServeConfig(models=list(args.models), api_keys=keys, local=local,
+                       max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,
                        sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload,
                        max_request_tokens=args.max_request_tokens, max_request_datums=args.max_request_datums,
@@ -124,7 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise UserInputError(f"--port {args.port} is not a port number (0 to 65535; 0: any free port)")
     if not 0 < args.long_poll < 45:
-        raise UserInputError("--long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a poll at 45)")
+        raise UserInputError("--long-poll must be between 0 and 45 seconds (the tinker SDK gives up on a "
+                             "poll at 45)")
     if not args.max_body_mb > 0 or not args.seq_gap_timeout > 0:
         raise UserInputError("--max-body-mb and --seq-gap-timeout must be positive")
     for flag, _, _ in LIMITS:
@@ -147,7 +160,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        why = "is in use by another program" if e.errno == errno.EADDRINUSE else f"cannot be used: {e.strerror or e}"
+        why = ("is in use by another program" if e.errno == errno.EADDRINUSE
+               else f"cannot be used: {e.strerror or e}")
         raise UserInputError(f"{host}:{port} {why} (pick another --port, or 0 for any free one)") from None
     return sock
 
@@ -158,8 +172,8 @@ def run(args: argparse.Namespace) -> None:
     keys, generated = api_keys(args)
     for k in keys:
         if not k.startswith("tml-"):
-            print(f"warning: key {k[:6]}... does not start with 'tml-'; the tinker SDK refuses to send such keys",
-                  file=sys.stderr)
+            print(f"warning: key {k[:6]}... does not start with 'tml-'; the tinker SDK refuses to send such "
+                  "keys", file=sys.stderr)
     sock = listen(args.host, args.port)
 
     import torch
@@ -171,7 +185,8 @@ def run(args: argparse.Namespace) -> None:
     try:
         torch.device(args.device if args.device != "auto" else "cpu")
     except (RuntimeError, ValueError):
-        raise UserInputError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:N or mps)") from None
+        raise UserInputError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:N or "
+                             "mps)") from None
     server = Server(config_from_args(args, keys))
     if server.config.preload:
         try:
@@ -201,7 +216,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="polyrl serve", description="Serve polyrl's local engine over Tinker's HTTP protocol.")
+    p = argparse.ArgumentParser(prog="polyrl serve",
+                                description="Serve polyrl's local engine over Tinker's HTTP protocol.")
     add_arguments(p)
     try:
         run(p.parse_args(argv))

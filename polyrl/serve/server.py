@@ -24,8 +24,9 @@ from typing import Any
 
 from tinker import types
 
+from polyrl.config import LocalEngineConfig
 from polyrl.local import losses
-from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
+from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.service import check_sample_options, make_sample_job
 from polyrl.serve import protocol as P
@@ -44,11 +45,7 @@ TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", 
 class ServeConfig:
     models: list[str] = field(default_factory=list)  # served base models; empty: any the engine can load
     api_keys: list[str] = field(default_factory=list)
-    store_dir: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS
-    gradient_checkpointing: bool | str = "auto"
+    local: LocalEngineConfig = field(default_factory=LocalEngineConfig)  # the engine's settings, as train's
     max_body_bytes: int = 64 << 20
     long_poll_s: float = 30.0  # retrieve_future waits this long before answering 408 (SDK timeout: 45 s)
     gap_timeout_s: float = 120.0
@@ -82,8 +79,9 @@ def _json(model: Any) -> dict:
 class Server:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
-        self.engine = engine or Engine(config.store_dir, config.device, config.dtype, config.micro_batch_tokens,
-                                       config.gradient_checkpointing)
+        local = config.local
+        self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
+                                       local.gradient_checkpointing)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}

@@ -80,7 +80,7 @@ class OpenRewardUploader:
         run_info = RunInfo(
             model_name=config.model_name, run_type="train", training_stage="rl", initial_step=start_step,
             checkpoint=config.resume_from, peft_type="lora", peft_rank=config.lora_rank,
-            rl_algorithm=f"{config.advantage_estimator}/{config.loss_fn}", batch_size=config.batch_size,
+            rl_algorithm=f"{config.advantages.estimator}/{config.loss_fn}", batch_size=config.batch_size,
             lr=config.learning_rate, optimizer="adam", framework="polyrl",
             framework_version=getattr(polyrl, "__version__", None),
         )

@@ -1,0 +1,104 @@
+"""The schema of one ``environments`` entry of a run config: an environment type, its task splits and
+its sampling and reward settings (used by ``polyrl train``, ``sft``, ``eval`` and ``play``).
+
+A leaf like :mod:`polyrl.config`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Episodes one step may run (batch_size x num_rollouts): 1024 groups of 64, or 4096 of 16, is beyond
+# the largest published RL batches; far larger sizes are typos (1e9) that would exhaust memory
+# before the first line of output.
+MAX_EPISODES_PER_STEP = 65_536
+SplitName = Literal["train", "test"]
+_SPLIT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "train": {"shuffle": True, "num_samples": None},
+    "test": {"shuffle": False, "num_samples": 32},
+}
+
+
+class SplitConfig(BaseModel):
+    """How tasks of one split (``train`` or ``test``) of an environment are drawn."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    shuffle: bool = Field(
+        True, description="Visit tasks in a seeded random order (default: true for train, false for test)."
+    )
+    num_samples: int | None = Field(
+        None,
+        gt=0,
+        description="Use only the first N tasks of the split; null = all of them "
+        "(default: null for train, 32 for test).",
+    )
+    seed: int | None = Field(None, description="Seed of this split's task order; null = use the run's seed.")
+
+
+def _default_splits() -> dict[SplitName, SplitConfig]:
+    return {name: SplitConfig(**values) for name, values in _SPLIT_DEFAULTS.items()}  # type: ignore[misc]
+
+
+class EnvConfig(BaseModel):
+    """One entry of ``environments``: an environment type with its sampling and reward settings."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    type: str | None = Field(
+        None,
+        description="Environment type (a registered name, or 'prefix:rest' for adapters); defaults to the "
+        "entry's name, so a second instance of a type needs another name and an explicit type.",
+    )
+    splits: dict[SplitName, SplitConfig] = Field(
+        default_factory=_default_splits,
+        description="Task splits, train and test by default. A split given here is merged over that split's "
+        "defaults; a split set to null is left out (e.g. test: null for no held-out evaluation).",
+    )
+    num_rollouts: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP,
+                              description="Group size: episodes sampled per task; advantages compare them.")
+    max_failing_rollouts: int = Field(
+        1, ge=0, description="A group with more failing episodes (errors, timeouts) than this is dropped."
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature. The sampler's logprobs are the model's own (temperature 1, as in "
+        "Tinker), so with any other value the importance ratio compares against a distribution that was not "
+        "sampled; polyrl train warns about it once.",
+    )
+    max_turns: int = Field(8, ge=1, description="Assistant turns per episode before it is cut off.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens sampled per turn; null = the top-level max_tokens."
+    )
+    reward_reduction: Literal["sum", "mean"] = Field(
+        "sum", description="How an episode's step rewards combine into its reward."
+    )
+    nonterminal_reward: float | None = Field(
+        None,
+        description="Reward of an episode the environment did not finish (max_turns reached or the turn was "
+        "truncated at max_tokens); null keeps the reduced step rewards.",
+    )
+    weight: float = Field(1.0, gt=0,
+                          description="Relative share of each batch's groups drawn from this environment.")
+    args: dict[str, Any] = Field(default_factory=dict,
+                                 description="Environment-specific arguments for its builder.")
+    timeout: float = Field(300, gt=0,
+                           description="Seconds per episode; an episode that times out is failing.")
+
+    @field_validator("splits", mode="before")
+    @classmethod
+    def _merge_split_defaults(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        merged: dict[Any, Any] = {**_SPLIT_DEFAULTS, **value}
+        splits = {
+            name: {**_SPLIT_DEFAULTS.get(str(name), {}), **split} if isinstance(split, dict) else split
+            for name, split in merged.items()
+            if split is not None
+        }
+        if not splits:
+            raise ValueError("at least one split (train or test) is needed")
+        return splits

@@ -1,0 +1,77 @@
+"""A pydantic :class:`ValidationError` of a run config as one line: ``dotted.key: reason`` for each
+problem, joined with '; ', an unknown key with the closest known one, secrets masked."""
+
+from __future__ import annotations
+
+import difflib
+import types
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
+
+from polyrl.config import ConfigProblems
+from polyrl.secrets import redact_text
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
+    """One line: ``dotted.key: reason`` for each error, joined with '; '."""
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"] if part != "[key]"]
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigProblems):
+            lines += [error_line(loc + key.split("."), msg) for key, msg in cause.problems]
+            continue
+        msg = err["msg"]
+        if err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        elif err["type"] == "extra_forbidden":
+            match = difflib.get_close_matches(loc[-1], _fields_at(model, loc[:-1]), n=1)
+            msg = "unknown key" + (f" (did you mean {match[0]}?)" if match else "")
+        lines.append(error_line(loc, msg))
+    return redact_text("; ".join(dict.fromkeys(lines)))
+
+
+def problems_line(problems: list[tuple[str, str]]) -> str:
+    """``(dotted key, reason)`` pairs as the same one line, secrets masked."""
+    return redact_text("; ".join(dict.fromkeys(error_line(key.split("."), msg) for key, msg in problems)))
+
+
+def error_line(loc: list[str], msg: str) -> str:
+    msg = msg.replace("; ", ", ")  # '; ' only separates errors
+    key = ".".join(loc)
+    return f"{key}: {one_line(msg)}" if key else one_line(msg)
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _fields_at(model: type[BaseModel], path: list[str]) -> list[str]:
+    """Field names of the model found at ``path`` below ``model`` (dict keys are skipped over)."""
+    tp: Any = model
+    for part in path:
+        tp = strip_optional(tp)
+        if is_model(tp):
+            field = tp.model_fields.get(part)
+            if field is None:
+                return []
+            tp = field.annotation
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return []
+    tp = strip_optional(tp)
+    return list(tp.model_fields) if is_model(tp) else []
+
+
+def strip_optional(tp: Any) -> Any:
+    """``X`` for ``X | None``; any other type as it is."""
+    if get_origin(tp) in (Union, types.UnionType):
+        rest = [arg for arg in get_args(tp) if arg is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
