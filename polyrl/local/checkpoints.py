@@ -53,6 +53,11 @@ class CheckpointPath:
                 f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
                 "or tinker://<run_id>/sampler_weights/<name>"
             )
+        # the run id and name become directory names: '..' (or any name the store would not write)
+        # would lead out of the store
+        for value, what in ((parts[0], "run id"), (parts[2], "checkpoint name")):
+            if problem := name_problem(value, what):
+                raise UserInputError(f"checkpoint path {path!r}: {problem}")
         return cls(*parts)
 
     def __str__(self) -> str:
