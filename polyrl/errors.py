@@ -20,3 +20,9 @@ class NonFiniteUpdateError(ValueError):
     """An optimizer step was refused because the loss or the gradient it would apply is not finite
     (NaN or inf). The weights stay as they were; the message is one line naming the step's problem.
     A ``ValueError``, so ``polyrl serve`` reports it as a problem with the request's data."""
+
+
+class CheckpointWriteError(RunStoppedError):
+    """A checkpoint could not be written: a full disk, a store that became read-only or went away.
+    Nothing of it is left in the store; the message is one line naming the checkpoint and the
+    problem (a run that hits it stops, naming the last checkpoint it did save)."""

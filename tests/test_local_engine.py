@@ -844,6 +844,7 @@ def test_models_loaded_on_several_threads_at_once_load(tiny_model_dir, small_mod
 
 
 def test_overwriting_a_checkpoint_never_loses_the_old_one(tmp_path, monkeypatch):
+    from polyrl.errors import CheckpointWriteError
     from polyrl.local import checkpoints as ck
 
     store = ck.Store(tmp_path)
@@ -858,7 +859,7 @@ def test_overwriting_a_checkpoint_never_loses_the_old_one(tmp_path, monkeypatch)
         return real_replace(src, dst)
 
     monkeypatch.setattr(ck.os, "replace", fail_into_place)
-    with pytest.raises(OSError, match="no space"):
+    with pytest.raises(CheckpointWriteError, match="no space"):
         store.write(cp, lambda d: (d / "weights.bin").write_text("new"), {}, overwrite=True)
     monkeypatch.undo()
     assert (store.resolve(str(cp))[1] / "weights.bin").read_text() == "old"

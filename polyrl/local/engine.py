@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import itertools
 import math
 import queue
@@ -289,7 +290,9 @@ class Engine:
 
         def write(d: Path) -> None:
             st.base.save_adapter(st.adapter, d)
-            torch.save(st.optimizer.state_dict(), d / "optimizer.pt")
+            buffer = io.BytesIO()  # torch.save's own writer reports a full disk without its reason
+            torch.save(st.optimizer.state_dict(), buffer)
+            (d / "optimizer.pt").write_bytes(buffer.getbuffer())
 
         return self.store.write(cp, write, self._meta(st, user_metadata), overwrite)
 
