@@ -947,3 +947,74 @@ def test_sampling_from_merged_weights_equals_the_adapter_branch(service, warm, m
     for n, p in base.hf_model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, before[n]), n
+
+
+# ---- non-finite updates ------------------------------------------------------------------------
+def _optimizer_state(tc) -> dict:
+    """AdamW's state and hyperparameters, as tensors compared bit for bit."""
+    sd = tc._state.optimizer.state_dict()
+    return {"state": {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                      for k, s in sd["state"].items()},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]}
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["groups"] == b["groups"] and a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for n, v in a["state"][k].items():
+            assert torch.equal(v, b["state"][k][n]) if isinstance(v, torch.Tensor) else v == b["state"][k][n], (k, n)
+
+
+@pytest.mark.parametrize("case", ["nan_advantage", "huge_advantage", "nan_gradient_finite_loss"])
+def test_a_non_finite_update_is_refused_and_changes_nothing(service, warm, case):
+    """A batch whose loss or gradient is not finite (a NaN advantage; a finite advantage of 1e30, whose
+    gradient overflows float32; a custom loss that is finite while its gradient is NaN) is refused by
+    optim_step with one line: weights and optimizer state stay bit for bit, the gradients are dropped,
+    and the next good step trains as if the bad batch had never come."""
+    from polyrl.errors import NonFiniteUpdateError
+
+    tc, twin = from_state(service, warm["path"]), from_state(service, warm["path"])
+    good = _loss_batch(tc, torch.Generator().manual_seed(31))
+    n = len(good[0].loss_fn_inputs["advantages"].data)
+    weights_before, state_before = weights(tc), _optimizer_state(tc)
+
+    tc.forward_backward(good[1:], "importance_sampling").result()  # good gradients, then the bad batch
+    if case == "nan_gradient_finite_loss":
+        def loss_fn(data, lps):  # sqrt'(0) is inf, times 0: NaN, while the loss is 0
+            return torch.sqrt(lps[0][0] * 0.0), {}
+        out = tc.forward_backward_custom(good[:1], loss_fn).result()
+        assert out.metrics["loss:sum"] == 0.0
+    else:
+        value = float("nan") if case == "nan_advantage" else 1e30
+        tc.forward_backward([with_inputs(good[0], advantages=[value] * n)], "importance_sampling").result()
+    with pytest.raises(NonFiniteUpdateError) as refused:
+        tc.optim_step(adam()).result()
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("optim_step refused: "), message
+    assert "unchanged" in message and ("not finite" in message or "overflows" in message), message
+    assert isinstance(refused.value, ValueError)  # polyrl serve reports it as the caller's data problem
+    assert_weights_equal(weights(tc), weights_before, atol=0)
+    _assert_same_state(_optimizer_state(tc), state_before)
+    assert all(p.grad is None for p in tc._state.params) and tc._state.steps == twin._state.steps
+
+    for client in (tc, twin):  # the next step is the step the bad batch never touched
+        client.forward_backward(good, "importance_sampling").result()
+        client.optim_step(adam()).result()
+    after = weights(tc)
+    assert_weights_equal(after, weights(twin), atol=0)
+    assert all(torch.isfinite(w).all() for w in after.values())
+    assert max(float((after[k] - weights_before[k]).abs().max()) for k in after) > 0
+
+
+def test_checkpoints_with_non_finite_weights_are_never_written(service, store, warm):
+    from polyrl.errors import NonFiniteUpdateError
+
+    tc = from_state(service, warm["path"])
+    with torch.no_grad():
+        tc._state.params[0][0, 0] = float("nan")  # as a checkpoint from elsewhere could carry
+    for save, name in ((tc.save_state, "poisoned-state"), (tc.save_weights_for_sampler, "poisoned-sampler")):
+        with pytest.raises(NonFiniteUpdateError, match=r"refused: 1 of \d+ adapter weights are not finite"):
+            save(name).result()
+    listed = {c["checkpoint_id"] for c in tc._engine.store.list(tc.model_id)}
+    assert not any("poisoned" in c for c in listed)
+    assert not [p for p in Path(store).rglob("*poisoned*")]

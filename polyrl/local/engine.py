@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from tinker import types
 
+from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
 from polyrl.local.checkpoints import CheckpointPath, Store, check_name
 from polyrl.local.compute import packed_logprobs
@@ -51,6 +52,7 @@ class TrainerState:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
+    bad_loss: float | None = None  # a non-finite loss among the forward_backward calls since the last step
 
 
 @dataclass(eq=False)
@@ -233,6 +235,8 @@ class Engine:
                 for i, lp in zip(mb.datums, lps):
                     outputs[i] = lp.detach()
                 parts += metrics
+        if backward:
+            _note_loss(st, [m["loss:sum"] for m in parts if "loss:sum" in m])
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
             loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(o.float().cpu())} for o in outputs],
@@ -251,6 +255,7 @@ class Engine:
                 raise ValueError("a custom loss function must return (scalar tensor, metrics dict)")
             loss.backward()
         metrics = {"loss:sum": float(loss.detach())}
+        _note_loss(st, [metrics["loss:sum"]])
         metrics.update({k if ":" in k else f"{k}:sum": float(v) for k, v in (user_metrics or {}).items()})
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
@@ -269,12 +274,21 @@ class Engine:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(params, name) < 1:
                 raise ValueError(f"adam_params.{name} must be in [0, 1), got {getattr(params, name)}")
+        trained = [p for p in st.params if p.grad is not None]
+        grads = [p.grad for p in trained]
+        total_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = float(total_norm)
+        if st.bad_loss is not None or not math.isfinite(norm):
+            problem = _update_problem(st.bad_loss, grads, norm, sum(p.numel() for p in st.params))
+            st.bad_loss = None
+            st.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdateError(f"optim_step refused: {problem}; the weights and optimizer state are unchanged "
+                                       "and the accumulated gradients were dropped")
         for group in st.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
-        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        grads = [p for p in st.params if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        if grads and params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(trained, params.grad_clip_norm, total_norm)
         st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
         st.steps += 1
@@ -287,6 +301,7 @@ class Engine:
 
     def save_state(self, st: TrainerState, name: str, overwrite: bool = False, user_metadata: dict | None = None) -> str:
         cp = CheckpointPath(st.model_id, "weights", check_name(name))
+        _check_finite(st, f"save_state {name!r}", optimizer=True)
 
         def write(d: Path) -> None:
             st.base.save_adapter(st.adapter, d)
@@ -298,6 +313,7 @@ class Engine:
 
     def save_for_sampler(self, st: TrainerState, name: str, user_metadata: dict | None = None) -> str:
         cp = CheckpointPath(st.model_id, "sampler_weights", check_name(name))
+        _check_finite(st, f"save_weights_for_sampler {name!r}", optimizer=False)
         return self.store.write(cp, lambda d: st.base.save_adapter(st.adapter, d), self._meta(st, user_metadata), True)
 
     def snapshot_sampler(self, st: TrainerState, model_path: str | None = None) -> SamplerState:
@@ -355,6 +371,48 @@ def _all_or_nothing(params: list[torch.nn.Parameter]) -> Iterator[None]:
     for p, g in zip(params, earlier):
         if g is not None:
             p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+def _note_loss(st: TrainerState, values: list[float]) -> None:
+    """Remember a non-finite loss of a ``forward_backward``: the next ``optim_step`` is refused."""
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad and st.bad_loss is None:
+        st.bad_loss = bad[0]
+
+
+def _count_not_finite(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(NaN entries, infinite entries) of ``tensors``."""
+    nan = sum(int(torch.isnan(t).sum()) for t in tensors)
+    return nan, sum(int(torch.isinf(t).sum()) for t in tensors)
+
+
+def _update_problem(bad_loss: float | None, grads: list[torch.Tensor], norm: float, size: int) -> str:
+    """Why an update cannot be applied, in words: a non-finite loss, a non-finite gradient, or one whose
+    norm overflows float32 (its square would put infinities into Adam's second moment)."""
+    problems = []
+    if bad_loss is not None:
+        problems.append(f"the loss of a forward_backward since the last step is not finite ({bad_loss})")
+    nan, inf = _count_not_finite(grads)
+    if nan or inf:
+        counts = " and ".join(f"{kind} in {n} of {size} entries" for kind, n in (("NaN", nan), ("inf", inf)) if n)
+        problems.append(f"the gradient is not finite ({counts})")
+    elif not math.isfinite(norm):
+        largest = max(float(g.abs().max()) for g in grads)
+        problems.append(f"the gradient is too large for float32 (its norm overflows; largest entry {largest:.3g})")
+    return " and ".join(problems)
+
+
+def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
+    """Refuse to write a checkpoint holding a non-finite adapter weight (or optimizer state)."""
+    nan, inf = _count_not_finite([p.detach() for p in st.params])
+    if nan or inf:
+        raise NonFiniteUpdateError(f"{what} refused: {nan + inf} of {sum(p.numel() for p in st.params)} adapter "
+                                   "weights are not finite; nothing was written")
+    if optimizer:
+        moments = [v for state in st.optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if sum(_count_not_finite(moments)):
+            raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; nothing was written")
 
 
 def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Tensor], config: dict,
