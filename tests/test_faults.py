@@ -219,6 +219,33 @@ def test_ctrl_c_still_stops_the_trainer(tiny_model_dir, tmp_path):
     assert "Traceback" not in err
 
 
+def test_ctrl_c_while_the_engine_works_exits_130_every_time(tiny_model_dir, tmp_path):
+    """SIGINT while the engine's worker is busy sampling and training: `interrupted` and exit 130, each
+    time (the worker is stopped before the interpreter shuts down, so no C++ code of it is left running
+    to abort the process)."""
+    envs = {"arithmetic": {"num_rollouts": 4}, "guess_number": {"num_rollouts": 2, "max_turns": 3}}
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=500, save_every=0, batch_size=4, environments=envs)
+    config = _write_config(cfg, tmp_path / "run.json")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for attempt in range(4):
+        if metrics.exists():
+            metrics.unlink()
+        proc = _cli(["train", "--config_path", str(config)], tmp_path)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.02)
+        assert proc.poll() is None and metrics.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the trainer ignored Ctrl-C")
+        assert proc.returncode == 130, (attempt, proc.returncode, err[-3000:])
+        assert "terminate called" not in err and "Traceback" not in err, err[-3000:]
+        assert err.rstrip().endswith("interrupted"), err[-3000:]
+
+
 # ---------------------------------------------------------------------------- runs that stop learning
 def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError

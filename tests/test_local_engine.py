@@ -1018,3 +1018,20 @@ def test_checkpoints_with_non_finite_weights_are_never_written(service, store, w
     listed = {c["checkpoint_id"] for c in tc._engine.store.list(tc.model_id)}
     assert not any("poisoned" in c for c in listed)
     assert not [p for p in Path(store).rglob("*poisoned*")]
+
+
+def test_stopping_the_engine_cancels_queued_work_and_lets_the_running_operation_finish(tmp_path):
+    import threading
+
+    from polyrl.local.engine import Engine
+
+    engine = Engine(tmp_path)
+    started, release = threading.Event(), threading.Event()
+    running = engine.submit(lambda: (started.set(), release.wait(60), "finished")[-1])
+    queued = engine.submit(lambda: "never run")
+    assert started.wait(60)
+    threading.Timer(0.1, release.set).start()  # stop() waits for it whenever it comes
+    assert engine.stop(timeout=120)
+    assert running.result() == "finished" and queued.cancelled()
+    assert engine.submit(lambda: "too late").cancelled()
+    assert engine not in Engine._running  # nothing left for stop_all at exit

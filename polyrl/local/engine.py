@@ -8,6 +8,7 @@ generates them in one batch (see :mod:`polyrl.local.sampler`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import io
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,10 @@ class SamplerState:
     sampler_id: str = field(default_factory=lambda: f"sampler-{uuid.uuid4().hex[:12]}")
 
 
+_STOP = object()  # queued by Engine.stop: the worker ends once it takes it
+STOP_TIMEOUT_S = 30.0  # how long interpreter exit waits for the operation the worker is running
+
+
 @dataclass
 class _Op:
     fn: Callable[[], Any]
@@ -100,7 +106,8 @@ class Engine:
     """Owns base models, adapters and the worker thread. One per (store, device, dtype)."""
 
     _shared: dict[tuple, "Engine"] = {}
-    _shared_lock = threading.Lock()
+    _shared_lock = threading.RLock()  # also taken in __init__, which shared() calls holding it
+    _running: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # every engine whose worker may run (stop_all)
 
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
@@ -128,19 +135,49 @@ class Engine:
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
         self._generator: torch.Generator | None = None
+        self._stopped = False
+        # a daemon thread, so that an operation that never ends cannot keep the process alive; stopped
+        # in order at exit (stop_all), as one still running torch code while the interpreter shuts down
+        # aborts the process ("terminate called without an active exception")
         self._thread = threading.Thread(target=self._run, name="polyrl-engine", daemon=True)
+        with self._shared_lock:
+            self._running.add(self)
         self._thread.start()
 
     # ---- submission -------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any]) -> Future:
-        fut: Future = Future()
-        self._queue.put(_Op(fn, fut))
-        return fut
+        return self._put(_Op(fn, Future()))
 
     def submit_sample(self, sampler: SamplerState, job: SampleJob) -> Future:
-        fut: Future = Future()
-        self._queue.put(_SampleOp(sampler, job, fut))
-        return fut
+        return self._put(_SampleOp(sampler, job, Future()))
+
+    def _put(self, op: "_Op | _SampleOp") -> Future:
+        self._queue.put(op)
+        if self._stopped:  # nothing runs it any more
+            op.future.cancel()
+        return op.future
+
+    # ---- stopping ------------------------------------------------------------------------------
+    def stop(self, timeout: float | None = STOP_TIMEOUT_S) -> bool:
+        """Stop the worker: operations still queued are cancelled, the one running finishes. Whether
+        the worker ended within ``timeout`` seconds. The engine takes no more work."""
+        self._stopped = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with self._shared_lock:
+            for key in [k for k, e in self._shared.items() if e is self]:
+                del self._shared[key]
+            self._running.discard(self)
+        return not self._thread.is_alive()
+
+    @classmethod
+    def stop_all(cls, timeout: float | None = STOP_TIMEOUT_S) -> bool:
+        """Stop every engine (at exit, and on Ctrl-C); whether all ended within ``timeout``."""
+        with cls._shared_lock:
+            engines = list(cls._running)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([e.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) for e in engines])
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker and wait (for set-up work such as loading a model)."""
@@ -151,6 +188,9 @@ class Engine:
         pending: list = []
         while True:
             op = pending.pop(0) if pending else self._queue.get()
+            if op is _STOP or self._stopped:
+                self._cancel([op, *pending])
+                return
             if isinstance(op, _Op):
                 self._execute(op.future, op.fn)
                 continue
@@ -163,6 +203,17 @@ class Engine:
                     break
                 (batch if isinstance(nxt, _SampleOp) else pending).append(nxt)
             self._run_samples(batch)
+
+    def _cancel(self, ops: list) -> None:
+        """Cancel ``ops`` and everything still queued."""
+        while True:
+            for op in ops:
+                if op is not _STOP:
+                    op.future.cancel()
+            try:
+                ops = [self._queue.get_nowait()]
+            except queue.Empty:
+                return
 
     @staticmethod
     def _execute(future: Future, fn: Callable[[], Any]) -> None:
@@ -344,6 +395,9 @@ class Engine:
         finally:
             base.delete_adapter(tmp)
         return SamplerState(base, spec, weights, path)
+
+
+atexit.register(Engine.stop_all)  # runs before the interpreter stops its threads
 
 
 # ---- helpers -----------------------------------------------------------------------------------
