@@ -198,7 +198,8 @@ def test_store_refuses_tinker_paths_that_leave_it(trained, tmp_path):
     outside = tmp_path / "weights" / "x"  # where tinker://../weights/x lands: beside the store, not in it
     shutil.copytree(Store(trained.store_dir).directory(CheckpointPath.parse(trained.state_path)), outside)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for path, problem in [("tinker://../weights/x", "run id '..'"), ("tinker://run/weights/..", "checkpoint name '..'"),
+    for path, problem in [("tinker://../weights/x", "run id '..'"),
+                          ("tinker://run/weights/..", "checkpoint name '..'"),
                           ("tinker://.hidden/weights/x", "run id '.hidden'")]:
         p = subprocess.run([sys.executable, "-m", "polyrl.cli", "export", path, str(tmp_path / "out"),
                             "--store_dir", str(store)], capture_output=True, text=True, env=env, timeout=120)

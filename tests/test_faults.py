@@ -232,7 +232,8 @@ def test_ctrl_c_while_the_engine_works_exits_130_every_time(tiny_model_dir, tmp_
             metrics.unlink()
         proc = _cli(["train", "--config_path", str(config)], tmp_path)
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
+        while time.monotonic() < deadline and proc.poll() is None and not (metrics.exists()
+                                                                             and metrics.read_text()):
             time.sleep(0.02)
         assert proc.poll() is None and metrics.exists(), proc.communicate()[1][-3000:]
         proc.send_signal(signal.SIGINT)

@@ -144,8 +144,8 @@ class Store:
                 with contextlib.suppress(OSError):  # not empty
                     parent.rmdir()
             reason = e.strerror or str(e) or type(e).__name__
-            raise CheckpointWriteError(f"could not write checkpoint {cp} to the store at {self.root}: {reason} "
-                                       "(nothing of it was kept)") from None
+            raise CheckpointWriteError(f"could not write checkpoint {cp} to the store at {self.root}: "
+                                       f"{reason} (nothing of it was kept)") from None
 
     def _write(self, cp: CheckpointPath, final: Path, writer: Callable[[Path], None], meta: dict) -> str:
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -177,7 +177,10 @@ class Engine:
         with cls._shared_lock:
             engines = list(cls._running)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return all([e.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) for e in engines])
+        stopped = True
+        for engine in engines:  # each gets what is left of the time
+            stopped = engine.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) and stopped
+        return stopped
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker and wait (for set-up work such as loading a model)."""
@@ -333,8 +336,8 @@ class Engine:
             problem = _update_problem(st.bad_loss, grads, norm, sum(p.numel() for p in st.params))
             st.bad_loss = None
             st.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteUpdateError(f"optim_step refused: {problem}; the weights and optimizer state are unchanged "
-                                       "and the accumulated gradients were dropped")
+            raise NonFiniteUpdateError(f"optim_step refused: {problem}; the weights and optimizer state are "
+                                       "unchanged and the accumulated gradients were dropped")
         for group in st.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
@@ -448,11 +451,13 @@ def _update_problem(bad_loss: float | None, grads: list[torch.Tensor], norm: flo
         problems.append(f"the loss of a forward_backward since the last step is not finite ({bad_loss})")
     nan, inf = _count_not_finite(grads)
     if nan or inf:
-        counts = " and ".join(f"{kind} in {n} of {size} entries" for kind, n in (("NaN", nan), ("inf", inf)) if n)
+        counts = " and ".join(f"{kind} in {n} of {size} entries" for kind, n in (("NaN", nan), ("inf", inf))
+                              if n)
         problems.append(f"the gradient is not finite ({counts})")
     elif not math.isfinite(norm):
         largest = max(float(g.abs().max()) for g in grads)
-        problems.append(f"the gradient is too large for float32 (its norm overflows; largest entry {largest:.3g})")
+        problems.append(f"the gradient is too large for float32 (its norm overflows; largest entry "
+                        f"{largest:.3g})")
     return " and ".join(problems)
 
 
@@ -460,13 +465,15 @@ def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
     """Refuse to write a checkpoint holding a non-finite adapter weight (or optimizer state)."""
     nan, inf = _count_not_finite([p.detach() for p in st.params])
     if nan or inf:
-        raise NonFiniteUpdateError(f"{what} refused: {nan + inf} of {sum(p.numel() for p in st.params)} adapter "
-                                   "weights are not finite; nothing was written")
+        size = sum(p.numel() for p in st.params)
+        raise NonFiniteUpdateError(f"{what} refused: {nan + inf} of {size} adapter weights are not finite; "
+                                   "nothing was written")
     if optimizer:
         moments = [v for state in st.optimizer.state.values() for v in state.values()
                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
         if sum(_count_not_finite(moments)):
-            raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; nothing was written")
+            raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; "
+                                       "nothing was written")
 
 
 def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Tensor], config: dict,
