@@ -321,6 +321,9 @@ class Engine:
         return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
+        """One AdamW step on the accumulated gradients. A step whose loss or gradient is not finite is
+        refused (:class:`NonFiniteUpdateError`): weights and optimizer state stay bit for bit, the
+        gradients are dropped, and the next ``forward_backward`` starts a clean step."""
         for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
             value = getattr(params, name)
             if not math.isfinite(value) or value < 0:
