@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from polyrl.errors import UserInputError
@@ -253,7 +254,27 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit_stopping_engines(130)
+
+
+ENGINE_STOP_S = 10.0  # how long Ctrl-C waits for the operation the local engine is running
+
+
+def _exit_stopping_engines(code: int) -> None:
+    """Exit with ``code`` once the local engine's worker has stopped (its queued work cancelled, the
+    operation it runs finished): a worker still in torch code while the interpreter shuts down aborts
+    the process. If it does not stop in time (a long operation, or a second Ctrl-C), exit at once,
+    skipping the interpreter's shutdown."""
+    engine = sys.modules.get("polyrl.local.engine")  # not imported: nothing to stop
+    try:
+        stopped = engine is None or engine.Engine.stop_all(ENGINE_STOP_S)
+    except KeyboardInterrupt:
+        stopped = False
+    if not stopped:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,9 @@ class ServiceLostError(RunStoppedError):
     (it restarted, or expired them): retrying the request cannot succeed, reopening the run from its last
     checkpoint can. ``polyrl train`` does that a bounded number of times; past it, or elsewhere, the run
     stops like any :class:`RunStoppedError`."""
+
+
+class CheckpointWriteError(RunStoppedError):
+    """A checkpoint could not be written: a full disk, a store that became read-only or went away.
+    Nothing of it is left in the store; the message is one line naming the checkpoint and the
+    problem (a run that hits it stops, naming the last checkpoint it did save)."""

@@ -187,6 +187,31 @@ def test_export_errors_and_atomicity(trained, tmp_path):
     assert list(parent.iterdir()) == []
 
 
+def test_store_refuses_tinker_paths_that_leave_it(trained, tmp_path):
+    """A run id or name of '..' (or any name the store would not write) is refused before it becomes a
+    directory: `polyrl export` exits 2 with one line, and the store API raises UserInputError, even
+    where a checkpoint sits at the place the path points to."""
+    from polyrl.local.checkpoints import CheckpointPath, Store
+
+    store = tmp_path / "store"
+    store.mkdir()
+    outside = tmp_path / "weights" / "x"  # where tinker://../weights/x lands: beside the store, not in it
+    shutil.copytree(Store(trained.store_dir).directory(CheckpointPath.parse(trained.state_path)), outside)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for path, problem in [("tinker://../weights/x", "run id '..'"),
+                          ("tinker://run/weights/..", "checkpoint name '..'"),
+                          ("tinker://.hidden/weights/x", "run id '.hidden'")]:
+        p = subprocess.run([sys.executable, "-m", "polyrl.cli", "export", path, str(tmp_path / "out"),
+                            "--store_dir", str(store)], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 2, (path, p.stderr[-2000:])
+        assert p.stderr.strip().splitlines() == [p.stderr.strip()] and problem in p.stderr, p.stderr
+        assert not (tmp_path / "out").exists()
+        with pytest.raises(UserInputError, match=problem.split()[0]):
+            Store(store).resolve(path)
+    with pytest.raises(UserInputError, match="run id"):
+        CheckpointPath.parse("tinker://a%2F..%2F..%2Fb/weights/x")  # percent-encoded or not, '/' is no id
+
+
 # --------------------------------------------------------------------------------- naming a policy
 def test_a_run_directory_names_its_latest_checkpoint_and_its_renderer(trained, tmp_path):
     from polyrl.policy import open_sampler, renderer_for, resolve_policy

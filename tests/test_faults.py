@@ -225,6 +225,34 @@ def test_ctrl_c_still_stops_the_trainer(tiny_model_dir, tmp_path):
     assert "Traceback" not in err
 
 
+def test_ctrl_c_while_the_engine_works_exits_130_every_time(tiny_model_dir, tmp_path):
+    """SIGINT while the engine's worker is busy sampling and training: `interrupted` and exit 130, each
+    time (the worker is stopped before the interpreter shuts down, so no C++ code of it is left running
+    to abort the process)."""
+    envs = {"arithmetic": {"num_rollouts": 4}, "guess_number": {"num_rollouts": 2, "max_turns": 3}}
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=500, save_every=0, batch_size=4, environments=envs)
+    config = _write_config(cfg, tmp_path / "run.json")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for attempt in range(4):
+        if metrics.exists():
+            metrics.unlink()
+        proc = _cli(["train", "--config_path", str(config)], tmp_path)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and not (metrics.exists()
+                                                                             and metrics.read_text()):
+            time.sleep(0.02)
+        assert proc.poll() is None and metrics.exists(), proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the trainer ignored Ctrl-C")
+        assert proc.returncode == 130, (attempt, proc.returncode, err[-3000:])
+        assert "terminate called" not in err and "Traceback" not in err, err[-3000:]
+        assert err.rstrip().endswith("interrupted"), err[-3000:]
+
+
 # ---------------------------------------------------------------------------- runs that stop learning
 def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError
@@ -726,3 +754,69 @@ def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_d
     train(cfg, console)
     assert in_store <= {c["tinker_path"] for run in store.runs() for c in store.list(run)}
     assert any(line.startswith("warning:") and "stay in the store" in line for line in console.lines), console.lines
+
+
+# ---------------------------------------------------------------------------- a full disk
+def _limit_file_size(limit: int):
+    """For a child process: files may grow to ``limit`` bytes; a write past it fails with EFBIG
+    ("File too large"), as one on a full disk fails with ENOSPC."""
+    import resource
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process dying
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_checkpoint_the_disk_refuses_stops_the_run_with_one_line(tiny_model_dir, tmp_path):
+    """The first checkpoint's adapter file is larger than the file system lets the process write:
+    `polyrl train` exits 1 with one line naming the checkpoint and the disk problem (no traceback),
+    and leaves nothing half-written in the store."""
+    cfg = _config(tiny_model_dir, tmp_path, lora_rank=8, max_steps=2, save_every=2)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "polyrl.cli", "train", "--config_path",
+                           str(_write_config(cfg, tmp_path / "run.json"))], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size(32_000))
+    line = _one_error_line(proc.stderr)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "could not write checkpoint tinker://" in line and "/weights/final" in line, line
+    assert "File too large" in line and "no checkpoint saved yet" in line, line
+    assert not list((tmp_path / "store").rglob("*"))  # not even the run's directory
+
+
+def test_a_full_disk_at_a_later_checkpoint_names_the_last_good_one(tiny_model_dir, tmp_path, monkeypatch):
+    """The disk fills while the second checkpoint is written: the run stops with one line naming that
+    checkpoint, the disk problem and the last checkpoint saved; the store keeps only whole checkpoints,
+    and the relaunch resumes from the last one."""
+    import errno
+    from pathlib import Path as _Path
+
+    from polyrl.errors import RunStoppedError
+    from polyrl.local.checkpoints import Store
+
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=4, save_every=2)
+    real_write = _Path.write_bytes
+
+    def full_disk(self, data):
+        if self.parent.name.startswith(".tmp-new-") and self.parent.name.endswith("-final"):
+            real_write(self, data[: len(data) // 2])  # part of it reached the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+
+    monkeypatch.setattr(_Path, "write_bytes", full_disk)
+    with pytest.raises(RunStoppedError) as caught:
+        train(cfg, ConsoleLog(enabled=False))
+    monkeypatch.undo()
+    message = str(caught.value)
+    saved = RunFiles(cfg.log_path).checkpoints()
+    assert [r["name"] for r in saved] == ["000002"]
+    assert "\n" not in message and "could not write checkpoint tinker://" in message, message
+    assert "/weights/final" in message and "No space left on device" in message, message
+    assert f"last checkpoint: {saved[0]['state_path']}" in message, message
+    store = Store(cfg.store_dir)
+    assert not [p for p in store.root.rglob(".tmp*")]
+    assert {c["tinker_path"] for run in store.runs() for c in store.list(run)} == \
+        {saved[0]["state_path"], saved[0]["sampler_path"]}
+    train(cfg, ConsoleLog(enabled=False))
+    assert [r["name"] for r in RunFiles(cfg.log_path).checkpoints()] == ["000002", "final"]

@@ -243,6 +243,30 @@ def test_unsupported_loss_is_a_user_error_and_the_client_goes_on(training, token
     assert "loss:sum" in out.metrics
 
 
+def test_a_non_finite_update_comes_back_as_the_sdks_user_error(service, tiny_model_dir, tokenizer):
+    """A finite but huge advantage (1e30) overflows the gradient: the SDK's optim_step raises the engine's
+    one-line refusal as a user error, the weights stay as they were, and the client trains on."""
+    training = service.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=3).result()
+    tokens = _tokens(tokenizer)
+    before = training.save_weights_for_sampler("before-huge").result().path
+    huge = _datum(tokens, "importance_sampling")
+    n = len(tokens)
+    huge.loss_fn_inputs["advantages"] = types.TensorData(data=[1e30] * n, dtype="float32", shape=[n])
+    training.forward_backward([huge], "importance_sampling").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    assert err.value.category == types.RequestErrorCategory.User
+    assert "optim_step refused" in str(err.value) and "unchanged" in str(err.value), str(err.value)
+    sampler_before = service.create_sampling_client(model_path=before).result()
+    sampler_after = training.save_weights_and_get_sampling_client("after-huge").result()
+    prompt = types.ModelInput.from_ints(tokens)
+    assert sampler_before.compute_logprobs(prompt).result(timeout=60) == \
+        sampler_after.compute_logprobs(prompt).result(timeout=60)
+    training.forward_backward([_datum(tokens, "importance_sampling")], "importance_sampling").result(60)
+    step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
+    assert step.metrics["grad_norm:mean"] > 0
+
+
 # ------------------------------------------------------------------------------- the protocol
 def test_api_key_required(served):
     for headers in ({}, {"X-API-Key": "tml-wrong"}):

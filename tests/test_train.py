@@ -537,20 +537,57 @@ def _run_cli(args, cwd, env=None, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+# How far a relaunched run's final weights may be from the uninterrupted run's, relative to how far the
+# run moved them after its first checkpoint (L2). Sampler logprobs differ in their last bits with the
+# batch a request was sampled in (timing decides it), and the loss's importance ratio carries that into
+# the weights (README, "Resume"): measured about 1e-6. A repeated or skipped step, or lost optimizer
+# state, is 0.1 and more.
+RESUME_WEIGHTS_RTOL = 1e-2
+SIGNAL_ENV = """
+class Env:
+    def initial_observation(self):
+        return "Say anything."
+
+    def step(self, text):  # rewards differ within a group, so every step trains
+        return float(len(text) % 3) / 2
+
+
+def load_environment(**args):
+    return Env()
+"""
+
+
 @pytest.mark.slow
-def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("load", ["quiet", "beside_cpu_hogs"])
+def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_dir, tmp_path, load):
     """SIGKILL a run again and again (before its first checkpoint, right after one, between two) and
-    relaunch it each time: it ends bit-identical to an uninterrupted run, and leaves no checkpoint
-    in the store that its rows do not name."""
-    from polyrl.local.checkpoints import Store
+    relaunch it each time: it samples the same tokens as an uninterrupted run and ends with its weights
+    (to float32 rounding of the sampler's logprobs, see RESUME_WEIGHTS_RTOL), also beside two busy
+    processes that change when sampling requests meet, and leaves no checkpoint in the store that its
+    rows do not name."""
+    (tmp_path / "signal_env.py").write_text(SIGNAL_ENV)
 
     def write(name):
         d = tmp_path / name
         d.mkdir()
-        envs = {"arithmetic": {"num_rollouts": 2}, "guess_number": {"num_rollouts": 2, "max_turns": 2}}
+        envs = {"arithmetic": {"num_rollouts": 2}, "guess_number": {"num_rollouts": 2, "max_turns": 2},
+                "signal": {"type": f"module:{tmp_path / 'signal_env.py'}", "num_rollouts": 3}}
         cfg = _config(tiny_model_dir, d, max_steps=6, save_every=2, environments=envs)
         (d / "run.yaml").write_text(json.dumps(cfg.model_dump()))
         return d
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 if load == "beside_cpu_hogs" else 0)]
+    try:
+        _resume_after_kills(write)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def _resume_after_kills(write) -> None:
+    from polyrl.local.checkpoints import Store
 
     env = {**os.environ, "TINKER_API_KEY": "tml-secret-value-123"}
     ref, killed = write("ref"), write("killed")
@@ -585,17 +622,22 @@ def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_
         b = [json.loads(x) for x in (killed / "run" / "trajectories" / name).read_text().splitlines()]
         assert [r["task_index"] for r in a] == [r["task_index"] for r in b]
         assert [r["tokens"] for r in a] == [r["tokens"] for r in b], f"step {step} diverged after resume"
-        assert [r["logprobs"] for r in a] == [r["logprobs"] for r in b], f"step {step} diverged after resume"
+        for x, y in zip(a, b):  # logged to 5 decimals; equal to float32 rounding (see RESUME_WEIGHTS_RTOL)
+            assert np.allclose(x["logprobs"], y["logprobs"], rtol=0, atol=2e-5), f"step {step} diverged"
 
-    def final_weights(d):
+    def weights(d, which):
         from safetensors.torch import load_file
 
-        row = RunFiles(d / "run").checkpoints()[-1]
-        assert row["final"]
+        row = RunFiles(d / "run").checkpoints()[which]
         return load_file(Store(d / "store").resolve(row["state_path"])[1] / "adapter_model.safetensors")
 
-    want, got = final_weights(ref), final_weights(killed)
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert all(RunFiles(d / "run").checkpoints()[-1]["final"] for d in (ref, killed))
+    want, got, first = weights(ref, -1), weights(killed, -1), weights(ref, 0)
+    assert want.keys() == got.keys() == first.keys()
+    moved = math.sqrt(sum(float(((want[k] - first[k]).double() ** 2).sum()) for k in want))
+    apart = math.sqrt(sum(float(((want[k] - got[k]).double() ** 2).sum()) for k in want))
+    assert moved > 0, "no step after the first checkpoint trained: the comparison would be vacuous"
+    assert apart <= RESUME_WEIGHTS_RTOL * moved, (apart, moved)
     store = Store(killed / "store")
     rows = RunFiles(killed / "run").checkpoints()
     assert {c["tinker_path"] for run in store.runs() for c in store.list(run)} == \

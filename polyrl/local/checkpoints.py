@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote, unquote
 
-from polyrl.errors import UserInputError
+from polyrl.errors import CheckpointWriteError, UserInputError
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -53,6 +53,11 @@ class CheckpointPath:
                 f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
                 "or tinker://<run_id>/sampler_weights/<name>"
             )
+        # the run id and name become directory names: '..' (or any name the store would not write)
+        # would lead out of the store
+        for value, what in ((parts[0], "run id"), (parts[2], "checkpoint name")):
+            if problem := name_problem(value, what):
+                raise UserInputError(f"checkpoint path {path!r}: {problem}")
         return cls(*parts)
 
     def __str__(self) -> str:
@@ -125,10 +130,24 @@ class Store:
         return cp, d
 
     def write(self, cp: CheckpointPath, writer: Callable[[Path], None], meta: dict, overwrite: bool = False) -> str:
-        """Run ``writer(tmp_dir)``, add ``polyrl.json``, and move the directory into place atomically."""
+        """Run ``writer(tmp_dir)``, add ``polyrl.json``, and move the directory into place atomically.
+
+        A file system error on the way (a full disk, a store turned read-only) raises
+        :class:`CheckpointWriteError` naming the checkpoint; nothing of the new checkpoint is kept."""
         final = self.directory(cp)
         if final.exists() and not overwrite:
             raise ValueError(f"checkpoint {cp} already exists (pass overwrite=True to replace it)")
+        try:
+            return self._write(cp, final, writer, meta)
+        except OSError as e:
+            for parent in (final.parent, final.parent.parent):  # directories made for it alone
+                with contextlib.suppress(OSError):  # not empty
+                    parent.rmdir()
+            reason = e.strerror or str(e) or type(e).__name__
+            raise CheckpointWriteError(f"could not write checkpoint {cp} to the store at {self.root}: "
+                                       f"{reason} (nothing of it was kept)") from None
+
+    def _write(self, cp: CheckpointPath, final: Path, writer: Callable[[Path], None], meta: dict) -> str:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f"{_NEW}{uuid.uuid4().hex[:8]}-{cp.name}"
         aside = final.parent / f"{_ASIDE}{uuid.uuid4().hex[:8]}-{cp.name}"

@@ -8,8 +8,10 @@ generates them in one batch (see :mod:`polyrl.local.sampler`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import io
 import itertools
 import math
 import queue
@@ -17,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +29,7 @@ import torch
 from tinker import types
 
 from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
+from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
 from polyrl.local.checkpoints import CheckpointPath, Store, check_name
 from polyrl.local.compute import packed_logprobs
@@ -48,6 +52,7 @@ class TrainerState:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     steps: int = 0
+    bad_loss: float | None = None  # a non-finite loss among the forward_backward calls since the last step
 
 
 @dataclass(eq=False)
@@ -59,6 +64,10 @@ class SamplerState:
     weights: list[torch.Tensor] | None
     model_path: str | None = None
     sampler_id: str = field(default_factory=lambda: f"sampler-{uuid.uuid4().hex[:12]}")
+
+
+_STOP = object()  # queued by Engine.stop: the worker ends once it takes it
+STOP_TIMEOUT_S = 30.0  # how long interpreter exit waits for the operation the worker is running
 
 
 @dataclass
@@ -95,7 +104,8 @@ class Engine:
     """Owns base models, adapters and the worker thread. One per (store, device, dtype)."""
 
     _shared: dict[tuple, "Engine"] = {}
-    _shared_lock = threading.Lock()
+    _shared_lock = threading.RLock()  # also taken in __init__, which shared() calls holding it
+    _running: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # every engine whose worker may run (stop_all)
 
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
@@ -123,19 +133,52 @@ class Engine:
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
         self._generator: torch.Generator | None = None
+        self._stopped = False
+        # a daemon thread, so that an operation that never ends cannot keep the process alive; stopped
+        # in order at exit (stop_all), as one still running torch code while the interpreter shuts down
+        # aborts the process ("terminate called without an active exception")
         self._thread = threading.Thread(target=self._run, name="polyrl-engine", daemon=True)
+        with self._shared_lock:
+            self._running.add(self)
         self._thread.start()
 
     # ---- submission -------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any]) -> Future:
-        fut: Future = Future()
-        self._queue.put(_Op(fn, fut))
-        return fut
+        return self._put(_Op(fn, Future()))
 
     def submit_sample(self, sampler: SamplerState, job: SampleJob) -> Future:
-        fut: Future = Future()
-        self._queue.put(_SampleOp(sampler, job, fut))
-        return fut
+        return self._put(_SampleOp(sampler, job, Future()))
+
+    def _put(self, op: "_Op | _SampleOp") -> Future:
+        self._queue.put(op)
+        if self._stopped:  # nothing runs it any more
+            op.future.cancel()
+        return op.future
+
+    # ---- stopping ------------------------------------------------------------------------------
+    def stop(self, timeout: float | None = STOP_TIMEOUT_S) -> bool:
+        """Stop the worker: operations still queued are cancelled, the one running finishes. Whether
+        the worker ended within ``timeout`` seconds. The engine takes no more work."""
+        self._stopped = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with self._shared_lock:
+            for key in [k for k, e in self._shared.items() if e is self]:
+                del self._shared[key]
+            self._running.discard(self)
+        return not self._thread.is_alive()
+
+    @classmethod
+    def stop_all(cls, timeout: float | None = STOP_TIMEOUT_S) -> bool:
+        """Stop every engine (at exit, and on Ctrl-C); whether all ended within ``timeout``."""
+        with cls._shared_lock:
+            engines = list(cls._running)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stopped = True
+        for engine in engines:  # each gets what is left of the time
+            stopped = engine.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) and stopped
+        return stopped
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker and wait (for set-up work such as loading a model)."""
@@ -146,6 +189,9 @@ class Engine:
         pending: list = []
         while True:
             op = pending.pop(0) if pending else self._queue.get()
+            if op is _STOP or self._stopped:
+                self._cancel([op, *pending])
+                return
             if isinstance(op, _Op):
                 self._execute(op.future, op.fn)
                 continue
@@ -158,6 +204,17 @@ class Engine:
                     break
                 (batch if isinstance(nxt, _SampleOp) else pending).append(nxt)
             self._run_samples(batch)
+
+    def _cancel(self, ops: list) -> None:
+        """Cancel ``ops`` and everything still queued."""
+        while True:
+            for op in ops:
+                if op is not _STOP:
+                    op.future.cancel()
+            try:
+                ops = [self._queue.get_nowait()]
+            except queue.Empty:
+                return
 
     @staticmethod
     def _execute(future: Future, fn: Callable[[], Any]) -> None:
@@ -230,6 +287,8 @@ class Engine:
                 for i, lp in zip(mb.datums, lps):
                     outputs[i] = lp.detach()
                 parts += metrics
+        if backward:
+            _note_loss(st, [m["loss:sum"] for m in parts if "loss:sum" in m])
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
             loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(o.float().cpu())} for o in outputs],
@@ -248,6 +307,7 @@ class Engine:
                 raise ValueError("a custom loss function must return (scalar tensor, metrics dict)")
             loss.backward()
         metrics = {"loss:sum": float(loss.detach())}
+        _note_loss(st, [metrics["loss:sum"]])
         metrics.update({k if ":" in k else f"{k}:sum": float(v) for k, v in (user_metrics or {}).items()})
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
@@ -259,6 +319,9 @@ class Engine:
         return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
+        """One AdamW step on the accumulated gradients. A step whose loss or gradient is not finite is
+        refused (:class:`NonFiniteUpdateError`): weights and optimizer state stay bit for bit, the
+        gradients are dropped, and the next ``forward_backward`` starts a clean step."""
         for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
             value = getattr(params, name)
             if not math.isfinite(value) or value < 0:
@@ -266,12 +329,21 @@ class Engine:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(params, name) < 1:
                 raise ValueError(f"adam_params.{name} must be in [0, 1), got {getattr(params, name)}")
+        trained = [p for p in st.params if p.grad is not None]
+        grads = [p.grad for p in trained]
+        total_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = float(total_norm)
+        if st.bad_loss is not None or not math.isfinite(norm):
+            problem = _update_problem(st.bad_loss, grads, norm, sum(p.numel() for p in st.params))
+            st.bad_loss = None
+            st.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdateError(f"optim_step refused: {problem}; the weights and optimizer state are "
+                                       "unchanged and the accumulated gradients were dropped")
         for group in st.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
-        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        grads = [p for p in st.params if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        if grads and params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(trained, params.grad_clip_norm, total_norm)
         st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
         st.steps += 1
@@ -284,15 +356,19 @@ class Engine:
 
     def save_state(self, st: TrainerState, name: str, overwrite: bool = False, user_metadata: dict | None = None) -> str:
         cp = CheckpointPath(st.model_id, "weights", check_name(name))
+        _check_finite(st, f"save_state {name!r}", optimizer=True)
 
         def write(d: Path) -> None:
             st.base.save_adapter(st.adapter, d)
-            torch.save(st.optimizer.state_dict(), d / "optimizer.pt")
+            buffer = io.BytesIO()  # torch.save's own writer reports a full disk without its reason
+            torch.save(st.optimizer.state_dict(), buffer)
+            (d / "optimizer.pt").write_bytes(buffer.getbuffer())
 
         return self.store.write(cp, write, self._meta(st, user_metadata), overwrite)
 
     def save_for_sampler(self, st: TrainerState, name: str, user_metadata: dict | None = None) -> str:
         cp = CheckpointPath(st.model_id, "sampler_weights", check_name(name))
+        _check_finite(st, f"save_weights_for_sampler {name!r}", optimizer=False)
         return self.store.write(cp, lambda d: st.base.save_adapter(st.adapter, d), self._meta(st, user_metadata), True)
 
     def snapshot_sampler(self, st: TrainerState, model_path: str | None = None) -> SamplerState:
@@ -325,6 +401,9 @@ class Engine:
         return SamplerState(base, spec, weights, path)
 
 
+atexit.register(Engine.stop_all)  # runs before the interpreter stops its threads
+
+
 # ---- helpers -----------------------------------------------------------------------------------
 @dataclass
 class _Datum:
@@ -350,6 +429,52 @@ def _all_or_nothing(params: list[torch.nn.Parameter]) -> Iterator[None]:
     for p, g in zip(params, earlier):
         if g is not None:
             p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+def _note_loss(st: TrainerState, values: list[float]) -> None:
+    """Remember a non-finite loss of a ``forward_backward``: the next ``optim_step`` is refused."""
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad and st.bad_loss is None:
+        st.bad_loss = bad[0]
+
+
+def _count_not_finite(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(NaN entries, infinite entries) of ``tensors``."""
+    nan = sum(int(torch.isnan(t).sum()) for t in tensors)
+    return nan, sum(int(torch.isinf(t).sum()) for t in tensors)
+
+
+def _update_problem(bad_loss: float | None, grads: list[torch.Tensor], norm: float, size: int) -> str:
+    """Why an update cannot be applied, in words: a non-finite loss, a non-finite gradient, or one whose
+    norm overflows float32 (its square would put infinities into Adam's second moment)."""
+    problems = []
+    if bad_loss is not None:
+        problems.append(f"the loss of a forward_backward since the last step is not finite ({bad_loss})")
+    nan, inf = _count_not_finite(grads)
+    if nan or inf:
+        counts = " and ".join(f"{kind} in {n} of {size} entries" for kind, n in (("NaN", nan), ("inf", inf))
+                              if n)
+        problems.append(f"the gradient is not finite ({counts})")
+    elif not math.isfinite(norm):
+        largest = max(float(g.abs().max()) for g in grads)
+        problems.append(f"the gradient is too large for float32 (its norm overflows; largest entry "
+                        f"{largest:.3g})")
+    return " and ".join(problems)
+
+
+def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
+    """Refuse to write a checkpoint holding a non-finite adapter weight (or optimizer state)."""
+    nan, inf = _count_not_finite([p.detach() for p in st.params])
+    if nan or inf:
+        size = sum(p.numel() for p in st.params)
+        raise NonFiniteUpdateError(f"{what} refused: {nan + inf} of {size} adapter weights are not finite; "
+                                   "nothing was written")
+    if optimizer:
+        moments = [v for state in st.optimizer.state.values() for v in state.values()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if sum(_count_not_finite(moments)):
+            raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; "
+                                       "nothing was written")
 
 
 def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Tensor], config: dict,

@@ -375,10 +375,13 @@ class BaseModel:
     # ---- disk format (standard PEFT adapter directories) ----------------------------------
     def save_adapter(self, adapter: str, directory: Path) -> None:
         from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter, save_embedding_layers=False)
-        save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, directory / "adapter_model.safetensors")
+        # serialized in memory (an adapter is small) and written by Python, so that a full disk is an
+        # OSError naming the problem rather than a safetensors error
+        data = save({k: v.detach().cpu().contiguous() for k, v in state.items()})
+        (directory / "adapter_model.safetensors").write_bytes(data)
         config = self.peft_model.peft_config[adapter].to_dict()
         config["base_model_name_or_path"] = self.name
         for key in ("target_modules", "target_parameters"):  # sets in memory; JSON lists on disk

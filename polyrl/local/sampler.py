@@ -6,8 +6,9 @@ repeated, rows that finish are dropped from the cache, and each request keeps it
 temperature, top-k/top-p, stops, ``max_tokens`` and seed.
 
 Returned logprobs are the model's own (temperature 1, unfiltered) log-probabilities of the sampled
-tokens: exactly what ``forward`` computes for the same tokens, so RL importance ratios compare
-like with like.
+tokens: what ``forward`` computes for the same tokens, so RL importance ratios compare like with
+like. They agree to float32 rounding, not bit for bit: a matrix product's rounding depends on the
+batch (rows, padding) a request runs in, and which requests share a batch depends on timing.
 
 Sampling is by inverse CDF: one uniform number per row per step, vectorised over the batch. A
 seeded request's rows draw theirs from a counter-based hash of (row seed, step), so a sample never
