@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps-off-policy", type=int, default=0,
                    help="RL sampling this many steps ahead of training (default: 0, the synchronous loop)")
     p.add_argument("--loss-fn", default="importance_sampling",
-                   choices=["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"],
+                   choices=typing.get_args(TrainConfig.model_fields["loss_fn"].annotation),
                    help="the RL loss (default: importance_sampling)")
     p.add_argument("--serve", action="store_true",
                    help="run the RL phase through `polyrl serve` on 127.0.0.1 (backend tinker) instead of "

@@ -22,7 +22,10 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     weights,
 )
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 RANK = 4
 
 
@@ -41,8 +44,10 @@ def direction(m: torch.Tensor, damping: float) -> torch.Tensor:
 
 
 def grads_of(tc) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-            for n, p in adapter_params(tc).items()}
+    return {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in adapter_params(tc).items()
+    }
 
 
 def data(seed: int) -> list[types.Datum]:
@@ -51,13 +56,18 @@ def data(seed: int) -> list[types.Datum]:
 
 
 def test_two_dimuon_steps_equal_the_documented_formula(service, tiny_model_dir):
-    tc = service.create_lora_training_client(tiny_model_dir, rank=RANK, seed=2,
-                                             optimizer=types.DimuonOptimizerConfig()).result()
-    steps = [DimuonSettings(learning_rate=0.01, beta1=0.9), DimuonSettings(learning_rate=0.02, beta1=0.8,
-                                                                           damping=0.3, grad_clip_norm=1.0)]
-    params = [types.DimuonParams(learning_rate=0.01, beta1=0.9),
-              # the documented damping and rank correction, which SDK 0.38's DimuonParams does not carry yet
-              {"type": "dimuon", "learning_rate": 0.02, "beta1": 0.8, "damping": 0.3, "grad_clip_norm": 1.0}]
+    tc = service.create_lora_training_client(
+        tiny_model_dir, rank=RANK, seed=2, optimizer=types.DimuonOptimizerConfig()
+    ).result()
+    steps = [
+        DimuonSettings(learning_rate=0.01, beta1=0.9),
+        DimuonSettings(learning_rate=0.02, beta1=0.8, damping=0.3, grad_clip_norm=1.0),
+    ]
+    params = [
+        types.DimuonParams(learning_rate=0.01, beta1=0.9),
+        # the documented damping and rank correction, which SDK 0.38's DimuonParams does not carry yet
+        {"type": "dimuon", "learning_rate": 0.02, "beta1": 0.8, "damping": 0.3, "grad_clip_norm": 1.0},
+    ]
     momentum: dict[str, torch.Tensor] = {}
     moved = 0
     for i, (want, given) in enumerate(zip(steps, params)):
@@ -86,8 +96,9 @@ def test_two_dimuon_steps_equal_the_documented_formula(service, tiny_model_dir):
 
 
 def test_dimuon_momentum_survives_save_and_load(service, tiny_model_dir):
-    tc = service.create_lora_training_client(tiny_model_dir, rank=RANK, seed=3,
-                                             optimizer=types.DimuonOptimizerConfig()).result()
+    tc = service.create_lora_training_client(
+        tiny_model_dir, rank=RANK, seed=3, optimizer=types.DimuonOptimizerConfig()
+    ).result()
     step = types.DimuonParams(learning_rate=0.01)
     for i in range(2):
         tc.forward_backward(data(i), "cross_entropy")
@@ -99,6 +110,9 @@ def test_dimuon_momentum_survives_save_and_load(service, tiny_model_dir):
         client.forward_backward(data(7), "cross_entropy")
         client.optim_step(step).result()
     assert_weights_equal(weights(resumed), weights(tc), atol=0)
+    tc.load_state(path).result()  # weights only, into the client: its optimizer stays Dimuon (fresh momentum)
+    tc.forward_backward(data(7), "cross_entropy")
+    assert tc.optim_step(step).result().metrics["learning_rate:mean"] == 0.01
     fresh = service.create_training_client_from_state(path).result()  # weights only: a new (Adam) optimizer
     fresh.forward_backward(data(7), "cross_entropy")
     with pytest.raises(ValueError, match="optimizer is adamw"):
@@ -108,7 +122,9 @@ def test_dimuon_momentum_survives_save_and_load(service, tiny_model_dir):
 def test_adam_is_still_adamw_bit_for_bit(service, tiny_model_dir):
     tc = service.create_lora_training_client(tiny_model_dir, rank=RANK, seed=4).result()
     shadow = {n: torch.nn.Parameter(w.clone()) for n, w in weights(tc).items()}
-    reference = torch.optim.AdamW(list(shadow.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    reference = torch.optim.AdamW(
+        list(shadow.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0
+    )
     for i, lr in enumerate((0.01, 0.003)):
         tc.forward_backward(data(i), "cross_entropy").result()
         for n, g in grads_of(tc).items():
@@ -121,25 +137,37 @@ def test_adam_is_still_adamw_bit_for_bit(service, tiny_model_dir):
 
 
 def test_optimizer_mismatches_and_bad_dimuon_params_are_clear_errors(service, tiny_model_dir):
-    dimuon = service.create_lora_training_client(tiny_model_dir, rank=RANK, seed=0,
-                                                 optimizer=types.DimuonOptimizerConfig()).result()
+    dimuon = service.create_lora_training_client(
+        tiny_model_dir, rank=RANK, seed=0, optimizer=types.DimuonOptimizerConfig()
+    ).result()
     adam = service.create_lora_training_client(tiny_model_dir, rank=RANK, seed=0).result()
     for tc in (dimuon, adam):
         tc.forward_backward(data(0), "cross_entropy").result()
     before = weights(dimuon)
-    with pytest.raises(ValueError, match="optim_step got AdamParams, but this training client's optimizer is dimuon"):
+    with pytest.raises(
+        ValueError, match="optim_step got AdamParams, but this training client's optimizer is dimuon"
+    ):
         dimuon.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-    with pytest.raises(ValueError, match="optim_step got DimuonParams, but this training client's optimizer is adamw"):
+    with pytest.raises(
+        ValueError, match="optim_step got DimuonParams, but this training client's optimizer is adamw"
+    ):
         adam.optim_step(types.DimuonParams(learning_rate=1e-3)).result()
     from tinker.types.optimizer import OptimParamsBase
 
-    for bad, words in (({"learning_rate": -1.0}, "learning_rate must be >= 0"),
-                       ({"learning_rate": 1e-3, "beta1": 1.0}, "beta1 must be in [0, 1)"),
-                       ({"learning_rate": 1e-3, "damping": 0.0}, "damping must be > 0"),
-                       ({"learning_rate": 1e-3, "nesterov": 1.0}, "unknown keys ['nesterov']")):
-        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    for bad, words in (
+        ({"learning_rate": -1.0}, "learning_rate must be >= 0"),
+        ({"learning_rate": 1e-3, "beta1": 1.0}, "beta1 must be in [0, 1)"),
+        ({"learning_rate": 1e-3, "damping": 0.0}, "damping must be > 0"),
+        ({"learning_rate": 1e-3, "nesterov": 1.0}, "unknown keys ['nesterov']"),
+    ):
+        with pytest.raises(
+            ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+        ):
             dimuon.optim_step(OptimParamsBase(type="dimuon", **bad))
     assert_weights_equal(weights(dimuon), before, atol=0)  # nothing was applied
-    assert dimuon.optim_step(types.DimuonParams(learning_rate=1e-3)).result().metrics["learning_rate:mean"] == 1e-3
+    assert (
+        dimuon.optim_step(types.DimuonParams(learning_rate=1e-3)).result().metrics["learning_rate:mean"]
+        == 1e-3
+    )
     with pytest.raises(ValueError, match="optimizer 'sgd' is not supported; supported: adamw, dimuon"):
         service.create_lora_training_client(tiny_model_dir, rank=RANK, optimizer={"type": "sgd"})

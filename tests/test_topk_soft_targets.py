@@ -20,7 +20,10 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     warm,
 )
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 ATOL = 1e-5
 
 
@@ -40,8 +43,14 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7, 600, 12]
 
 def test_topk_prompt_and_sample_logprobs_equal_the_full_log_softmax(sampler, warm):
     k = 6
-    r = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=7, seed=3),
-                       include_prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=4).result()
+    r = sampler.sample(
+        types.ModelInput.from_ints(PROMPT),
+        2,
+        types.SamplingParams(max_tokens=7, seed=3),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=k,
+        topk_sample_logprobs=4,
+    ).result()
     ref = full_logprobs(warm["ref"], PROMPT)
     topk = r.topk_prompt_logprobs
     assert len(topk) == len(PROMPT) and topk[0] is None  # position 0 predicts nothing
@@ -69,12 +78,16 @@ def test_target_prompt_logprobs_dense_and_sparse_keep_their_layout(sampler, warm
     want = torch.where(ids >= 0, ref[:-1].gather(-1, ids.clamp(min=0)), torch.zeros(ids.shape))
     params = types.SamplingParams(max_tokens=1)
     prompt = types.ModelInput.from_ints(PROMPT)
-    dense = sampler.sample(prompt, 1, params, target_prompt_logprobs=types.TensorData.from_torch(ids)).result()
+    dense = sampler.sample(
+        prompt, 1, params, target_prompt_logprobs=types.TensorData.from_torch(ids)
+    ).result()
     assert dense.target_prompt_logprobs.sparse_crow_indices is None
     torch.testing.assert_close(dense.target_prompt_logprobs.to_torch(), want, rtol=0, atol=ATOL)
     sparse_in = types.TensorData.from_torch_sparse(ids, pad_value=-1)
     assert sparse_in.sparse_crow_indices is not None
-    sparse = sampler.sample(prompt, 1, params, target_prompt_logprobs=sparse_in).result().target_prompt_logprobs
+    sparse = (
+        sampler.sample(prompt, 1, params, target_prompt_logprobs=sparse_in).result().target_prompt_logprobs
+    )
     assert sparse.sparse_crow_indices == sparse_in.sparse_crow_indices
     assert sparse.sparse_col_indices == sparse_in.sparse_col_indices
     torch.testing.assert_close(sparse.to_torch(), want, rtol=0, atol=ATOL)
@@ -88,10 +101,15 @@ def test_prompt_alt_tokens_are_draws_with_the_models_logprobs(sampler, warm):
     assert list(tokens.shape) == list(lps.shape) == [len(PROMPT) - 1, 16]
     torch.testing.assert_close(lps, ref[:-1].gather(-1, tokens), rtol=0, atol=ATOL)
     assert len(set(tokens.flatten().tolist())) > 16  # draws, not one token repeated
-    again = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, seed=5), prompt_alt_tokens_k=16).result()
+    again = sampler.sample(
+        prompt, 1, types.SamplingParams(max_tokens=1, seed=5), prompt_alt_tokens_k=16
+    ).result()
     assert torch.equal(again.prompt_alt_tokens.tokens.to_torch(), tokens)  # seeded: reproducible
-    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0),
-                            prompt_alt_tokens_k=3).result().prompt_alt_tokens.tokens.to_torch()
+    greedy = (
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1, temperature=0.0), prompt_alt_tokens_k=3)
+        .result()
+        .prompt_alt_tokens.tokens.to_torch()
+    )
     assert torch.equal(greedy, ref[:-1].argmax(-1, keepdim=True).expand(-1, 3))
 
 
@@ -100,8 +118,14 @@ def test_prompt_logprobs_last_n_returns_exactly_the_last_n(sampler, warm):
     want = ref[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
     prompt = types.ModelInput.from_ints(PROMPT)
     for last_n in (1, 3, len(PROMPT) - 1):
-        r = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
-                           topk_prompt_logprobs=2, prompt_logprobs_last_n=last_n).result()
+        r = sampler.sample(
+            prompt,
+            1,
+            types.SamplingParams(max_tokens=1),
+            include_prompt_logprobs=True,
+            topk_prompt_logprobs=2,
+            prompt_logprobs_last_n=last_n,
+        ).result()
         plp = r.prompt_logprobs
         assert len(plp) == len(PROMPT)
         assert [x is None for x in plp] == [True] * (len(PROMPT) - last_n) + [False] * last_n
@@ -115,13 +139,18 @@ def test_prompt_logprobs_last_n_returns_exactly_the_last_n(sampler, warm):
 def test_bad_top_k_requests_are_clear_errors(sampler):
     prompt = types.ModelInput.from_ints(PROMPT)
     params = types.SamplingParams(max_tokens=1)
-    target = lambda shape, fill=1: types.TensorData.from_torch(torch.full(shape, fill, dtype=torch.long))  # noqa: E731
+
+    def target(shape: tuple[int, int], fill: int = 1) -> types.TensorData:
+        return types.TensorData.from_torch(torch.full(shape, fill, dtype=torch.long))
+
     cases = [
         ({"topk_prompt_logprobs": 129}, "topk_prompt_logprobs must be a count between 0 and 128"),
         ({"topk_sample_logprobs": -1}, "topk_sample_logprobs must be a count between 0 and 128"),
         ({"prompt_alt_tokens_k": 1000}, "prompt_alt_tokens_k must be a count between 0 and 128"),
-        ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(PROMPT)},
-         "prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = 8"),
+        (
+            {"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(PROMPT)},
+            "prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = 8",
+        ),
         ({"prompt_logprobs_last_n": 2}, "set include_prompt_logprobs"),
         ({"target_prompt_logprobs": target((len(PROMPT), 2))}, "it must be [len(prompt) - 1 = 8, K]"),
         ({"target_prompt_logprobs": target((len(PROMPT) - 1, 129))}, "K between 1 and 128"),
@@ -135,21 +164,28 @@ def test_bad_top_k_requests_are_clear_errors(sampler):
 
 
 # ---- cross_entropy with (N, K) soft targets --------------------------------------------------------
-def soft_datum(gen: torch.Generator, n: int, k: int, prompt: int | None = None, vocab: int = 700) -> types.Datum:
+def soft_datum(
+    gen: torch.Generator, n: int, k: int, prompt: int | None = None, vocab: int = 700
+) -> types.Datum:
     """``n`` positions, each with ``k`` targets weighted like renormalized teacher probabilities (some
     positions all zero, as prompt positions are), sent as the SDK sends a 2-D torch tensor (sparse)."""
     tokens = torch.randint(0, vocab, (n,), generator=gen).tolist()
     targets = torch.randint(0, vocab, (n, k), generator=gen)
     weights = torch.softmax(torch.randn(n, k, generator=gen), dim=-1)
     weights[: n // 3 if prompt is None else prompt] = 0.0
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                       loss_fn_inputs={"target_tokens": targets, "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": targets, "weights": weights},
+    )
 
 
 def test_soft_target_cross_entropy_equals_direct_computation_with_gradients(service, warm):
     gen = torch.Generator().manual_seed(4)
-    data = [soft_datum(gen, 16, 5, prompt=12), make_datum([3, 4, 5, 6], [4, 5, 6, 7], weights=[0.0, 1.0, 0.5, 1.0]),
-            soft_datum(gen, 6, 20)]
+    data = [
+        soft_datum(gen, 16, 5, prompt=12),
+        make_datum([3, 4, 5, 6], [4, 5, 6, 7], weights=[0.0, 1.0, 0.5, 1.0]),
+        soft_datum(gen, 6, 20),
+    ]
     assert data[0].loss_fn_inputs["weights"].sparse_crow_indices is not None  # as the SDK sends it
     tc = from_state(service, warm["path"])
     out = tc.forward_backward(data, "cross_entropy").result()
@@ -171,8 +207,11 @@ def test_soft_target_cross_entropy_equals_direct_computation_with_gradients(serv
         assert lp.shape == list(targets.shape)
         torch.testing.assert_close(lp.to_torch(), picked.detach(), rtol=0, atol=ATOL)
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
-    want = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()
-            if p.requires_grad}
+    want = {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p))
+        for n, p in ref.named_parameters()
+        if p.requires_grad
+    }
     assert_grads_close(got, want, rtol=1e-5)
 
 
@@ -180,12 +219,22 @@ def test_soft_targets_outside_cross_entropy_and_misshapen_weights_are_refused(se
     tc = from_state(service, warm["path"])
     gen = torch.Generator().manual_seed(5)
     d = soft_datum(gen, 6, 3)
-    rl = types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": [-1.0] * 6, "advantages": [1.0] * 6})
+    rl = types.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"],
+            "logprobs": [-1.0] * 6,
+            "advantages": [1.0] * 6,
+        },
+    )
     with pytest.raises(ValueError, match=r"shape \[6, 3\]; loss ppo takes one target per token"):
         tc.forward_backward([rl], "ppo").result()
-    narrow = types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": torch.ones(6, 2)})
-    with pytest.raises(ValueError, match=r"'weights'\] has shape \[6, 2\]; with target_tokens of shape \[6, 3\]"):
+    narrow = types.Datum(
+        model_input=d.model_input,
+        loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": torch.ones(6, 2)},
+    )
+    with pytest.raises(
+        ValueError, match=r"'weights'\] has shape \[6, 2\]; with target_tokens of shape \[6, 3\]"
+    ):
         tc.forward_backward([narrow], "cross_entropy").result()
     assert all(p.grad is None for p in adapter_params(tc).values())  # nothing was accumulated

@@ -686,8 +686,9 @@ def test_stable_reinforce_with_dimuon_trains_on_the_real_engine(tiny_model_dir, 
     from polyrl.local.checkpoints import Store
     from polyrl.tracking.console import ConsoleLog
 
-    cfg = _config(tiny_model_dir, tmp_path, max_steps=2, save_every=0, batch_size=2, loss_fn="stable_reinforce",
-                  loss_fn_config={"max_ratio": 1.5}, optimizer={"type": "dimuon"}, learning_rate=0.02,
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=2, save_every=0, batch_size=2,
+                  loss_fn="stable_reinforce", loss_fn_config={"max_ratio": 1.5}, optimizer={"type": "dimuon"},
+                  learning_rate=0.02,
                   kl={"penalty_coef": 0.05}, environments={"guess": {
                       "type": "guess_number", "num_rollouts": 4, "max_turns": 3, "args": {"max_guesses": 3}}})
     train(cfg, ConsoleLog(enabled=False))

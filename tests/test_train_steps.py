@@ -553,7 +553,7 @@ def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tm
     ep.turn_sequence_ids = [None]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
     with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
         adv.to_datum(ep, "stable_reinforce")
-    with pytest.raises(ValueError, match=r"loss_fn_config\.kl_coeff: only used by loss_fn 'stable_reinforce'"):
+    with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):
         _config(tmp_path, loss_fn="ppo", loss_fn_config={"kl_coeff": 0.1})
 
 
@@ -565,8 +565,8 @@ def test_dimuon_config_gives_dimuon_clients_and_steps(tmp_path):
     assert optimizer_choice(config) == {"optimizer": types.DimuonOptimizerConfig()}
     assert optimizer_choice(_config(tmp_path)) == {}
     tuned = optim_params(_config(tmp_path, optimizer={"type": "dimuon", "damping": 0.3}), 0)
-    assert tuned.model_dump() == {"type": "dimuon", "learning_rate": 1e-4, "beta1": 0.9, "grad_clip_norm": 0.0,
-                                  "damping": 0.3}
+    assert tuned.model_dump() == {"type": "dimuon", "learning_rate": 1e-4, "beta1": 0.9,
+                                  "grad_clip_norm": 0.0, "damping": 0.3}
     for bad, words in (({"type": "dimuon", "weight_decay": 0.1}, "weight_decay: not used by optimizer type "
                                                                  "'dimuon'"),
                        ({"damping": 0.3}, "damping: not used by optimizer type 'adam'"),

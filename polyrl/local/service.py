@@ -352,7 +352,7 @@ class TrainingClient:
 
     def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
         def op():
-            new = self._engine.load_trainer(self.model_id, path, with_optimizer)
+            new = self._engine.load_trainer(self.model_id, path, with_optimizer, self._state.optimizer_type)
             self._state.base.delete_adapter(self._state.adapter)
             self._state = new
             return types.LoadWeightsResponse(path=path, model_id=self.model_id)

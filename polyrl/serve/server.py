@@ -296,7 +296,7 @@ class Server:
 
             def load() -> dict:
                 old: TrainerState = rec.ready.result()
-                new = self.engine.load_trainer(rec.model_id, path, req.optimizer)
+                new = self.engine.load_trainer(rec.model_id, path, req.optimizer, old.optimizer_type)
                 old.base.delete_adapter(old.adapter)
                 done: Future = Future()
                 done.set_result(new)
