@@ -419,7 +419,7 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     from polyrl.run import resume_hint
     from polyrl.step_metrics import step_row, update_metrics
     from polyrl.train import checkpoint, log_step, take_groups
-    from polyrl.update import StepUpdate, adam_params, forward_backward, optimizer_step, prepare_minibatch
+    from polyrl.update import StepUpdate, forward_backward, optim_params, optimizer_step, prepare_minibatch
 
     run = _opened(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
     state = run.state
@@ -449,7 +449,7 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
         minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
         pending = [forward_backward(run.training, minibatch.data_D, run.config)] if minibatch.data_D else []
-        adam, optimized = adam_params(run.config, 0), None
+        adam, optimized = optim_params(run.config, 0), None
         if minibatch.episodes_D:
             optimized = await optimizer_step(run.training, run.guard, pending, minibatch.problem, adam, 0)
         return StepUpdate.of([minibatch], update_metrics(adam, [minibatch], optimized), 0.0)
