@@ -814,7 +814,7 @@ def test_a_full_disk_at_a_later_checkpoint_names_the_last_good_one(tiny_model_di
     assert "\n" not in message and "could not write checkpoint tinker://" in message, message
     assert "/weights/final" in message and "No space left on device" in message, message
     assert f"last checkpoint: {saved[0]['state_path']}" in message, message
-    store = Store(cfg.store_dir)
+    store = Store(cfg.local.store_dir)
     assert not [p for p in store.root.rglob(".tmp*")]
     assert {c["tinker_path"] for run in store.runs() for c in store.list(run)} == \
         {saved[0]["state_path"], saved[0]["sampler_path"]}
