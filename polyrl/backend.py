@@ -29,7 +29,8 @@ def make_service_client(config: Any) -> Any:
         local = config.local
         return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
                              micro_batch_tokens=local.micro_batch_tokens,
-                             gradient_checkpointing=local.gradient_checkpointing)
+                             gradient_checkpointing=local.gradient_checkpointing,
+                             max_store_bytes=local.max_store_bytes)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
