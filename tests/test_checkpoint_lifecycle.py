@@ -527,11 +527,23 @@ def test_serve_sweeps_expired_checkpoints_and_caps_the_store(tiny_model_dir, tmp
 
 
 @pytest.mark.slow
-def test_a_client_that_retries_under_another_name_on_conflict_works(served, sdk, tiny_model_dir, tmp_path):
+def test_a_client_that_retries_under_another_name_on_conflict_works(served, sdk, tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
     """The Minds RL runner's save: ``checkpoint_utils.save_checkpoint_async``, and on ``tinker.ConflictError``
     the same under ``<name>_1``, ``_2``, ... Tinker answers a taken name with 409 at the request; the SDK
-    retries 409s for five minutes before it raises ConflictError, so this test takes that long."""
+    retries 409s for five minutes (by its wall clock) before it raises ConflictError. That clock is the one
+    thing sped up here: each reading is 400 s after the last, so the SDK gives up after its first retry
+    instead of five minutes later; the server's answers and the client's code are the real ones."""
+    import types as pytypes
+
+    import tinker.lib.internal_client_holder as holder_module
     from tinker_cookbook import checkpoint_utils
+
+    real_time = holder_module.time
+    readings = iter(range(10**6))
+    fast = pytypes.SimpleNamespace(**{k: getattr(real_time, k) for k in dir(real_time) if not k.startswith("_")})
+    fast.time = lambda: real_time.time() + 400.0 * next(readings)
+    monkeypatch.setattr(holder_module, "time", fast)
 
     async def save_checkpoint_async(**kwargs):  # written as the runner writes it
         base_name = kwargs.get("name", "ckpt")
