@@ -46,6 +46,7 @@ class Example:
     steps: int = 1
     logs: tuple[str, ...] = ()  # metric keys its steps must log
     server: str | None = None  # a server script it needs, started on 127.0.0.1 for the run
+    needs: str | None = None  # the optional package it needs (skipped without it)
 
     @property
     def documented(self) -> str:
@@ -67,11 +68,12 @@ EXAMPLES: dict[str, Example] = {
                                  logs=("env/solver_judge/solver_accuracy",
                                        "env/solver_judge/judge_accuracy")),
     "openreward/train.yaml": Example(("polyrl", "train", "--config_path", "examples/openreward/train.yaml"),
-                                     files=("openreward/server.py",), server="examples/openreward/server.py"),
+                                     files=("openreward/server.py",), server="examples/openreward/server.py",
+                                     needs="openreward"),
     "minds_rl/configs/train.toml": Example(
         ("polyrl", "train", "--config_path", "configs/train.toml"), cwd="examples/minds_rl",
         files=("minds_rl/environments/shout/__init__.py", "minds_rl/environments/shout/shout.py")),
-    "gem_guess_the_number.sh": Example(("sh", "examples/gem_guess_the_number.sh")),
+    "gem_guess_the_number.sh": Example(("sh", "examples/gem_guess_the_number.sh"), needs="gem"),
 }
 
 
@@ -199,6 +201,8 @@ def trained_checkpoint(store: Path, model: str) -> str:
 @pytest.mark.parametrize("name", configs())
 def test_example_validates(name, checkout, tiny_model_dir, monkeypatch):
     ex = example(name)
+    if ex.needs:
+        pytest.importorskip(ex.needs)
     stdout, stderr, code = print_config(ex, checkout, tiny_model_dir, monkeypatch)
     assert code == 0, stderr
     assert "warning:" not in stderr, f"examples/{name} uses a deprecated key: {stderr}"
@@ -242,9 +246,12 @@ def start_server(script: str, checkout: Path) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # peft and transformers
 @pytest.mark.parametrize("name", configs())
 def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatch):
     ex = example(name)
+    if ex.needs:
+        pytest.importorskip(ex.needs)
     teacher = trained_checkpoint(checkout / "store", tiny_model_dir) if TEACHER in ex.command else ""
     stdout, stderr, code = print_config(ex, checkout, teacher, monkeypatch)
     assert code == 0, stderr
