@@ -35,6 +35,7 @@ from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import CheckpointLifecycle
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
+from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
 from polyrl.serve.state import (
     Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, chain,
     error_body, wait_done,
@@ -555,7 +556,7 @@ class Server(CheckpointLifecycle):
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
         out: Future = Future()
         self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
-        rid = self.futures.add(out, lambda r: P.sample_response_json(r, ids), P.encode_sample_response,
+        rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
                                owner=owner, session_id=rec.session_id)
         done = out
         if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
