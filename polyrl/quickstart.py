@@ -70,7 +70,7 @@ from polyrl.train import train_async
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a quickstart trains: the model, its environments (per environment: builder args, turn and
+    """What a quickstart trains its model on: the environments (per environment: builder args, turn and
     token limits, and how many demonstrations the warm start sees), and the settings of each phase."""
 
     environments: dict[str, dict]
@@ -112,7 +112,7 @@ RECIPES: dict[str, Recipe] = {
         eval_samples=4,
         threads=1,  # these matrices are too small to gain from more
     ),
-    # SmolLM2-135M-Instruct: single-digit sums answered directly. Sampled at temperature 1, the base model
+    # SmolLM2-135M-Instruct: sums of two numbers in 0..19, answered directly. Sampled at temperature 1, it
     # talks around the problem, runs out of tokens or states a wrong sum; RL alone (no warm start) fixes it.
     "smollm2": Recipe(
         environments={
