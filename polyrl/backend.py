@@ -28,10 +28,17 @@ def make_service_client(config: Any) -> Any:
         local = config.local
         return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
                              micro_batch_tokens=local.micro_batch_tokens,
-                             gradient_checkpointing=local.gradient_checkpointing)
+                             gradient_checkpointing=local.gradient_checkpointing,
+                             sampler_dtype=local.sampler_dtype)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
+
+
+def sampler_precision(config: Any, service: Any) -> list[dict[str, Any]]:
+    """What the local engine samples in, for each model it loaded (dtypes, the memory of the sampler's
+    copy, a one-line ``note``); nothing for a remote service, whose numerics are its own."""
+    return service.sampler_precision() if config.backend == "local" else []
 
 
 def make_rest_client(config: Any, service: Any) -> Any:

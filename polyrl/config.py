@@ -70,6 +70,12 @@ class LocalEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Parameter dtype; 'auto' picks from the device."
     )
+    sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Dtype the sampler computes in, apart from the learner's: a copy of the base "
+        "weights in this dtype, each sampled LoRA snapshot folded in; sampled logprobs are the copy's (the "
+        "learner/sampler KL shows the difference). 'auto': bfloat16 on GPUs that have it and on CPUs with "
+        "native bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.",
+    )
     store_dir: str | None = Field(
         None, description="Directory of the engine's checkpoint store; null = $POLYRL_STORE_DIR or "
         "~/.cache/polyrl/store."

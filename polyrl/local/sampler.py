@@ -26,8 +26,11 @@ import numpy as np
 import torch
 from tinker import types
 
+from polyrl.local.sampler_copy import DECODE_ATTENTION
+
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
+PADDED_DECODE_CAPACITY = 64  # the same for a padded cache (see _BufferLayer)
 
 
 @dataclass
@@ -51,33 +54,57 @@ def _buffer_layer_class():
 
     class _BufferLayer(DynamicLayer):
         """A ``DynamicLayer`` that appends into a preallocated buffer (grown by doubling) and returns
-        views of it, instead of concatenating the whole cache on every decode step."""
+        views of it, instead of concatenating the whole cache on every decode step.
 
-        def __init__(self, capacity: int):
+        ``padded``: a one-token step gets the whole buffer instead (zeros past the cached positions, which
+        the attention mask then masks, as for Hugging Face's static cache): a contiguous tensor, which the
+        batched products of :func:`polyrl.local.sampler_copy.decode_attention` need to run at speed in
+        bfloat16 (a view of part of the buffer is copied on every call). The buffer then grows by a quarter,
+        not by doubling, as attention runs over all of it."""
+
+        def __init__(self, capacity: int, padded: bool = False):
             super().__init__()
             self.capacity = capacity
+            self.padded = padded
             self.length = 0
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
             cap = max(self.capacity, key_states.shape[-2])
-            self._k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            new = key_states.new_zeros if self.padded else key_states.new_empty
+            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            self._v = new((*value_states.shape[:-2], cap, value_states.shape[-1]))
             self.is_initialized = True
+
+        def _reserve(self, end: int) -> None:
+            if end > self._k.shape[-2]:
+                cap = self._k.shape[-2]
+                cap = max(end, cap + max(64, cap // 4) if self.padded else 2 * cap)
+
+                def grow(b: torch.Tensor) -> torch.Tensor:
+                    more = b.new_zeros((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))
+                    return torch.cat([b, more], dim=-2)
+
+                self._k, self._v = grow(self._k), grow(self._v)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.length + key_states.shape[-2]
-            if end > self._k.shape[-2]:
-                cap = max(end, 2 * self._k.shape[-2])
-                grow = lambda b: torch.cat([b, b.new_empty((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))], dim=-2)  # noqa: E731
-                self._k, self._v = grow(self._k), grow(self._v)
+            self._reserve(end)
             self._k[..., self.length : end, :] = key_states
             self._v[..., self.length : end, :] = value_states
             self.length = end
             self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+            if self.padded and key_states.shape[-2] == 1:
+                return self._k, self._v
             return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            if self.padded and query_length == 1 and self.is_initialized:
+                self._reserve(self.length + 1)  # here, so that the mask has the length update returns
+                return self._k.shape[-2], 0
+            return super().get_mask_sizes(query_length)
 
         def get_seq_length(self) -> int:
             return self.length
@@ -207,7 +234,10 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
     capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
     layer_class = _buffer_layer_class()
-    cache.layer_class_to_replicate = lambda: layer_class(capacity)
+    padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
+    if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
+        capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
+    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
     split = logits_fn is not None and bool(lp_prompts)
     out = (model.get_decoder() if split else model)(
         input_ids=ids,

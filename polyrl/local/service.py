@@ -95,13 +95,16 @@ class ServiceClient:
     ``auto`` (bfloat16 on capable GPUs, else float32) or a dtype name. ``models`` lists base models
     reported by ``get_server_capabilities`` before they are loaded. ``micro_batch_tokens`` caps the
     tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
-    300M parameters and more) trades recomputation for activation memory.
+    300M parameters and more) trades recomputation for activation memory. ``sampler_dtype`` is the dtype
+    sampling computes in (``auto``: bfloat16 where the device runs it fast; see
+    :func:`polyrl.local.sampler_copy.select_sampler_dtype`).
     """
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-                 gradient_checkpointing: bool | str = "auto", **_ignored: Any):
-        self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing)
+                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto", **_ignored: Any):
+        self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
+                                    sampler_dtype)
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self._models = list(models)
         self._counter = itertools.count()
@@ -169,6 +172,16 @@ class ServiceClient:
                 for n in names
             ]
         )
+
+    def sampler_precision(self) -> list[dict[str, Any]]:
+        """For each base model loaded: the sampler's dtype and the learner's, why (``note``: one line), and
+        the memory of the sampler's own copy of the weights (0 when it samples from the learner's)."""
+        def read() -> list[dict[str, Any]]:
+            return [{"model": b.name, "sampler_dtype": str(b.sampler_dtype).removeprefix("torch."),
+                     "learner_dtype": str(b.dtype).removeprefix("torch."), "copy_bytes": b.sampler_bytes,
+                     "note": b.sampler_note} for b in self.engine.loaded_models()]
+
+        return self.engine.call(read)
 
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)

@@ -81,7 +81,7 @@ class Server:
         self.config = config
         local = config.local
         self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
-                                       local.gradient_checkpointing)
+                                       local.gradient_checkpointing, local.sampler_dtype)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
