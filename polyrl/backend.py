@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 import time
 from typing import Any, Awaitable, Callable, TypeVar
@@ -29,7 +30,7 @@ def make_service_client(config: Any) -> Any:
         return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
                              micro_batch_tokens=local.micro_batch_tokens,
                              gradient_checkpointing=local.gradient_checkpointing,
-                             sampler_dtype=local.sampler_dtype)
+                             max_store_bytes=local.max_store_bytes, sampler_dtype=local.sampler_dtype)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
@@ -84,6 +85,8 @@ class ServiceGuard:
     def __init__(self, url: str | None, timeout: float, warn: Callable[[str], None] = lambda _: None):
         self.url, self.timeout, self.warn = url, timeout, warn
         self.name = f"the Tinker service at {url}"
+        if url is not None:
+            quiet_abandoned_requests()
 
     async def __call__(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``await fn(*args, **kwargs)`` (``fn`` may return a value, an awaitable or a future) while
@@ -193,6 +196,29 @@ def service_lost(exc: BaseException) -> str | None:
                 return f"{endpoint}: 404 {' '.join(str(body or current.message).split())[:300]}"
         current = current.__cause__ or current.__context__
     return None
+
+
+class _AbandonedRequestFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" reports of requests the service lost.
+
+    When the service loses a run (a restart), the trainer abandons what was in flight and reopens the
+    run; the SDK's tasks for those requests still end, with a 404 for the session the service forgot,
+    on the SDK's own event loop, where nobody is left to read them. Their tracebacks say nothing the
+    recovery warning did not; any other unretrieved failure is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "never retrieved" in record.getMessage() and service_lost(exc))
+
+
+_ABANDONED_FILTER = _AbandonedRequestFilter()
+
+
+def quiet_abandoned_requests() -> None:
+    """Install :class:`_AbandonedRequestFilter` on asyncio's logger (once per process)."""
+    logger = logging.getLogger("asyncio")
+    if _ABANDONED_FILTER not in logger.filters:
+        logger.addFilter(_ABANDONED_FILTER)
 
 
 def update_refused(exc: BaseException) -> bool:

@@ -89,6 +89,10 @@ class LocalEngineConfig(BaseModel):
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",
     )
+    max_store_bytes: int | None = Field(
+        None, ge=1, description="Cap on the bytes the checkpoint store holds; a save that would pass it is "
+        "refused (nothing of it kept) until checkpoints are deleted or expire. null = no cap.",
+    )
 
 
 class KLConfig(BaseModel):
@@ -318,7 +322,9 @@ class RenamedKeys(BaseModel):
         return list(self._renamed_warnings)
 
 
-LOCAL_RENAMED = {key: f"local.{key}" for key in LocalEngineConfig.model_fields}
+# the engine settings that were top-level keys before ``local:`` (newer ones never were)
+LOCAL_RENAMED = {key: f"local.{key}" for key in ("device", "dtype", "store_dir", "micro_batch_tokens",
+                                                 "gradient_checkpointing")}
 
 
 # -------------------------------------------------------------------------------- the run configs

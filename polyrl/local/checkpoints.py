@@ -1,13 +1,24 @@
 """The local checkpoint store: ``tinker://<run_id>/<kind>/<name>`` paths resolved to directories.
 
-Layout: ``<root>/<run_id>/{weights|sampler_weights}/<name>/`` (the run id percent-encoded: ``:`` is
-``%3A``) holding a standard PEFT adapter
-(``adapter_model.safetensors`` + ``adapter_config.json``), ``polyrl.json`` (base model, LoRA spec,
-optimizer steps) and, for training state, ``optimizer.pt``. Every checkpoint is written to a
-temporary directory, its files fsynced, and renamed into place (the rename fsynced too), so a crash
-never leaves a half-written checkpoint. Overwriting moves the old directory aside first and removes it
-only once the new one is in place; a crash between the two renames leaves the old one aside, where
-:meth:`Store.directory` finds and restores it.
+Layout: ``<root>/<run_id>/{weights|sampler_weights|external_weights}/<name>/`` (the run id
+percent-encoded: ``:`` is ``%3A``) holding a standard PEFT adapter
+(``adapter_model.safetensors`` + ``adapter_config.json``, age-encrypted as ``*.age`` in an external
+export made for age recipients), ``polyrl.json`` (base model, LoRA spec, optimizer steps, and the
+lifecycle: ``expires_at``, ``public``) and, for training state, ``optimizer.pt``. Every checkpoint is
+written to a temporary directory, its files fsynced, and renamed into place (the rename fsynced too), so
+a crash never leaves a half-written checkpoint. Overwriting moves the old directory aside first and
+removes it only once the new one is in place; a crash between the two renames leaves the old one aside,
+where :meth:`Store.directory` finds and restores it. ``polyrl.json`` is rewritten the same way.
+
+Lifecycle, as Tinker's: a checkpoint saved with a TTL expires at ``expires_at``; from then on it cannot
+be loaded, and it is removed by the first access, by a listing (which shows it once, expired, then
+removes it), by the sweep every save runs now and then, and by ``polyrl serve``'s periodic sweep. A store
+may have a size cap (``max_bytes``): a save that would pass it is refused and nothing of it is kept.
+
+Problems are raised as the tinker SDK's own exception types (``tinker.ConflictError`` for a name that
+exists, ``tinker.NotFoundError``, ``tinker.BadRequestError``, ``tinker.PermissionDeniedError`` for a full
+store), so code written against the SDK behaves the same in-process; each is also a polyrl
+:class:`UserInputError` (a ``ValueError``) or, for a full store, a :class:`CheckpointWriteError`.
 """
 
 from __future__ import annotations
@@ -17,16 +28,61 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import quote, unquote
+
+import httpx
+import tinker
 
 from polyrl.errors import CheckpointWriteError, UserInputError
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's longest TTL: 10 years
+MAX_AGE_RECIPIENTS = 10  # Tinker's limit on an external export's age recipients
+
+
+# ---- errors, as the SDK raises them ------------------------------------------------------------------
+class _StoreStatusError:
+    """Builds the SDK's status error (which wants an HTTP response) for a problem found in-process."""
+
+    status = 0
+
+    def __init__(self, message: str):
+        response = httpx.Response(self.status, request=httpx.Request("POST", "polyrl://local/store"))
+        super().__init__(message, response, {"error": message, "category": "user"})  # type: ignore[call-arg]
+
+    def __reduce__(self):
+        return type(self), (str(self),)
+
+
+class CheckpointConflictError(_StoreStatusError, tinker.ConflictError, UserInputError):
+    """A checkpoint of that name exists (or is already in the state asked for): HTTP 409."""
+
+    status = 409
+
+
+class CheckpointNotFoundError(_StoreStatusError, tinker.NotFoundError, UserInputError):
+    """No such checkpoint (or it expired): HTTP 404."""
+
+    status = 404
+
+
+class CheckpointRequestError(_StoreStatusError, tinker.BadRequestError, UserInputError):
+    """A malformed path, TTL or recipient: HTTP 400."""
+
+    status = 400
+
+
+class StoreFullError(_StoreStatusError, tinker.PermissionDeniedError, CheckpointWriteError):
+    """The save would pass the store's size cap: HTTP 403 (nothing of it is kept)."""
+
+    status = 403
 
 
 def default_store_dir() -> Path:
@@ -40,24 +96,25 @@ def default_store_dir() -> Path:
 @dataclass(frozen=True)
 class CheckpointPath:
     run_id: str
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     name: str
 
     @classmethod
     def parse(cls, path: str) -> "CheckpointPath":
         if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise UserInputError(f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
+            raise CheckpointRequestError(
+                f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>")
         parts = path[len("tinker://") :].split("/")
         if len(parts) != 3 or not all(parts) or parts[1] not in KINDS:
-            raise UserInputError(
-                f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name> "
-                "or tinker://<run_id>/sampler_weights/<name>"
+            raise CheckpointRequestError(
+                f"checkpoint path {path!r} must look like tinker://<run_id>/weights/<name>, "
+                "tinker://<run_id>/sampler_weights/<name> or tinker://<run_id>/external_weights/<name>"
             )
         # the run id and name become directory names: '..' (or any name the store would not write)
         # would lead out of the store
         for value, what in ((parts[0], "run id"), (parts[2], "checkpoint name")):
             if problem := name_problem(value, what):
-                raise UserInputError(f"checkpoint path {path!r}: {problem}")
+                raise CheckpointRequestError(f"checkpoint path {path!r}: {problem}")
         return cls(*parts)
 
     def __str__(self) -> str:
@@ -65,6 +122,7 @@ class CheckpointPath:
 
 
 _NEW, _ASIDE = ".tmp-new-", ".tmp-old-"  # + 8 hex digits + "-" + name: a checkpoint being written / replaced
+META = "polyrl.json"
 
 
 def _fsync(path: Path) -> None:
@@ -100,13 +158,80 @@ def name_problem(value: object, what: str = "checkpoint name") -> str | None:
 def check_name(name: str) -> str:
     """A checkpoint name every store operation accepts (so any name that saves can be loaded)."""
     if problem := name_problem(name):
-        raise ValueError(problem)
+        raise CheckpointRequestError(problem)
     return name
 
 
+def check_ttl(ttl_seconds: Any) -> int | None:
+    """A TTL the store honours: whole seconds from 1 to 10 years, or None (never expires). Tinker's own
+    lower bound (an hour) is a policy of its service; a local store accepts short ones (tests use them)."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not 1 <= ttl_seconds <= MAX_TTL_S:
+        raise CheckpointRequestError(f"ttl_seconds must be a whole number of seconds from 1 to {MAX_TTL_S} "
+                                     f"(10 years), or None for no expiry; got {ttl_seconds!r}")
+    return ttl_seconds
+
+
+def expiry(ttl_seconds: int | None, now: float | None = None) -> str | None:
+    """``expires_at`` (ISO 8601, UTC) of a checkpoint given ``ttl_seconds`` from ``now``."""
+    if ttl_seconds is None:
+        return None
+    start = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    return (start + timedelta(seconds=ttl_seconds)).isoformat()
+
+
+def expired(meta: dict, now: float | None = None) -> bool:
+    at = meta.get("expires_at")
+    if not at:
+        return False
+    try:
+        return datetime.fromisoformat(at).timestamp() <= (time.time() if now is None else now)
+    except (TypeError, ValueError):
+        return False
+
+
+def age_recipients(recipients: list[str] | None) -> list[Any]:
+    """Parsed age recipients (native ``age1...`` keys or SSH public keys) for an external export."""
+    if not recipients:
+        return []
+    if len(recipients) > MAX_AGE_RECIPIENTS:
+        raise CheckpointRequestError(
+            f"at most {MAX_AGE_RECIPIENTS} age_encryption_recipients, got {len(recipients)}")
+    try:
+        import pyrage
+    except ImportError:
+        raise CheckpointRequestError(
+            "age_encryption_recipients need the pyrage package (pip install pyrage)") from None
+    parsed = []
+    for r in recipients:
+        try:
+            kind = pyrage.ssh if isinstance(r, str) and r.startswith("ssh-") else pyrage.x25519
+            parsed.append(kind.Recipient.from_str(r))
+        except Exception:  # noqa: BLE001 - pyrage raises its own error types, or TypeError for a non-string
+            shown = r if isinstance(r, str) and len(r) <= 100 else f"{str(r)[:60]}..."
+            raise CheckpointRequestError(
+                f"age recipient {shown!r} is neither an age1... key nor an SSH public key") from None
+    return parsed
+
+
+def encrypt_files(directory: Path, recipients: list[Any]) -> None:
+    """Replace every file in ``directory`` by its age encryption to ``recipients`` (``<name>.age``)."""
+    import pyrage
+
+    for f in sorted(p for p in directory.iterdir() if p.is_file()):
+        (directory / f"{f.name}.age").write_bytes(pyrage.encrypt(f.read_bytes(), recipients))
+        f.unlink()
+
+
 class Store:
-    def __init__(self, root: str | Path | None = None):
+    SWEEP_EVERY_S = 60.0  # how often a save also sweeps the whole store for expired checkpoints
+
+    def __init__(self, root: str | Path | None = None, max_bytes: int | None = None):
         self.root = Path(root).expanduser() if root else default_store_dir()
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()  # removals, metadata rewrites and renames into place
+        self._swept_at = 0.0
 
     def run_directory(self, run_id: str) -> Path:
         """A run's directory; the id is percent-encoded (Tinker's ids hold ':', which not every file
@@ -117,32 +242,54 @@ class Store:
         final = self.run_directory(cp.run_id) / cp.kind / cp.name
         if not final.exists() and final.parent.is_dir():  # a crash mid-overwrite: put the old one back
             for d in final.parent.iterdir():
-                if d.name.startswith(_ASIDE) and d.name[len(_ASIDE) + 9:] == cp.name and (d / "polyrl.json").exists():
+                if d.name.startswith(_ASIDE) and d.name[len(_ASIDE) + 9:] == cp.name and (d / META).exists():
                     os.replace(d, final)
                     break
         return final
 
     def resolve(self, path: str) -> tuple[CheckpointPath, Path]:
+        """The checkpoint at ``path`` and its directory; an expired one is removed here (NotFound)."""
         cp = CheckpointPath.parse(path)
         d = self.directory(cp)
-        if not (d / "polyrl.json").exists():
-            raise UserInputError(f"checkpoint {path} not found (looked in {d})")
+        meta = self._read_meta(d)
+        if meta is None:
+            raise CheckpointNotFoundError(f"checkpoint {path} not found (looked in {d})")
+        if expired(meta):
+            self._remove(d)
+            raise CheckpointNotFoundError(
+                f"checkpoint {path} expired at {meta['expires_at']} and was removed")
         return cp, d
 
-    def write(self, cp: CheckpointPath, writer: Callable[[Path], None], meta: dict, overwrite: bool = False) -> str:
+    def exists(self, cp: CheckpointPath) -> bool:
+        """Whether ``cp`` is in the store (an expired one is removed, and is not)."""
+        try:
+            self.resolve(str(cp))
+        except CheckpointNotFoundError:
+            return False
+        return True
+
+    def write(self, cp: CheckpointPath, writer: Callable[[Path], None], meta: dict, overwrite: bool = False,
+              ttl_seconds: int | None = None) -> str:
         """Run ``writer(tmp_dir)``, add ``polyrl.json``, and move the directory into place atomically.
 
-        A file system error on the way (a full disk, a store turned read-only) raises
-        :class:`CheckpointWriteError` naming the checkpoint; nothing of the new checkpoint is kept."""
+        A name that exists is a :class:`CheckpointConflictError` unless ``overwrite``; a save past the
+        store's size cap a :class:`StoreFullError`. A file system error on the way (a full disk, a store
+        turned read-only) raises :class:`CheckpointWriteError` naming the checkpoint. Either way nothing of
+        the new checkpoint is kept."""
+        ttl = check_ttl(ttl_seconds)
+        self._sweep_now_and_then()
         final = self.directory(cp)
-        if final.exists() and not overwrite:
-            raise ValueError(f"checkpoint {cp} already exists (pass overwrite=True to replace it)")
+        if not overwrite and self.exists(cp):
+            raise CheckpointConflictError(
+                f"checkpoint {cp} already exists (pass overwrite=True to replace it)")
         try:
-            return self._write(cp, final, writer, meta)
-        except OSError as e:
+            return self._write(cp, final, writer, {**meta, "expires_at": expiry(ttl), "public": False})
+        except (OSError, StoreFullError) as e:
             for parent in (final.parent, final.parent.parent):  # directories made for it alone
                 with contextlib.suppress(OSError):  # not empty
                     parent.rmdir()
+            if isinstance(e, StoreFullError):
+                raise
             reason = e.strerror or str(e) or type(e).__name__
             raise CheckpointWriteError(f"could not write checkpoint {cp} to the store at {self.root}: "
                                        f"{reason} (nothing of it was kept)") from None
@@ -155,17 +302,19 @@ class Store:
         try:
             writer(tmp)
             meta = {**meta, "time": datetime.now(timezone.utc).isoformat(), "tinker_path": str(cp)}
-            (tmp / "polyrl.json").write_text(json.dumps(meta, indent=2))
+            (tmp / META).write_text(json.dumps(meta, indent=2))
+            self._check_room(cp, tmp, final)
             _fsync_tree(tmp)
-            if final.exists():
-                os.replace(final, aside)
-            try:
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(OSError):  # else directory() restores it on the next lookup
-                    if aside.exists():
-                        os.replace(aside, final)
-                raise
+            with self._lock:
+                if final.exists():
+                    os.replace(final, aside)
+                try:
+                    os.replace(tmp, final)
+                except BaseException:
+                    with contextlib.suppress(OSError):  # else directory() restores it on the next lookup
+                        if aside.exists():
+                            os.replace(aside, final)
+                    raise
             _fsync(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -173,32 +322,129 @@ class Store:
         shutil.rmtree(aside, ignore_errors=True)
         return str(cp)
 
+    # ---- size --------------------------------------------------------------------------------------
+    def _check_room(self, cp: CheckpointPath, new: Path, replaced: Path) -> None:
+        if self.max_bytes is None:
+            return
+        kept = [d for d in self._checkpoint_dirs() if d != replaced]
+        total = _bytes([*kept, new])
+        if total > self.max_bytes:
+            self.sweep()  # expired checkpoints make room first
+            kept = [d for d in self._checkpoint_dirs() if d != replaced]
+            total = _bytes([*kept, new])
+        if total > self.max_bytes:
+            held = _bytes(kept)
+            raise StoreFullError(f"checkpoint {cp} ({total - held} bytes) does not fit the store's cap of "
+                                 f"{self.max_bytes} bytes ({held} held); delete checkpoints, or save them "
+                                 "with a TTL, to make room (nothing of it was kept)")
+
+    def used_bytes(self) -> int:
+        """Bytes the store's checkpoints hold (a file linked into several copies counts once)."""
+        return _bytes(list(self._checkpoint_dirs()))
+
+    def _checkpoint_dirs(self, run_id: str | None = None) -> Iterator[Path]:
+        runs = [self.run_directory(run_id)] if run_id is not None else \
+            (sorted(p for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else [])
+        for run in runs:
+            for kind in KINDS:
+                base = run / kind
+                if base.is_dir():
+                    for d in sorted(base.iterdir()):
+                        if not d.name.startswith(".") and (d / META).exists():
+                            yield d
+
+    # ---- metadata ------------------------------------------------------------------------------------
     @staticmethod
     def meta(directory: Path) -> dict:
-        return json.loads((directory / "polyrl.json").read_text())
+        return json.loads((directory / META).read_text())
+
+    def _read_meta(self, directory: Path) -> dict | None:
+        try:
+            return self.meta(directory)
+        except (OSError, ValueError):
+            return None
+
+    def _update_meta(self, directory: Path, **changes: Any) -> dict:
+        """Rewrite ``polyrl.json`` with ``changes``, atomically (a temporary file renamed over it)."""
+        with self._lock:
+            meta = {**self.meta(directory), **changes}
+            tmp = directory / f".{META}.tmp"
+            tmp.write_text(json.dumps(meta, indent=2))
+            _fsync(tmp)
+            os.replace(tmp, directory / META)
+            _fsync(directory)
+        return meta
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> dict:
+        """Expire the checkpoint ``ttl_seconds`` from now (None: never)."""
+        ttl = check_ttl(ttl_seconds)
+        _, d = self.resolve(path)
+        return self._update_meta(d, expires_at=expiry(ttl))
+
+    def set_public(self, path: str, public: bool) -> dict:
+        """Publish (or unpublish) a checkpoint; one that already is gets a conflict, as from Tinker."""
+        _, d = self.resolve(path)
+        if bool(self.meta(d).get("public")) == public:
+            raise CheckpointConflictError(f"checkpoint {path} is already {'public' if public else 'private'}")
+        return self._update_meta(d, public=public)
+
+    def files(self, path: str) -> dict[str, Path]:
+        """The files of a checkpoint, by name (what a download gets: not the store's own metadata)."""
+        _, d = self.resolve(path)
+        return {f.name: f for f in sorted(d.iterdir()) if f.is_file() and f.name != META
+                and not f.name.startswith(".")}
+
+    def copy(self, source: str, target: CheckpointPath, ttl_seconds: int | None = None,
+             meta: dict | None = None) -> str:
+        """A new checkpoint ``target`` with ``source``'s files, linked where the file system allows (no
+        bytes duplicated; removing either leaves the other whole). The source's TTL is not inherited."""
+        cp, d = self.resolve(source)
+        if target.kind != cp.kind:
+            raise CheckpointRequestError(f"a copy of {source} keeps its kind ({cp.kind}), not {target.kind}")
+        lifecycle = ("time", "tinker_path", "expires_at", "public")
+        base = {k: v for k, v in self.meta(d).items() if k not in lifecycle}
+
+        def link(tmp: Path) -> None:
+            for name, f in self.files(source).items():
+                try:
+                    os.link(f, tmp / name)
+                except OSError:  # another file system, or one without links
+                    shutil.copy2(f, tmp / name)
+
+        meta = {**base, "copied_from": source, **(meta or {})}
+        return self.write(target, link, meta, ttl_seconds=ttl_seconds)
+
+    # ---- listing, expiry and removal -------------------------------------------------------------------
+    def row(self, directory: Path, meta: dict) -> dict:
+        """A checkpoint as Tinker's ``Checkpoint`` fields."""
+        kind, name = directory.parent.name, directory.name
+        run_id = unquote(directory.parent.parent.name)
+        return {
+            "checkpoint_id": f"{kind}/{name}",
+            "checkpoint_type": KINDS[kind],
+            "time": meta.get("time"),
+            "tinker_path": meta.get("tinker_path", f"tinker://{run_id}/{kind}/{name}"),
+            "size_bytes": sum(f.stat().st_size for f in directory.iterdir() if f.is_file()),
+            "public": bool(meta.get("public")),
+            "user_metadata": meta.get("user_metadata"),
+            "expires_at": meta.get("expires_at"),
+        }
 
     def list(self, run_id: str) -> list[dict]:
-        """Checkpoints of a run, oldest first: dicts with Tinker's ``Checkpoint`` fields."""
-        rows = []
-        for kind, ctype in KINDS.items():
-            base = self.run_directory(run_id) / kind
-            if not base.is_dir():
+        """Checkpoints of a run, oldest first: dicts with Tinker's ``Checkpoint`` fields. An expired
+        checkpoint is listed (its ``expires_at`` past) and then removed: the next listing has it no more."""
+        rows, gone = [], []
+        now = time.time()
+        for d in self._checkpoint_dirs(run_id):
+            meta = self._read_meta(d)
+            if meta is None:
                 continue
-            for d in base.iterdir():
-                if d.name.startswith(".tmp") or not (d / "polyrl.json").exists():
-                    continue
-                meta = self.meta(d)
-                rows.append(
-                    {
-                        "checkpoint_id": f"{kind}/{d.name}",
-                        "checkpoint_type": ctype,
-                        "time": meta.get("time"),
-                        "tinker_path": meta.get("tinker_path", f"tinker://{run_id}/{kind}/{d.name}"),
-                        "size_bytes": sum(f.stat().st_size for f in d.iterdir() if f.is_file()),
-                        "public": False,
-                        "user_metadata": meta.get("user_metadata"),
-                    }
-                )
+            with contextlib.suppress(OSError):  # removed meanwhile
+                rows.append(self.row(d, meta))
+                if expired(meta, now):
+                    gone.append(d)
+        for d in gone:
+            self._remove(d)
         return sorted(rows, key=lambda r: r["time"] or "")
 
     def runs(self) -> list[str]:
@@ -206,8 +452,42 @@ class Store:
 
     def delete(self, path: str) -> None:
         """Remove a checkpoint, and its run's directories once nothing is left in them."""
-        cp, d = self.resolve(path)
-        shutil.rmtree(d)
-        for parent in (d.parent, d.parent.parent):
-            with contextlib.suppress(OSError):  # not empty
-                parent.rmdir()
+        _, d = self.resolve(path)
+        self._remove(d)
+
+    def _remove(self, directory: Path) -> None:
+        with self._lock:
+            shutil.rmtree(directory, ignore_errors=True)
+            for parent in (directory.parent, directory.parent.parent):
+                with contextlib.suppress(OSError):  # not empty
+                    parent.rmdir()
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """Remove every expired checkpoint; their paths."""
+        now = time.time() if now is None else now
+        self._swept_at = time.monotonic()
+        removed = []
+        for d in list(self._checkpoint_dirs()):
+            meta = self._read_meta(d)
+            if meta is not None and expired(meta, now):
+                self._remove(d)
+                removed.append(meta.get("tinker_path") or str(d))
+        return removed
+
+    def _sweep_now_and_then(self) -> None:
+        if time.monotonic() - self._swept_at >= self.SWEEP_EVERY_S:
+            self.sweep()
+
+
+def _bytes(directories: list[Path]) -> int:
+    """Bytes of the files in ``directories``, each file (inode) once."""
+    seen, total = set(), 0
+    for d in directories:
+        with contextlib.suppress(OSError):
+            for f in d.iterdir():
+                with contextlib.suppress(OSError):
+                    st = f.stat()
+                    if f.is_file() and (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_size
+    return total

@@ -32,7 +32,9 @@ from tinker import types
 from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
-from polyrl.local.checkpoints import CheckpointPath, Store, check_name
+from polyrl.local.checkpoints import (
+    CheckpointPath, CheckpointRequestError, Store, age_recipients, check_name, check_ttl, encrypt_files,
+)
 from polyrl.local.compute import packed_logprobs
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.packing import MicroBatch, micro_batches
@@ -114,27 +116,31 @@ class Engine:
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-               gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto") -> "Engine":
+               gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+               sampler_dtype: str = "auto") -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
-               sampler_dtype)
+               max_store_bytes, sampler_dtype)
         with cls._shared_lock:
             if key not in cls._shared:
                 cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                       sampler_dtype)
+                                       max_store_bytes, sampler_dtype)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto"):
+                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+                 sampler_dtype: str = "auto"):
         if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
         if gradient_checkpointing not in ("auto", True, False):
             raise ValueError(f"gradient_checkpointing must be 'auto', true or false, got {gradient_checkpointing!r}")
+        if max_store_bytes is not None and (type(max_store_bytes) is not int or max_store_bytes < 1):
+            raise ValueError(f"max_store_bytes must be a positive integer or None, got {max_store_bytes!r}")
         if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
             raise ValueError(f"sampler_dtype must be 'auto' or one of {sorted(DTYPES)}, "
                              f"got {sampler_dtype!r}")
         _return_large_blocks_to_the_os()
-        self.store = Store(store_dir)
+        self.store = Store(store_dir, max_store_bytes)
         self.device_name = device
         self.dtype_name = dtype
         self.sampler_dtype_name = sampler_dtype
@@ -370,8 +376,10 @@ class Engine:
         return {"base_model": st.base.name, "lora": st.spec.to_dict(), "steps": st.steps,
                 "model_id": st.model_id, "user_metadata": user_metadata}
 
-    def save_state(self, st: TrainerState, name: str, overwrite: bool = False, user_metadata: dict | None = None) -> str:
+    def save_state(self, st: TrainerState, name: str, overwrite: bool = False,
+                   user_metadata: dict | None = None, ttl_seconds: int | None = None) -> str:
         cp = CheckpointPath(st.model_id, "weights", check_name(name))
+        check_ttl(ttl_seconds)
         _check_finite(st, f"save_state {name!r}", optimizer=True)
 
         def write(d: Path) -> None:
@@ -380,18 +388,45 @@ class Engine:
             torch.save(st.optimizer.state_dict(), buffer)
             (d / "optimizer.pt").write_bytes(buffer.getbuffer())
 
-        return self.store.write(cp, write, self._meta(st, user_metadata), overwrite)
+        return self.store.write(cp, write, self._meta(st, user_metadata), overwrite, ttl_seconds)
 
-    def save_for_sampler(self, st: TrainerState, name: str, user_metadata: dict | None = None) -> str:
+    def save_for_sampler(self, st: TrainerState, name: str, user_metadata: dict | None = None,
+                         ttl_seconds: int | None = None) -> str:
+        """Sampler weights; a name that exists is replaced (Tinker's sampler saves take no ``overwrite``)."""
         cp = CheckpointPath(st.model_id, "sampler_weights", check_name(name))
+        check_ttl(ttl_seconds)
         _check_finite(st, f"save_weights_for_sampler {name!r}", optimizer=False)
-        return self.store.write(cp, lambda d: st.base.save_adapter(st.adapter, d), self._meta(st, user_metadata), True)
+        meta = self._meta(st, user_metadata)
+        return self.store.write(cp, lambda d: st.base.save_adapter(st.adapter, d), meta, True, ttl_seconds)
+
+    def save_external(self, st: TrainerState, name: str, ttl_seconds: int | None = None,
+                      recipients: list[str] | None = None) -> str:
+        """``tinker://<run>/external_weights/<name>``: the adapter in Hugging Face's PEFT format, to download,
+        each file encrypted to the age ``recipients`` if any (and named ``<file>.age``)."""
+        cp = CheckpointPath(st.model_id, "external_weights", check_name(name))
+        check_ttl(ttl_seconds)
+        parsed = age_recipients(recipients)
+        _check_finite(st, f"save_weights_external {name!r}", optimizer=False)
+
+        def write(d: Path) -> None:
+            st.base.save_adapter(st.adapter, d)
+            if parsed:
+                encrypt_files(d, parsed)
+
+        return self.store.write(cp, write, {**self._meta(st), "encrypted": bool(parsed)}, False, ttl_seconds)
 
     def snapshot_sampler(self, st: TrainerState, model_path: str | None = None) -> SamplerState:
         return SamplerState(st.base, st.spec, st.base.snapshot(st.adapter), model_path)
 
+    def _loadable(self, path: str) -> Path:
+        cp, directory = self.store.resolve(path)
+        if cp.kind == "external_weights":
+            raise CheckpointRequestError(f"checkpoint {path} is external weights, made to be downloaded; "
+                                         "load the training or sampler checkpoint it was saved from")
+        return directory
+
     def load_trainer(self, model_id: str, path: str, with_optimizer: bool) -> TrainerState:
-        _, directory = self.store.resolve(path)
+        directory = self._loadable(path)
         meta = self.store.meta(directory)
         st = self.create_trainer(model_id, meta["base_model"], LoraSpec(**meta["lora"]))
         st.base.load_adapter_weights(st.adapter, directory)
@@ -403,7 +438,7 @@ class Engine:
         return st
 
     def load_sampler(self, path: str) -> SamplerState:
-        _, directory = self.store.resolve(path)
+        directory = self._loadable(path)
         meta = self.store.meta(directory)
         base = self.base(meta["base_model"])
         spec = LoraSpec(**meta["lora"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,6 +22,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurre
 from polyrl.local import losses
 from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.rest import RestClient
 from polyrl.local.sampler import SampleJob, resolve_stops
 
 
@@ -95,16 +97,20 @@ class ServiceClient:
     ``auto`` (bfloat16 on capable GPUs, else float32) or a dtype name. ``models`` lists base models
     reported by ``get_server_capabilities`` before they are loaded. ``micro_batch_tokens`` caps the
     tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
-    300M parameters and more) trades recomputation for activation memory. ``sampler_dtype`` is the dtype
-    sampling computes in (``auto``: bfloat16 where the device runs it fast; see
+    300M parameters and more) trades recomputation for activation memory. ``max_store_bytes`` caps
+    the store (a save past it is refused); ``project_id`` (or ``$TINKER_PROJECT_ID``) is where
+    ``copy_weights`` puts copies, as in the SDK. ``sampler_dtype`` is the dtype sampling computes in
+    (``auto``: bfloat16 where the device runs it fast; see
     :func:`polyrl.local.sampler_copy.select_sampler_dtype`).
     """
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto", **_ignored: Any):
+                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+                 project_id: str | None = None, sampler_dtype: str = "auto", **_ignored: Any):
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                    sampler_dtype)
+                                    max_store_bytes, sampler_dtype)
+        self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self._models = list(models)
         self._counter = itertools.count()
@@ -186,8 +192,14 @@ class ServiceClient:
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)
 
-    def create_rest_client(self) -> "RestClient":
-        return RestClient(self.engine)
+    def create_rest_client(self) -> RestClient:
+        return RestClient(self.engine, self.get_server_capabilities, self._project_id)
+
+    def copy_weights(self, path: str, *, ttl_seconds: int | None = None,
+                     weights_access_token: str | None = None) -> APIFuture[str]:
+        """A copy of ``path`` in a new training run, in this client's project (as the SDK's)."""
+        return self.create_rest_client().copy_weights(path, self._project_id, ttl_seconds=ttl_seconds,
+                                                      weights_access_token=weights_access_token)
 
     # async variants, as in the SDK
     async def create_lora_training_client_async(self, *args, **kwargs) -> "TrainingClient":
@@ -236,13 +248,20 @@ class TrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                    user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsResponse]:
+        """As the SDK's: a name that exists fails the future with ``tinker.ConflictError`` (a ValueError)."""
         return self._submit(lambda: types.SaveWeightsResponse(
-            path=self._engine.save_state(self._state, name, overwrite, user_metadata)))
+            path=self._engine.save_state(self._state, name, overwrite, user_metadata, ttl_seconds)))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
                                  user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         return self._submit(lambda: types.SaveWeightsForSamplerResponse(
-            path=self._engine.save_for_sampler(self._state, name, user_metadata)))
+            path=self._engine.save_for_sampler(self._state, name, user_metadata, ttl_seconds)))
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None,
+                              ) -> APIFuture[types.SaveWeightsExternalResponse]:
+        return self._submit(lambda: types.SaveWeightsExternalResponse(
+            path=self._engine.save_external(self._state, name, ttl_seconds, age_encryption_recipients)))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
                                              record_stability_info: bool = False, kind: str = "snapshot") -> ClientFuture:
@@ -304,6 +323,9 @@ class TrainingClient:
     async def save_weights_for_sampler_async(self, *a, **k):
         return self.save_weights_for_sampler(*a, **k)
 
+    async def save_weights_external_async(self, *a, **k):
+        return self.save_weights_external(*a, **k)
+
     async def load_state_async(self, *a, **k):
         return self.load_state(*a, **k)
 
@@ -359,20 +381,3 @@ class SamplingClient:
 
     async def get_base_model_async(self) -> str:
         return self.get_base_model()
-
-
-class RestClient:
-    """The checkpoint part of the SDK's ``RestClient``, over the local store."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-
-    def list_checkpoints(self, training_run_id: str) -> APIFuture[types.CheckpointsListResponse]:
-        def op() -> types.CheckpointsListResponse:
-            rows = self._engine.store.list(training_run_id)
-            return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(**row) for row in rows])
-
-        return AwaitableConcurrentFuture(self._engine.submit(op))
-
-    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
-        return AwaitableConcurrentFuture(self._engine.submit(lambda: self._engine.store.delete(tinker_path)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import io
 import logging
@@ -20,14 +19,16 @@ import h11
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from polyrl.serve import protocol as P
+from polyrl.serve.lifecycle import Downloads
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.server import Server
+from polyrl.serve.state import key_owner
 
 log = logging.getLogger("polyrl.serve")
 PROTOBUF = "application/x-protobuf"
@@ -49,11 +50,6 @@ def sdk_config(limits: P.RequestLimits) -> dict:
     }
 
 
-def key_owner(key: bytes) -> str:
-    """Who owns what a key makes: a digest of the key, so the key itself is never stored."""
-    return hashlib.sha256(b"polyrl-serve-owner:" + key).hexdigest()[:32]
-
-
 class ApiKeyMiddleware:
     """Answers 401 to any request without one of ``keys`` in its ``X-API-Key`` header, and tells the
     routes whose request it is (``request.state.owner``)."""
@@ -63,7 +59,9 @@ class ApiKeyMiddleware:
         self.keys = [k.encode() for k in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"].startswith(Downloads.PREFIX):
+            scope.setdefault("state", {})["owner"] = ""  # a signed download URL: the route checks it
+        elif scope["type"] == "http":
             given = next((v for k, v in scope["headers"] if k == b"x-api-key"), b"")
             if not any(hmac.compare_digest(given, k) for k in self.keys):
                 msg = "missing or invalid X-API-Key" if given else "this server needs an X-API-Key header"
@@ -149,11 +147,20 @@ def create_app(server: Server) -> FastAPI:
                 except Exception:  # noqa: BLE001 - housekeeping must keep running
                     log.exception("housekeeping failed")
 
-        task = asyncio.create_task(housekeeping())
+        async def sweeping() -> None:  # expired checkpoints, off the event loop (it reads the whole store)
+            while True:
+                await asyncio.sleep(cfg.sweep_interval_s)
+                try:
+                    await asyncio.to_thread(server.sweep)
+                except Exception:  # noqa: BLE001 - the sweep must keep running
+                    log.exception("sweeping expired checkpoints failed")
+
+        tasks = [asyncio.create_task(housekeeping()), asyncio.create_task(sweeping())]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     app = FastAPI(title="polyrl serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys)
@@ -222,6 +229,8 @@ def create_app(server: Server) -> FastAPI:
 
     api = "/api/v1"
 
+    page = {"ge": 0, "lt": 2**31}  # limits and offsets of listings
+
     # ---- client set-up, sessions, telemetry -------------------------------------------------------
     @app.post(f"{api}/client/config")
     async def client_config(request: Request):
@@ -251,6 +260,14 @@ def create_app(server: Server) -> FastAPI:
     async def finish(session_id: str, request: Request):
         await body(request)
         return ok(server.finish_session(session_id, owner(request)))
+
+    @app.get(f"{api}/sessions")
+    async def sessions(request: Request, limit: int = Query(20, **page), offset: int = Query(0, **page)):
+        return ok(server.list_sessions(limit, offset, owner(request)))
+
+    @app.get(api + "/sessions/{session_id}")
+    async def session(session_id: str, request: Request):
+        return ok(server.get_session(session_id, owner(request)))
 
     @app.post(f"{api}/telemetry")
     async def telemetry(request: Request):
@@ -295,6 +312,10 @@ def create_app(server: Server) -> FastAPI:
     async def save_weights_for_sampler(request: Request):
         return ok(server.save_for_sampler(await parse_op(request, P.SaveForSamplerReq), owner(request)))
 
+    @app.post(f"{api}/save_weights_external")
+    async def save_weights_external(request: Request):
+        return ok(server.save_external(await parse_op(request, P.SaveExternalReq), owner(request)))
+
     async def parse_op(request: Request, model: type[P.R]) -> P.R:
         """Like ``parse``, but a malformed body that names its model and seq_id still uses up that seq_id."""
         data = await body(request)
@@ -326,19 +347,57 @@ def create_app(server: Server) -> FastAPI:
         return ok(payload, status)
 
     # ---- training runs and checkpoints (REST) --------------------------------------------------------
-    page = {"ge": 0, "lt": 2**31}
+
+    scope = Query("owned", pattern="^(owned|accessible)$")
 
     @app.get(f"{api}/training_runs")
-    async def training_runs(request: Request, limit: int = Query(20, **page), offset: int = Query(0, **page)):
-        return ok(server.training_runs(limit, offset, owner(request)))
+    async def training_runs(request: Request, limit: int = Query(20, **page), offset: int = Query(0, **page),
+                            access_scope: str = scope, project_id: str | None = None):
+        return ok(server.training_runs(limit, offset, owner(request), access_scope, project_id))
 
     @app.get(api + "/training_runs/{run_id}")
-    async def training_run(run_id: str, request: Request):
-        return ok(server.training_run(run_id, owner(request)))
+    async def training_run(run_id: str, request: Request, access_scope: str = scope):
+        return ok(server.training_run(run_id, owner(request), access_scope))
 
     @app.get(api + "/training_runs/{run_id}/checkpoints")
     async def checkpoints(run_id: str, request: Request):
         return ok(server.checkpoints(run_id, owner(request)))
+
+    # one checkpoint's lifecycle: {kind}/{name} is its checkpoint id (these come before the DELETE of
+    # .../checkpoints/{checkpoint_id:path}, which would also match their paths)
+    one = api + "/training_runs/{run_id}/checkpoints/{kind}/{name}"
+
+    @app.put(one + "/ttl")
+    async def set_ttl(run_id: str, kind: str, name: str, request: Request):
+        server.set_checkpoint_ttl(run_id, kind, name, await parse(request, P.SetTtlReq), owner(request))
+        return ok({})
+
+    @app.post(one + "/publish")
+    async def publish(run_id: str, kind: str, name: str, request: Request):
+        await body(request)
+        server.publish_checkpoint(run_id, kind, name, owner(request), True)
+        return ok({})
+
+    @app.delete(one + "/publish")
+    async def unpublish(run_id: str, kind: str, name: str, request: Request):
+        server.publish_checkpoint(run_id, kind, name, owner(request), False)
+        return ok({})
+
+    @app.get(one + "/external_weights_urls")
+    async def external_weights_urls(run_id: str, kind: str, name: str, request: Request):
+        return ok(server.external_weights_urls(run_id, kind, name, owner(request), str(request.base_url)))
+
+    @app.get(Downloads.PREFIX + "{run_id}/{name}/{file}")
+    async def download(run_id: str, name: str, file: str, expires: int = Query(..., ge=0, lt=2**62),
+                       signature: str = Query(..., max_length=128)):
+        path = server.download(run_id, name, file, expires, signature)
+        return FileResponse(path, media_type="application/octet-stream", filename=file)
+
+    @app.post(f"{api}/copy_weights")
+    async def copy_weights(request: Request):
+        req = await parse(request, P.CopyWeightsReq)
+        token = request.headers.get("x-tinker-weights-access-token") or req.weights_access_token
+        return ok(server.copy_weights(req, owner(request), request.headers.get("x-idempotency-key"), token))
 
     @app.delete(api + "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request):

@@ -71,10 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(3x once several wait, at most 100x in all) so a rollout's requests decode in one "
                         "batch; 0: off")
     p.add_argument("--no-preload", action="store_true", help="load models on first use, not at start-up")
+    p.add_argument("--sweep-interval", type=float, default=60.0, metavar="S",
+                   help="seconds between sweeps that remove expired checkpoints (saved with a TTL) from the "
+                        "store; an expired one is never served meanwhile (default 60)")
     limits = p.add_argument_group("limits", "what one request, and one API key, may take (so that no key "
                                             "starves the others)")
     for flag, default, text in LIMITS:
         limits.add_argument(flag, type=int, default=default, metavar="N", help=f"{text} (default {default})")
+    limits.add_argument("--max-store-bytes", type=int, default=None, metavar="N",
+                        help="cap on the bytes the checkpoint store holds; past it a save gets 403 until "
+                             "checkpoints are deleted or expire (default: no cap)")
     limits.add_argument("--header-timeout", type=float, default=30.0, metavar="S",
                         help="seconds a request's headers may take to arrive; slower clients are closed "
                              "(default 30)")
@@ -115,7 +121,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
     local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
                               sampler_dtype=args.sampler_dtype,
                               micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
-                              gradient_checkpointing=checkpointing)
+                              gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes)
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,
                        max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,
@@ -123,6 +129,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        max_request_tokens=args.max_request_tokens, max_request_datums=args.max_request_datums,
                        max_target_k=args.max_target_k, max_tokens_in_flight=args.max_tokens_in_flight,
                        max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
+                       sweep_interval_s=args.sweep_interval,
                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
 
@@ -148,7 +155,9 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value < 1:
             raise UserInputError(f"{flag} must be a positive integer, got {value}")
-    for flag in ("--header-timeout", "--body-timeout"):
+    if args.max_store_bytes is not None and args.max_store_bytes < 1:
+        raise UserInputError(f"--max-store-bytes must be a positive integer, got {args.max_store_bytes}")
+    for flag in ("--header-timeout", "--body-timeout", "--sweep-interval"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if not 0 < value < float("inf"):
             raise UserInputError(f"{flag} must be a positive number of seconds, got {value}")

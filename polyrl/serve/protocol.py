@@ -82,6 +82,7 @@ class LoadWeightsReq(_Req):
     # ... or load into an existing one (legacy load_state)
     model_id: str | None = None
     seq_id: Seq | None = None
+    weights_access_token: str | None = None  # another key, to load a checkpoint it may read
 
 
 class OptimStepReq(_Req):
@@ -166,6 +167,27 @@ class RetrieveFutureReq(_Req):
 
 class WeightsInfoReq(_Req):
     tinker_path: str
+
+
+class SaveExternalReq(_Req):
+    model_id: str
+    seq_id: Seq
+    path: str
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
+class SetTtlReq(_Req):
+    ttl_seconds: int | None = None
+
+
+class CopyWeightsReq(_Req):
+    source_path: str
+    destination_project_id: str | None = None
+    session_id: str | None = None
+    model_seq_id: Seq | None = None
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
 
 
 R = TypeVar("R", bound=BaseModel)

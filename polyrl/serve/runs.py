@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from datetime import datetime, timezone
 
@@ -51,12 +50,15 @@ class Runs:
         self._owners: dict[str, str] = {}  # run id -> owner read from its run.json (which never changes)
 
     # ---- run.json ---------------------------------------------------------------------------------
-    def record(self, run_id: str, owner: str, base_model: str, lora: dict, user_metadata: dict | None) -> None:
+    def record(self, run_id: str, owner: str, base_model: str, lora: dict, user_metadata: dict | None,
+               **extra: str | None) -> None:
+        """Write ``run.json``; ``extra`` (a copy's project and source, say) is kept beside the rest."""
         d = self.store.run_directory(run_id)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps({"training_run_id": run_id, "owner": owner, "base_model": base_model, "lora": lora,
-                                   "user_metadata": _str_dict(user_metadata), "created": _iso(time.time())}, indent=2))
+                                   "user_metadata": _str_dict(user_metadata), "created": _iso(time.time()),
+                                   **extra}, indent=2))
         os.replace(tmp, d / RUN_FILE)
 
     def forget(self, run_id: str) -> None:
@@ -101,7 +103,12 @@ class Runs:
         return count
 
     def has_checkpoint(self, run_id: str, kind: str, name: str) -> bool:
-        return (self.store.run_directory(run_id) / kind / name / "polyrl.json").exists()
+        """Whether the checkpoint is in the store (an expired one is removed here, and is not)."""
+        return self.store.exists(CheckpointPath(run_id, kind, name))
+
+    def public_runs(self) -> list[str]:
+        """Runs in the store with at least one published checkpoint."""
+        return [r for r in self.store.runs() if _ID.match(r) and any(c["public"] for c in self.store.list(r))]
 
     # ---- REST views ---------------------------------------------------------------------------------
     def checkpoints(self, run_id: str) -> list[dict]:
@@ -156,15 +163,15 @@ class Runs:
         check_id(run_id, "training run id")
         kind, _, name = checkpoint_id.partition("/")
         if kind not in KINDS or not name:
-            raise RequestError(400, f"checkpoint id {checkpoint_id!r} must look like weights/<name> or "
-                                    "sampler_weights/<name>")
+            raise RequestError(400, f"checkpoint id {checkpoint_id!r} must look like weights/<name>, "
+                                    "sampler_weights/<name> or external_weights/<name>")
         check_id(name, "checkpoint name")
         return f"tinker://{run_id}/{kind}/{name}"
 
     def delete_checkpoint(self, path: str) -> None:
         try:
             self.store.delete(path)
-        except ValueError:
+        except (ValueError, OSError):
             raise RequestError(404, f"checkpoint {path} not found") from None
 
 

@@ -30,6 +30,7 @@ from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.service import check_sample_options, make_sample_job
 from polyrl.serve import protocol as P
+from polyrl.serve.lifecycle import CheckpointLifecycle
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
 from polyrl.serve.state import (
@@ -67,6 +68,7 @@ class ServeConfig:
     max_tokens_in_flight: int = 1 << 22
     max_samples_in_flight: int = 8192
     max_checkpoints: int = 1000
+    sweep_interval_s: float = 60.0  # how often expired checkpoints are removed from the store
     # A connection's request headers, then its body, must arrive within these (slow clients are closed).
     header_timeout_s: float = 30.0
     body_timeout_s: float = 120.0
@@ -76,12 +78,13 @@ def _json(model: Any) -> dict:
     return model.model_dump(mode="json", exclude_none=True)
 
 
-class Server:
+class Server(CheckpointLifecycle):
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
         local = config.local
         self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
-                                       local.gradient_checkpointing, local.sampler_dtype)
+                                       local.gradient_checkpointing, local.max_store_bytes,
+                                       local.sampler_dtype)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
@@ -99,6 +102,7 @@ class Server:
         for name in config.models:
             canonical = os.path.realpath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
             self.served[name] = self.served[canonical] = canonical
+        self._init_lifecycle()
 
     def _submit(self, fn) -> Future:
         return self.outstanding.track(self.engine.submit(fn))
@@ -161,6 +165,18 @@ class Server:
             raise RequestError(410, f"session {req.session_id!r} is not active")
         s.last_seen = time.monotonic()
         return {"type": "session_heartbeat"}
+
+    def get_session(self, session_id: str, owner: str) -> dict:
+        """Tinker's ``GetSessionResponse``: the live session's training runs and samplers."""
+        s = self._session(session_id, owner)
+        return {"training_run_ids": [m for m in s.models if m in self.models],
+                "sampler_ids": [x for x in s.samplers if x in self.samplers],
+                "user_metadata": {str(k): str(v) for k, v in (s.user_metadata or {}).items()} or None}
+
+    def list_sessions(self, limit: int, offset: int, owner: str) -> dict:
+        """The key's live sessions, newest first (a finished one is gone, as its models are)."""
+        mine = sorted((s for s in self.sessions.values() if s.owner == owner), key=lambda s: -s.created)
+        return {"sessions": paginate([s.session_id for s in mine], limit, offset)[0]}
 
     def finish_session(self, session_id: str, owner: str, reason: str = "finished") -> dict:
         """End a session and free everything in it: models (and their adapters), samplers, results."""
@@ -263,20 +279,33 @@ class Server:
     def _readable(self, run_id: str, owner: str) -> bool:
         return self._run_owner(run_id) in (owner, "")
 
-    def _checkpoint_meta(self, path: str, owner: str) -> dict:
-        """A checkpoint's metadata, if ``owner`` may load it; otherwise the same 404 as for a missing one."""
-        run_id = check_tinker_path(path).run_id
+    def _checkpoint_meta(self, path: str, owner: str, token: str | None = None,
+                         loading: bool = False) -> dict:
+        """A checkpoint's metadata, if ``owner`` (or the key ``token`` is) may read it: its own, one no key
+        owns, or a published one; otherwise the same 404 as for a missing one. ``loading``: external weights
+        (made to be downloaded) are a 400."""
+        cp = check_tinker_path(path)
         try:
-            if not self._readable(run_id, owner):
-                raise ValueError(path)
             _, directory = self.engine.store.resolve(path)
-            return self.engine.store.meta(directory)
+            meta = self.engine.store.meta(directory)
         except (ValueError, OSError):
             raise RequestError(404, f"checkpoint {path} not found") from None
+        readers = {owner, "", self.token_owner(token)}
+        if self._run_owner(cp.run_id) not in readers and not meta.get("public"):
+            raise RequestError(404, f"checkpoint {path} not found")
+        if loading and cp.kind == "external_weights":
+            raise RequestError(400, f"checkpoint {path} is external weights, made to be downloaded; load the "
+                                    "training or sampler checkpoint it was saved from")
+        return meta
 
     def load_weights(self, req: P.LoadWeightsReq, owner: str) -> dict:
-        meta = self._checkpoint_meta(req.path, owner)
-        self.base_model_name(meta["base_model"])
+        try:
+            meta = self._checkpoint_meta(req.path, owner, req.weights_access_token, loading=True)
+            self.base_model_name(meta["base_model"])
+        except RequestError as e:  # into a model: the refusal uses up its seq_id, so later operations run
+            if req.model_id is not None and req.seq_id is not None:
+                self.refuse_op(req.model_id, req.seq_id, e, owner)
+            raise
         path = req.path
         if req.model_id is not None:  # load_state into an existing training client
             rec = self._model(req.model_id, owner)
@@ -392,38 +421,16 @@ class Server:
             rec.ops.refuse(seq_id, e)
             raise
 
-    def _save(self, rec: ModelRecord, seq_id: int, kind: str, name: str, run) -> dict:
-        """Submit a checkpoint save, unless the key already keeps ``max_checkpoints``: then a 403 (which
-        uses up ``seq_id``) until it deletes some. Replacing a checkpoint that exists adds none."""
-        new = rec.ops.accepts(seq_id) and not self.runs.has_checkpoint(rec.model_id, kind, name)
-        if new:
-            limit = self.config.max_checkpoints
-            kept = self.runs.count_checkpoints(self._own_runs(rec.owner))
-            saving = [x for x in self.saving.get(rec.owner, []) if not x[0].done()]
-            self.saving[rec.owner] = saving
-            coming = sum(not self.runs.has_checkpoint(*target) for _, target in saving)  # not on disk yet
-            if kept + coming >= limit:
-                pending = f" and is saving {coming} more" if coming else ""
-                e = RequestError(403, f"this key keeps {kept} checkpoints{pending}, the most this server "
-                                      f"allows per key (--max-checkpoints {limit}); delete some "
-                                      "(RestClient.delete_checkpoint, or DELETE "
-                                      "/api/v1/training_runs/<run>/checkpoints/<id>) to save more")
-                rec.ops.refuse(seq_id, e)
-                raise e
-        rid = rec.ops.submit(seq_id, run, dict)
-        if new:
-            self.saving[rec.owner].append((self.futures.get(rid).future, (rec.model_id, kind, name)))
-        return {"request_id": rid, "model_id": rec.model_id}
-
     def save_weights(self, req: P.SaveWeightsReq, owner: str) -> dict:
         rec = self._model(req.model_id, owner)
         name = self._checkpoint_name(rec, req.seq_id, req.path or f"ckpt-{int(time.time() * 1000)}")
 
         def run() -> dict:
-            path = self.engine.save_state(rec.ready.result(), name, req.overwrite, req.user_metadata)
+            path = self.engine.save_state(rec.ready.result(), name, req.overwrite, req.user_metadata,
+                                          req.ttl_seconds)
             return {"path": path, "type": "save_weights"}
 
-        return self._save(rec, req.seq_id, "weights", name, run)
+        return self._save(rec, req.seq_id, "weights", name, run, req.overwrite, req.ttl_seconds)
 
     def save_for_sampler(self, req: P.SaveForSamplerReq, owner: str) -> dict:
         rec = self._model(req.model_id, owner)
@@ -431,10 +438,11 @@ class Server:
             name = self._checkpoint_name(rec, req.seq_id, req.path)
 
             def run() -> dict:
-                path = self.engine.save_for_sampler(rec.ready.result(), name, req.user_metadata)
+                path = self.engine.save_for_sampler(rec.ready.result(), name, req.user_metadata,
+                                                    req.ttl_seconds)
                 return {"path": path, "type": "save_weights_for_sampler"}
 
-            return self._save(rec, req.seq_id, "sampler_weights", name, run)
+            return self._save(rec, req.seq_id, "sampler_weights", name, run, True, req.ttl_seconds)
         if req.sampling_session_seq_id is None:
             raise RequestError(400, "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
         if req.seq_id in rec.ops.seen:
@@ -472,7 +480,7 @@ class Server:
         if sampler_id in self.samplers:
             return {"sampling_session_id": sampler_id}
         if req.model_path is not None:
-            meta = self._checkpoint_meta(req.model_path, owner)
+            meta = self._checkpoint_meta(req.model_path, owner, loading=True)
             base = self.base_model_name(meta["base_model"])
             path = req.model_path
             ready = self._submit(lambda: self.engine.load_sampler(path))
@@ -588,21 +596,32 @@ class Server:
         return {"base_model": rec.base_model, "lora": rec.lora, "user_metadata": rec.user_metadata,
                 "last_request": rec.last_request}
 
-    def _visible_run(self, run_id: str, owner: str) -> str:
+    def _visible_run(self, run_id: str, owner: str, access_scope: str = "owned") -> str:
+        """A run ``owner`` may see: its own or one no key owns; with ``access_scope="accessible"`` also one
+        with a published checkpoint."""
         check_id(run_id, "training run id")
-        if not self._readable(run_id, owner):
+        if not self._readable(run_id, owner) and not (
+                access_scope == "accessible" and any(c["public"] for c in self.runs.checkpoints(run_id))):
             raise RequestError(404, f"training run {run_id!r} not found")
         return run_id
 
-    def training_run(self, run_id: str, owner: str) -> dict:
-        return self.runs.training_run(self._visible_run(run_id, owner), self._live_run(run_id))
+    def training_run(self, run_id: str, owner: str, access_scope: str = "owned") -> dict:
+        return self.runs.training_run(self._visible_run(run_id, owner, access_scope), self._live_run(run_id))
 
     def _own_runs(self, owner: str) -> list[str]:
         return self.runs.run_ids([m for m, rec in self.models.items() if rec.owner == owner], owner)
 
-    def training_runs(self, limit: int, offset: int, owner: str) -> dict:
+    def training_runs(self, limit: int, offset: int, owner: str, access_scope: str = "owned",
+                      project_id: str | None = None) -> dict:
+        """The key's runs (``accessible``: and those with a published checkpoint), newest first; with a
+        ``project_id``, those copied into that project."""
+        run_ids = self._own_runs(owner)
+        if access_scope == "accessible":
+            run_ids = list(dict.fromkeys([*run_ids, *self.runs.public_runs()]))
+        if project_id is not None:
+            run_ids = [r for r in run_ids if (self.runs.info(r) or {}).get("project_id") == project_id]
         rows = []
-        for run_id in self._own_runs(owner):
+        for run_id in run_ids:
             try:
                 rows.append(self.runs.training_run(run_id, self._live_run(run_id)))
             except RequestError:

@@ -9,6 +9,7 @@ completes ``concurrent.futures.Future`` objects, which are thread-safe.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -43,12 +44,18 @@ def failed(error: BaseException) -> Future:
     return fut
 
 
+def key_owner(key: bytes) -> str:
+    """Who owns what a key makes: a digest of the key, so the key itself is never stored."""
+    return hashlib.sha256(b"polyrl-serve-owner:" + key).hexdigest()[:32]
+
+
 def error_body(e: BaseException) -> dict:
     """``{"error", "category"}`` as the SDK's ``retrieve_future`` understands it."""
     if isinstance(e, RequestError):
         return {"error": e.message, "category": e.category}
-    if isinstance(e, ValueError):  # the engine raises ValueError for problems with the caller's input
-        return {"error": str(e), "category": "user"}
+    status = getattr(e, "status_code", None)  # the store's errors are the SDK's status errors
+    if isinstance(e, ValueError) or (isinstance(status, int) and 400 <= status < 500):
+        return {"error": str(e), "category": "user"}  # the engine's ValueErrors are the caller's input
     return {"error": f"{type(e).__name__}: {e}", "category": "server"}
 
 
@@ -143,12 +150,15 @@ class OrderedOps:
         self.max_ahead = max_ahead
         self.next_seq = first_seq
         self.seen: dict[int, str] = {}
+        self.refused: dict[int, RequestError] = {}  # seq_id -> why its POST was refused (retries get it too)
         self.waiting: dict[int, tuple[Callable[[], Any], Future]] = {}
         self.gap_since: float | None = None
         self.closed: str | None = None
 
     def submit(self, seq: int, fn: Callable[[], Any], to_json: Callable[[Any], dict],
                to_proto: Callable[[Any], bytes] | None = None) -> str:
+        if seq in self.refused:  # the SDK retries a 409 or 429 with the same seq_id: it gets the same answer
+            raise self.refused[seq]
         if seq in self.seen:
             return self.seen[seq]
         if seq < self.next_seq:
@@ -175,6 +185,7 @@ class OrderedOps:
         if seq in self.seen or seq < self.next_seq or seq >= self.next_seq + self.max_ahead or self.closed:
             return
         self.seen[seq] = self._futures.add(failed(error), dict, **self._tags)
+        self.refused[seq] = error
         self.waiting[seq] = (None, None)  # type: ignore[assignment]
         self._drain()
 
@@ -221,6 +232,7 @@ class OrderedOps:
     def forget_old(self, keep: int = 4096) -> None:
         for seq in [s for s in self.seen if s < self.next_seq - keep]:
             del self.seen[seq]
+            self.refused.pop(seq, None)
 
 
 # ---- records -----------------------------------------------------------------------------------------
