@@ -259,7 +259,8 @@ class Engine:
                     self._generator.seed()
                 with base.use_for_sampling(adapter) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
-                                       logits_fn=base.sampler_logits if base.split_head else None)
+                                       logits_fn=base.sampler_logits if base.split_head else None,
+                                       decode_fn=base.sampler_decode_step)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tinker import types
 
-from polyrl.local.sampler_copy import DECODE_ATTENTION
+from polyrl.local.cpu_decode import DECODE_ATTENTION
 
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
@@ -115,6 +115,16 @@ def _buffer_layer_class():
                 self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
 
     return _BufferLayer
+
+
+def new_cache(capacity: int, padded: bool = False):
+    """A Hugging Face ``DynamicCache`` whose layers are ``_BufferLayer`` objects of ``capacity`` positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    layer_class = _buffer_layer_class()
+    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
+    return cache
 
 
 @dataclass
@@ -207,11 +217,13 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
-             logits_fn=None) -> list[types.SampleResponse]:
+             logits_fn=None, decode_fn=None) -> list[types.SampleResponse]:
     """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
-    unembeds every position only of the prompts whose logprobs were asked for."""
+    unembeds every position only of the prompts whose logprobs were asked for. ``decode_fn(tokens,
+    positions, mask, cache)``, if given, computes a one-token step's logits in the model's place (see
+    :class:`polyrl.local.cpu_decode.FastDecode`)."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
     unique: dict[tuple[int, ...], int] = {}
     for job in jobs:
@@ -227,17 +239,13 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     lp_prompts = sorted({unique[tuple(j.prompt)] for j in jobs if j.include_prompt_logprobs or j.prompt_only})
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
     capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
-    layer_class = _buffer_layer_class()
     padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
     if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
         capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
-    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
+    cache = new_cache(capacity, padded)
     split = logits_fn is not None and bool(lp_prompts)
     out = (model.get_decoder() if split else model)(
         input_ids=ids,
@@ -285,7 +293,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator)
+        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator,
+                decode_fn)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -307,7 +316,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     return responses
 
 
-def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator):
+def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator,
+            decode_fn=None):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]
@@ -365,15 +375,18 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
-        out = model(
-            input_ids=tokens.unsqueeze(1),
-            attention_mask=mask_buf[:, :width],
-            position_ids=next_pos.unsqueeze(1),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        if decode_fn is not None:
+            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()
+        else:
+            out = model(
+                input_ids=tokens.unsqueeze(1),
+                attention_mask=mask_buf[:, :width],
+                position_ids=next_pos.unsqueeze(1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :].float()
         next_pos = next_pos + 1
-        logits = out.logits[:, -1, :].float()
 
 
 def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], max_chars: int, tokenizer) -> bool:

@@ -9,25 +9,26 @@ trains in its own: each LoRA snapshot is folded into the copy (``W + scale * B @
 learner's dtype, then cast), and the sampled logprobs are the copy's, i.e. those of the policy that
 actually sampled. The learner/sampler KL logged by training measures the difference.
 
-On a CPU the copy's linear layers hold their weights pre-packed for oneDNN (:class:`PackedLinear`: no
-re-layout of the whole matrix on each call, which a small batch cannot amortise), and single-token decode
-attention runs as two batched matrix products (:func:`decode_attention`): PyTorch's fused CPU attention
-kernel is several times slower in bfloat16 than in float32 for one query token.
+On a CPU the copy is built for small decode batches (:mod:`polyrl.local.cpu_decode`): packed and fused
+linear layers, attention of one query token as batched products, and Llama-family decoders stepping
+without Hugging Face's per-module dispatch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from polyrl.local.cpu_decode import (DECODE_ATTENTION, FUSED, FastDecode, FusedLinear, FusedMember, PackedLinear,
+                                     check, onednn_packing, pack, packs_exactly, register_decode_attention)
+from polyrl.local.sampler import new_cache
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DECODE_ATTENTION = "polyrl_decode"  # the attention implementation the CPU copy runs (registered on use)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -82,129 +83,82 @@ def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) 
     return torch.bfloat16, f"auto: this CPU has {feature}"
 
 
-# ---- the copy's layers -----------------------------------------------------------------------------
-@functools.cache
-def _onednn_packing() -> bool:
-    """Whether this PyTorch build has oneDNN's pre-packed linear (used by its own CPU compiler)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class PackedLinear(torch.nn.Module):
-    """A linear layer whose bfloat16 weight is kept in oneDNN's blocked layout (see the module docstring).
-    Equal, bit for bit, to ``torch.nn.functional.linear`` with the plain weight."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The plain weight (unpacked on each access: for code that inspects it, not for compute)."""
-        return self.packed.to_dense()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-
-
-def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of one query token per row as two batched matrix products (grouped-query heads share
-    their key/value head without copies), softmax in float32; everything else goes to SDPA. Shapes as
-    Hugging Face's attention interface: ``query [B, H, 1, D]``, ``key/value [B, KV, L, D]``, the mask
-    boolean ``[B, 1, 1, L]`` (True: attend) or None; returns ``[B, 1, H, D]``."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    batch, heads, q_len, dim = query.shape
-    plain = all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sinks", "position_bias"))
-    if q_len != 1 or dropout or not plain or query.device.type != "cpu" or (
-            attention_mask is not None and attention_mask.dtype != torch.bool):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    kv_heads, length = key.shape[1], key.shape[2]
-    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float()
-    scores.mul_(dim**-0.5 if scaling is None else scaling)
-    if attention_mask is not None:
-        scores.masked_fill_(~attention_mask.reshape(batch, 1, 1, length), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, KV, group, D]
-    return out.reshape(batch, 1, heads, dim), None
-
-
-@functools.cache
-def _register_decode_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-
-
 # ---- the copy ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MergeTarget:
-    """One weight an adapter changes: where it lives in the copy, the learner's unadapted value, and the
-    adapter's delta (computed on demand, in the learner's dtype)."""
+    """One weight an adapter changes: the parameter ``name`` of the module at ``path`` (named as in the
+    bare model) and the adapter's delta (computed on demand, in the learner's dtype)."""
 
-    path: str  # the module's name in the bare model
-    name: str  # the parameter's name on that module ("weight", or an expert tensor)
-    base: torch.Tensor
+    path: str
+    name: str
     delta: Callable[[], torch.Tensor]
 
 
-Folded = list[tuple[MergeTarget, torch.Tensor]]  # weights to put into the copy, each with its value
+Values = dict[tuple, torch.Tensor]  # a weight holder of the copy (see SamplerCopy._holder) -> its value
 
 
 class SamplerCopy:
-    """A bare Hugging Face model's weights in ``dtype`` on ``device``, with snapshots folded in.
+    """A bare Hugging Face model's weights in ``dtype``, on its device, with snapshots folded in.
 
-    ``model`` must not be wrapped by PEFT yet; the copy shares nothing with it (buffers such as rotary
-    frequencies are copied as they are, not cast). Folded weights are kept per sampling slot while they
-    fit in ``max_merged_bytes`` (switching between the bare model and a snapshot then costs nothing), else
-    written over the copy's own and recomputed on each switch."""
+    ``model`` must not be wrapped by PEFT yet. The copy shares no tensor with it (buffers such as rotary
+    frequencies are copied as they are, not cast), but remembers its modules: PEFT keeps them as the base
+    layers of its wrappers, so folding always starts from the learner's own, unadapted weights. Folded
+    weights are kept per sampling slot while they fit in ``max_merged_bytes`` (switching between the
+    bare model and a snapshot then costs nothing), else written over the copy's own and recomputed on
+    each switch."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, max_merged_bytes: int):
         self.dtype = dtype
         self.max_merged_bytes = max_merged_bytes
+        self._source = dict(model.named_modules())
         cast = {id(p): p.detach().to(dtype) if p.is_floating_point() else p.detach().clone()
                 for p in model.parameters()}
         memo = {key: torch.nn.Parameter(value, requires_grad=False) for key, value in cast.items()}
         self.model = copy.deepcopy(model, memo)
         self.model.eval()
-        device = next(model.parameters()).device
-        cpu = device.type == "cpu"
-        self.packed = cpu and dtype == torch.bfloat16 and _onednn_packing() and _packs_exactly()
+        cpu = next(model.parameters()).device.type == "cpu"
+        self.packed = cpu and dtype == torch.bfloat16 and onednn_packing() and packs_exactly()
         if self.packed:
-            for path, module in list(self.model.named_modules()):
-                if type(module) is torch.nn.Linear:
-                    self.model.set_submodule(path, PackedLinear(module.weight, module.bias))
+            self._pack_linears()
         if cpu and dtype != torch.float32 and self.model.config._attn_implementation == "sdpa":
-            _register_decode_attention()
+            register_decode_attention()
             self.model.set_attn_implementation(DECODE_ATTENTION)
-        self._cache: dict[str, tuple[object, Folded]] = {}
+        self._cache: dict[str, tuple[object, Values]] = {}
         self._written: tuple[str, object, list[MergeTarget]] | None = None  # folded over the copy's own
+        self.fast_step: FastDecode | None = None  # a one-token step without per-module dispatch
+        if self.packed and self.model.config._attn_implementation == DECODE_ATTENTION:
+            fast = FastDecode.build(self.model)
+            if fast is not None and check(fast, self.model, lambda: new_cache(16, padded=True)):
+                self.fast_step = fast
+
+    def _pack_linears(self) -> None:
+        """Every linear layer packed; sibling projections of one input fused (same input size, all
+        with a bias or none)."""
+        modules = dict(self.model.named_modules())
+        done: set[str] = set()
+        for path, module in modules.items():
+            for names in FUSED:
+                members = [modules.get(f"{path}.{n}" if path else n) for n in names]
+                if (all(type(m) is torch.nn.Linear for m in members)
+                        and len({m.in_features for m in members}) == 1
+                        and len({m.bias is None for m in members}) == 1):
+                    group = FusedLinear([m.weight for m in members], [m.bias for m in members])
+                    for i, name in enumerate(names):
+                        self.model.set_submodule(f"{path}.{name}" if path else name, FusedMember(group, i))
+                        done.add(f"{path}.{name}" if path else name)
+        for path, module in modules.items():
+            if type(module) is torch.nn.Linear and path not in done:
+                self.model.set_submodule(path, PackedLinear(module.weight, module.bias))
 
     @property
     def nbytes(self) -> int:
         """Memory the copy holds: its weights (packed or not) and the folded weights it keeps."""
-        seen: set[int] = set()
-        total = 0
-        tensors = [*self.model.parameters()]
-        tensors += [m.packed for m in self.model.modules() if isinstance(m, PackedLinear)]
-        tensors += [t for _, merged in self._cache.values() for _, t in merged]
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        tensors = {id(t): t for t in self.model.parameters()}
+        for holder in self._holders():
+            tensors.setdefault(id(self._get(holder)), self._get(holder))
+        for _, values in self._cache.values():
+            tensors.update({id(t): t for t in values.values()})
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the copy's hidden states (its unembedding, then soft-capping in float32)."""
@@ -214,35 +168,79 @@ class SamplerCopy:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _values(self, targets: list[MergeTarget], fold: bool = True) -> Folded:
-        """Each target's value for the copy: base + delta (in the learner's dtype, then cast and packed as
-        the copy holds it), or the base alone (``fold=False``)."""
-        out = []
+    # ---- weight holders: a packed linear, a fused group, or a parameter ------------------------------
+    def _holders(self) -> Iterator[tuple]:
+        groups: dict[int, FusedLinear] = {}
+        for path, module in self.model.named_modules():
+            if isinstance(module, PackedLinear):
+                yield ("packed", path)
+            elif isinstance(module, FusedMember):
+                groups.setdefault(id(module.group), module.group)
+        for group in groups.values():
+            yield ("fused", group)
+
+    def _holder(self, target: MergeTarget) -> tuple:
+        module = self.model.get_submodule(target.path)
+        if isinstance(module, FusedMember) and target.name == "weight":
+            return ("fused", module.group)
+        if isinstance(module, PackedLinear) and target.name == "weight":
+            return ("packed", target.path)
+        return ("param", target.path, target.name)
+
+    def _get(self, holder: tuple) -> torch.Tensor:
+        if holder[0] == "fused":
+            return holder[1].packed
+        module = self.model.get_submodule(holder[1])
+        return module.packed if holder[0] == "packed" else module._parameters[holder[2]]
+
+    def _set(self, holder: tuple, value: torch.Tensor) -> None:
+        if holder[0] == "fused":
+            holder[1].set_packed(value)
+        elif holder[0] == "packed":
+            self.model.get_submodule(holder[1]).packed = value
+        else:
+            self.model.get_submodule(holder[1])._parameters[holder[2]] = value
+
+    def _learner(self, path: str, name: str) -> torch.Tensor:
+        return getattr(self._source[path], name)
+
+    def _values(self, targets: list[MergeTarget], fold: bool = True) -> Values:
+        """The value of every holder ``targets`` touch: the learner's weights plus each target's delta
+        (``fold=False``: without), computed in the learner's dtype, then cast and packed as held."""
+        deltas = {(t.path, t.name): t.delta for t in targets} if fold else {}
+
+        def weight(path: str, name: str) -> torch.Tensor:
+            base = self._learner(path, name)
+            delta = deltas.get((path, name))
+            return (base + delta().to(base.dtype) if delta is not None else base).to(self.dtype)
+
+        values: Values = {}
         with torch.no_grad():
             for t in targets:
-                value = (t.base + t.delta().to(t.base.dtype) if fold else t.base).to(self.dtype)
-                module = self.model.get_submodule(t.path)
-                if isinstance(module, PackedLinear) and t.name == "weight":
-                    out.append((t, pack(value)))
+                holder = self._holder(t)
+                if holder in values:
+                    continue
+                if holder[0] == "fused":
+                    parent = t.path.rpartition(".")[0]
+                    names = next(n for n in FUSED if t.path.rpartition(".")[2] in n)
+                    values[holder] = pack(torch.cat([weight(f"{parent}.{n}" if parent else n, "weight")
+                                                     for n in names]))
+                elif holder[0] == "packed":
+                    values[holder] = pack(weight(t.path, t.name))
                 else:
-                    out.append((t, torch.nn.Parameter(value, requires_grad=False)))
-        return out
+                    values[holder] = torch.nn.Parameter(weight(t.path, t.name), requires_grad=False)
+        return values
 
-    def _swap(self, values: Folded) -> Folded:
+    def _swap(self, values: Values) -> Values:
         """Put ``values`` into the copy; return what they replaced."""
-        replaced = []
-        for target, value in values:
-            module = self.model.get_submodule(target.path)
-            if isinstance(module, PackedLinear) and target.name == "weight":
-                replaced.append((target, module.packed))
-                module.packed = value
-            else:
-                replaced.append((target, module._parameters[target.name]))
-                module._parameters[target.name] = value
+        replaced = {holder: self._get(holder) for holder in values}
+        for holder, value in values.items():
+            self._set(holder, value)
         return replaced
 
     def _size(self, targets: list[MergeTarget]) -> int:
-        return sum(t.base.numel() for t in targets) * torch.finfo(self.dtype).bits // 8
+        bits = torch.finfo(self.dtype).bits
+        return sum(self._learner(t.path, t.name).numel() for t in targets) * bits // 8
 
     @contextlib.contextmanager
     def use(self, slot: str | None = None, owner: object = None,
@@ -272,23 +270,9 @@ class SamplerCopy:
             self._swap(replaced)
 
 
-@functools.cache
-def _packs_exactly() -> bool:
-    """oneDNN's packed product equals the plain one on this machine (checked once on a small matrix)."""
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
-    try:
-        got = torch.ops.mkldnn._linear_pointwise(x, pack(weight), None, "none", [], "")
-    except RuntimeError:
-        return False
-    return bool(torch.equal(got, torch.nn.functional.linear(x, weight)))
-
-
 def describe(dtype: torch.dtype, reason: str, learner: torch.dtype, nbytes: int) -> str:
     """One line: what the sampler runs in, why, and what its copy costs."""
     if dtype == learner:
         return f"sampler {dtype_name(dtype)} ({reason}), sampling from the learner's weights"
     return (f"sampler {dtype_name(dtype)} ({reason}), learner {dtype_name(learner)}: a "
             f"{nbytes / 2**20:.0f} MiB copy of the weights for sampling")
-
