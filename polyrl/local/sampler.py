@@ -317,8 +317,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator,
-                decode_fn)
+        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
+                generator, decode_fn)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -444,8 +444,8 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
     return tokens.cpu().numpy(), logp.gather(-1, tokens).cpu().numpy()
 
 
-def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator,
-            decode_fn=None):
+def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
+            tokenizer, device, generator, decode_fn=None):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]

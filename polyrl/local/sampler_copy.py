@@ -18,17 +18,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from polyrl.local.cpu_decode import (DECODE_ATTENTION, FUSED, FastDecode, FusedLinear, FusedMember, PackedLinear,
-                                     check, onednn_packing, pack, packs_exactly, register_decode_attention)
+from polyrl.local.cpu_decode import (
+    DECODE_ATTENTION,
+    FUSED,
+    FastDecode,
+    FusedLinear,
+    FusedMember,
+    PackedLinear,
+    check,
+    onednn_packing,
+    pack,
+    packs_exactly,
+    register_decode_attention,
+)
 from polyrl.local.sampler import new_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_ENV = "POLYRL_SAMPLER_DTYPE"  # what ``auto`` stands for on this machine, where set
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -66,9 +79,15 @@ def cpu_bf16_feature() -> str | None:
 
 def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) -> tuple[torch.dtype, str]:
     """The sampler's dtype for ``local.sampler_dtype`` ``name`` and why, in words. ``auto``: bfloat16 on
-    CUDA GPUs that support it and on CPUs with native bfloat16 arithmetic, else the learner's dtype."""
+    CUDA GPUs that support it and on CPUs with native bfloat16 arithmetic, else the learner's dtype;
+    ``$POLYRL_SAMPLER_DTYPE`` (a dtype name), where set, overrides that guess."""
     if name != "auto":
         return DTYPES[name], "as configured"
+    chosen = os.environ.get(AUTO_ENV, "").strip()
+    if chosen:
+        if chosen not in DTYPES:
+            raise ValueError(f"${AUTO_ENV} must be one of {sorted(DTYPES)}, got {chosen!r}")
+        return DTYPES[chosen], f"auto: ${AUTO_ENV}"
     if learner != torch.float32:
         return learner, "auto: the learner's dtype is already 16-bit"
     if device.type == "cuda":
