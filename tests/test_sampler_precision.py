@@ -208,3 +208,36 @@ def test_a_bfloat16_sampler_on_smollm2_is_close_to_the_float32_learner(smollm2_d
     diffs = sampled_vs_learner(sampler, tc, prompt, 4, 32)
     assert float(diffs.max()) < 0.6 and float(diffs.mean()) < 0.12, diffs
     assert float(diffs.mean()) > 1e-3
+
+
+def test_polyrl_train_says_what_the_sampler_runs_in_and_logs_the_gap(tiny_model_dir, tmp_path):
+    """A run with a bfloat16 sampler: the console line at start, the choice in attempts.jsonl, the copy's
+    memory in each step's metrics, and a sampler/learner KL that is no longer ~0 (float32: below 1e-6)."""
+    import json
+
+    import test_train  # noqa: F401 - registers its test_letter environment (reward: an "e" in the reply)
+
+    from polyrl.config import TrainConfig
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train as run_train
+
+    config = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=2, max_steps=2, max_tokens=4,
+                         save_every=0, learning_rate=3e-3, log_path=str(tmp_path / "run"), seed=3,
+                         local={"store_dir": str(tmp_path / "store"), "sampler_dtype": "bfloat16"},
+                         environments={"letter": {"type": "test_letter", "num_rollouts": 4, "max_turns": 1}})
+    lines: list[str] = []
+
+    class Lines(ConsoleLog):
+        def info(self, text: str) -> None:
+            lines.append(text)
+
+    run_train(config, Lines(enabled=False))
+    assert any(line.startswith("sampler bfloat16 (as configured), learner float32: a") for line in lines)
+    [attempt] = [json.loads(x) for x in (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()]
+    [entry] = attempt["sampler"]
+    assert (entry["sampler_dtype"], entry["learner_dtype"]) == ("bfloat16", "float32")
+    assert entry["copy_bytes"] > 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if r["optim/datums"]]  # a step whose groups all tie trains nothing
+    assert updates and all(r["sampler/dtype_bits"] == 16 and r["sampler/copy_mib"] > 0 for r in updates)
+    assert all(abs(r["optim/kl_sample_train_v1"]) > 1e-6 for r in updates)
