@@ -1,0 +1,229 @@
+"""Off-policy corrections (``off_policy.correction``): each correction's loss and gradient against a direct
+computation of the README's formulas and against the published definitions (verl's rollout correction,
+TRL's vLLM importance sampling, IcePop), their metrics, the engine's checks, the client-side folding
+used with hosted Tinker against the in-loss result, ``polyrl serve`` against in-process, and a
+``polyrl train`` run logging the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from tinker import types
+
+from polyrl.backend import ServiceGuard
+from polyrl.config import TrainConfig
+from polyrl.local import ServiceClient
+from polyrl.local.losses import CORRECTIONS, Segments, get_loss
+from polyrl.step_metrics import off_policy_metrics
+from polyrl.update import fold_correction
+from test_local_engine import (  # noqa: F401 - store, service and warm are fixtures shared with that module
+    assert_grads_close,
+    from_state,
+    out_logprobs,
+    random_datum,
+    ref_grads,
+    service,
+    store,
+    take_grads,
+    warm,
+    with_inputs,
+)
+from test_serve import KEY, Served
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+LENGTHS = (5, 7, 6)
+CONFIGS = {"tis": {"tis_cap": 1.5}, "mis": {"mis_low": 0.6, "mis_high": 1.4},
+           "seq_mis": {"seq_mis_low": 0.3, "seq_mis_high": 3.0}, "geo_mis": {"geo_mis_low": 0.8, "geo_mis_high": 1.25},
+           "icepop": {"icepop_low": 0.6, "icepop_high": 1.6}}
+LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+
+
+# ---- direct computations (the README's formulas, written out) -----------------------------------
+def batch(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Segments]:
+    """Learner logprobs (a leaf with gradient) of three datums and sampler logprobs: close to them on the
+    first, all above them on the second (a sequence every mask rejects), spread ~0.8 on the third (tokens
+    truncated and masked); advantages zero on each datum's first two ("prompt") tokens; float64."""
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(LENGTHS)
+    lp = (-torch.rand(n, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    ids = torch.cat([torch.full((k,), i) for i, k in enumerate(LENGTHS)])
+    bias, spread = torch.tensor([0.0, 0.5, 0.0])[ids], torch.tensor([0.05, 0.2, 0.8])[ids]
+    q = lp.detach() + bias + spread * torch.randn(n, generator=gen, dtype=torch.float64)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    for s in starts:
+        adv[s:s + 2] = 0.0
+    mask = (adv != 0).double()
+    return lp, {"logprobs": q, "advantages": adv, "mask": mask}, Segments(ids, len(LENGTHS))
+
+
+def direct_factor(kind: str, rho: list[float], ids: list[int], active: list[bool], low: float,
+                  high: float) -> list[float]:
+    """c_t per token, one token (and one sequence) at a time."""
+    if kind in ("seq_mis", "geo_mis"):
+        keep = {}
+        for d in set(ids):
+            logs = [math.log(r) for r, i, a in zip(rho, ids, active) if i == d and a]
+            value = math.exp(sum(logs) / (len(logs) if kind == "geo_mis" and logs else 1))
+            keep[d] = low <= value <= high
+        return [float(keep[i]) if a else 1.0 for i, a in zip(ids, active)]
+    out = []
+    for r, a in zip(rho, active):
+        inside = low <= r <= high
+        c = {"tis": min(r, high), "mis": float(inside), "icepop": r if inside else 0.0}[kind]
+        out.append(c if a else 1.0)
+    return out
+
+
+def bounds(kind: str) -> tuple[float, float]:
+    keys = CORRECTIONS[kind]
+    config = CONFIGS[kind]
+    return (0.0, config[keys[0]]) if kind == "tis" else (config[keys[0]], config[keys[1]])
+
+
+def direct_loss(name: str, lp: torch.Tensor, inputs: dict, seg: Segments, c: torch.Tensor) -> torch.Tensor:
+    """Each loss written out with advantage c * A; a loss whose ratio the correction re-anchors takes
+    it against the learner's detached logprobs (value 1, gradient of log p)."""
+    a = c * inputs["advantages"]
+    r = torch.exp(lp - lp.detach())
+    if name == "importance_sampling":
+        return -(r * a).sum()
+    if name in ("ppo", "gspo"):  # gspo: the sequence's mean log-ratio against itself is 0
+        return -torch.minimum(r * a, r.clamp(0.8, 1.2) * a).sum()
+    if name == "cispo":
+        return -(r.detach().clamp(0.8, 1.2) * lp * a).sum()
+    if name == "dro":  # no ratio to re-anchor: the penalty still pulls towards the sampler
+        return -(lp * a - 0.5 * 0.05 * (lp - inputs["logprobs"]) ** 2 * inputs["mask"]).sum()
+    m = inputs["sampled"]  # stable_reinforce keeps its own truncated weight against the sampler
+    w = torch.exp((lp.detach() - inputs["sampler_logprobs"]) * m).clamp(max=2.0)
+    return -(m * w * a * lp).sum()
+
+
+def run_loss(name: str, lp: torch.Tensor, inputs: dict, seg: Segments, config: dict):
+    if lp.grad is not None:
+        lp.grad = None
+    loss, metrics = get_loss(name).fn(lp, inputs, seg, config)
+    loss.backward()
+    return float(loss), lp.grad.clone(), metrics
+
+
+def loss_inputs(name: str, inputs: dict) -> dict:
+    if name == "stable_reinforce":
+        return {"advantages": inputs["advantages"], "sampled": inputs["mask"],
+                "sampler_logprobs": inputs["logprobs"] * inputs["mask"]}
+    if name == "dro":
+        return inputs
+    if name == "gspo":
+        return {"logprobs": inputs["logprobs"], "advantages": inputs["advantages"],
+                "sequence_ratio_mask": inputs["mask"]}
+    return {"logprobs": inputs["logprobs"], "advantages": inputs["advantages"]}
+
+
+@pytest.mark.parametrize("kind", sorted(CORRECTIONS))
+@pytest.mark.parametrize("name", LOSSES)
+def test_correction_loss_and_gradient_match_a_direct_computation(name, kind):
+    if name == "stable_reinforce" and kind == "tis":
+        pytest.skip("refused: stable_reinforce truncates its own weight (test_engine_refusals)")
+    lp, raw, seg = batch(seed=LOSSES.index(name) * 10 + len(kind))
+    inputs = loss_inputs(name, raw)
+    low, high = bounds(kind)
+    active = raw["mask"] != 0
+    rho = torch.exp(lp.detach() - raw["logprobs"]).tolist()
+    c = torch.tensor(direct_factor(kind, rho, seg.ids.tolist(), active.tolist(), low, high), dtype=torch.float64)
+    affected = c[active] == (high if kind == "tis" else 0.0)  # truncated, or masked
+    assert 0 < int(affected.sum()) < int(active.sum())
+    value, grad, _ = run_loss(name, lp, inputs, seg, CONFIGS[kind])
+    lp.grad = None
+    want = direct_loss(name, lp, inputs, seg, c)
+    want.backward()
+    assert value == pytest.approx(float(want), abs=1e-6)
+    torch.testing.assert_close(grad, lp.grad, rtol=0, atol=1e-6)
+    plain, plain_grad, _ = run_loss(name, lp, inputs, seg, {})
+    assert not torch.allclose(plain_grad, grad)  # and it is not the loss without a correction
+
+
+# ---- the published definitions (written from their docs; never their code) ----------------------
+def test_tis_is_verl_decoupled_token_is_and_trl_token_truncate():
+    """verl (rollout correction, decoupled mode, token level): L = sum_t w_t * max(-A r, -A clip(r)) with
+    w_t = min(pi_old / pi_rollout, C) detached and r = pi_theta / pi_old; pi_old is the policy at the
+    step's start, which in polyrl's one-optimizer-step-per-batch loop is the learner itself. TRL's
+    token_truncate multiplies the same per-token loss by min(exp(old - vllm), cap)."""
+    lp, raw, seg = batch(seed=3)
+    cap = 1.5
+    old = lp.detach()
+    w = torch.clamp(torch.exp(old - raw["logprobs"]), max=cap)
+    r = torch.exp(lp - old)
+    adv = raw["advantages"]
+    verl = (w * torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))).sum()
+    verl.backward()
+    want = lp.grad.clone()
+    value, grad, _ = run_loss("ppo", lp, loss_inputs("ppo", raw), seg, {"tis_cap": cap})
+    assert value == pytest.approx(float(verl), abs=1e-9)
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["seq_mis", "geo_mis", "mis"])
+def test_masks_are_verl_rejection_sampling(kind):
+    """verl's rejection sampling keeps token t (rollout_rs=token) when C_low <= rho_t <= C_high, a
+    sequence (rollout_rs=sequence) when C_low <= prod_t rho_t <= C_high, and (geometric) when
+    C_low <= exp(mean_t log rho_t) <= C_high, over the response tokens; REINFORCE on the kept ones."""
+    lp, raw, seg = batch(seed=11)
+    low, high = bounds(kind)
+    log_rho = (lp.detach() - raw["logprobs"]) * raw["mask"]
+    n = seg.sum(raw["mask"])
+    per_seq = {"seq_mis": seg.sum(log_rho), "geo_mis": seg.sum(log_rho) / n}.get(kind)
+    accepted = ((torch.exp(per_seq) >= low) & (torch.exp(per_seq) <= high))[seg.ids] if per_seq is not None \
+        else (torch.exp(log_rho) >= low) & (torch.exp(log_rho) <= high)
+    assert accepted.any() and not accepted[raw["mask"] != 0].all()
+    reference = -(accepted * raw["advantages"] * lp).sum()
+    reference.backward()
+    want = lp.grad.clone()
+    _, grad, _ = run_loss("importance_sampling", lp, loss_inputs("importance_sampling", raw), seg, CONFIGS[kind])
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-9)
+
+
+def test_icepop_is_its_published_objective():
+    """IcePop (INTELLECT-3 report eq. 1): J = sum_t M(pi_train / pi_infer; alpha, beta) * A_t with
+    M(k) = k on [alpha, beta] and 0 outside, the gradient flowing through k: loss -J, value and gradient."""
+    lp, raw, seg = batch(seed=5)
+    alpha, beta = bounds("icepop")
+    k = torch.exp(lp - raw["logprobs"])
+    inside = ((k >= alpha) & (k <= beta)).detach()
+    reference = -(torch.where(inside, k, torch.zeros_like(k)) * raw["advantages"]).sum()
+    reference.backward()
+    want = lp.grad.clone()
+    value, grad, _ = run_loss("importance_sampling", lp, loss_inputs("importance_sampling", raw), seg,
+                              CONFIGS["icepop"])
+    assert value == pytest.approx(float(reference), abs=1e-9)
+    torch.testing.assert_close(grad, want, rtol=0, atol=1e-9)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+def test_metrics_count_the_sampled_tokens_truncated_and_masked():
+    lp = torch.zeros(7, dtype=torch.float64, requires_grad=True)
+    rho = torch.tensor([1.0, 0.25, 0.9, 1.0, 1.5, 3.0, 1.0], dtype=torch.float64)
+    adv = torch.tensor([0.0, 1.0, -1.0, 2.0, 1.0, -0.5, 0.0], dtype=torch.float64)  # 5 sampled tokens
+    inputs = {"logprobs": -torch.log(rho), "advantages": adv}
+    seg = Segments(torch.zeros(7, dtype=torch.long), 1)
+    _, _, tis = run_loss("importance_sampling", lp, inputs, seg, {"tis_cap": 2.0})
+    assert tis["is_tokens:sum"] == 5 and tis["is_truncated:sum"] == 1 and tis["is_masked:sum"] == 0
+    assert tis["is_weight:sum"] == pytest.approx(0.25 + 0.9 + 1.0 + 1.5 + 3.0)
+    assert (tis["is_weight:max"], tis["is_weight:min"]) == pytest.approx((3.0, 0.25))
+    _, _, mis = run_loss("importance_sampling", lp, inputs, seg, {"mis_low": 0.5, "mis_high": 2.0})
+    assert mis["is_masked:sum"] == 2 and mis["is_truncated:sum"] == 0
+    _, _, seq = run_loss("importance_sampling", lp, inputs, seg, {"seq_mis_low": 0.5, "seq_mis_high": 1.01})
+    assert seq["is_masked:sum"] == 5  # the sequence's product 0.25 * 0.9 * 1.5 * 3 = 1.0125 is past 1.01
+    rows = off_policy_metrics([tis, {"loss:sum": 1.0}, {**tis, "is_weight:max": 7.0, "is_weight:min": 0.5}])
+    assert rows == pytest.approx({"off_policy/is_weight_mean": 6.65 / 5, "off_policy/is_weight_max": 7.0,
+                                  "off_policy/is_weight_min": 0.25, "off_policy/truncated_frac": 0.2,
+                                  "off_policy/masked_frac": 0.0})
+    assert off_policy_metrics([{"loss:sum": 1.0}]) == {}
