@@ -14,6 +14,7 @@ gradients discarded (:func:`refuse_update`, ``nonfinite_steps``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
@@ -215,7 +216,7 @@ async def fold_correction(training: TrainingClient, guard: ServiceGuard, data_D:
         changed["advantages"] = types.TensorData.from_torch(inputs["advantages"] * factor)
         if spec.correction == losses.ANCHOR:
             changed["logprobs"] = types.TensorData.from_torch(learner)
-        folded.append(datum.model_copy(update={"loss_fn_inputs": changed}))
+        folded.append(dataclasses.replace(datum, loss_fn_inputs=changed))
         parts.append(metrics)
     return folded, reduce_metrics(parts)
 
