@@ -200,8 +200,9 @@ async def fold_correction(training: TrainingClient, guard: ServiceGuard, data_D:
     spec = losses.get_loss(loss_fn)
     correction, _ = losses.parse_correction(keys, spec.name, spec.correction)
     assert correction is not None
-    plain = [types.Datum(model_input=d.model_input,
-                         loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]}) for d in data_D]
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "weights": types.TensorData(data=[1.0] * d.model_input.length, dtype="float32")}) for d in data_D]
     forward = await guard("computing the learner's logprobs", training.forward, plain, "cross_entropy")
     folded, parts = [], []
     for datum, out in zip(data_D, forward.loss_fn_outputs):

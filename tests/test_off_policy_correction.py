@@ -387,6 +387,26 @@ def test_train_with_a_correction_logs_its_metrics(tiny_model_dir, tmp_path):
         assert row["off_policy/truncated_frac"] == 0.0 and row["off_policy/masked_frac"] == 0.0
 
 
+def test_train_through_the_sdk_folds_the_correction_client_side(served, tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    """backend tinker (here polyrl serve through the official SDK, as hosted Tinker would be): a forward
+    pass per minibatch, the correction folded into the Datums, its metrics logged."""
+    from polyrl.tracking.console import ConsoleLog
+    from polyrl.train import train
+    from test_train import _config
+
+    monkeypatch.setenv("TINKER_API_KEY", KEY)
+    config = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, local={}, max_steps=2,
+                     save_every=0, loss_fn="ppo",
+                     off_policy={"correction": "icepop", "stream_minibatches": 2})
+    train(config, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["off_policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["off_policy/masked_frac"] == 0.0 and row["optim/datums"] > 0
+
+
 # ---- configuration -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("overrides", "expected"), [
     (["off_policy.correction=trunc"], "off_policy.correction: Input should be 'none', 'tis', 'mis', "
