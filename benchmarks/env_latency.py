@@ -7,7 +7,8 @@ the ``small`` tiny model on the local engine, ``--threads`` torch threads. The s
 already runs a step's episodes concurrently, so a step costs about one episode's chain of turns
 (``turns`` x latency, plus sampling) and then the training; with ``max_steps_off_policy: 1`` the next
 step's groups are sampled while a step finishes and trains, and their episodes take the newest weights
-at each turn (partial rollouts), so each run also prints the mean staleness of the tokens it trained.
+at each turn (partial rollouts), so each run also prints the mean staleness of the groups it trained
+(their oldest tokens, the sampler a group started with) beside that of the tokens.
 ``--chunk N`` adds runs with ``off_policy.partial_chunk_tokens: N`` (a turn takes the newest weights
 every N tokens too).
 
@@ -91,8 +92,9 @@ class Clock(ConsoleLog):
 
 
 def run(model: Path, root: Path, args, off_policy: int, blocking: bool, name: str,
-        chunk: int | None = None) -> tuple[float, float]:
-    """Steps per minute of one run, and the mean staleness of the tokens it trained."""
+        chunk: int | None = None) -> tuple[float, float, float]:
+    """Steps per minute of one run, and the mean staleness of the groups (their oldest tokens) and of the
+    tokens it trained."""
     from polyrl.config import TrainConfig
     from polyrl.train import train
 
@@ -107,8 +109,9 @@ def run(model: Path, root: Path, args, off_policy: int, blocking: bool, name: st
     train(cfg, clock)
     times = clock.times
     rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-    staleness = statistics.mean(r["async/token_staleness_mean"] for r in rows)
-    return 60.0 * (len(times) - 1) / (times[-1] - times[0]), staleness
+    groups = statistics.mean(r["async/staleness_mean"] for r in rows)
+    tokens = statistics.mean(r["async/token_staleness_mean"] for r in rows)
+    return 60.0 * (len(times) - 1) / (times[-1] - times[0]), groups, tokens
 
 
 def main() -> None:
@@ -148,11 +151,11 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name, off_policy, chunk in cases:
                 label = f"{kind[:4]}-{name}-{repeat}"
-                rate, staleness = run(model, root, args, off_policy, blocking, label, chunk)
+                rate, groups, tokens = run(model, root, args, off_policy, blocking, label, chunk)
                 rates[name].append(rate)
                 chunked = f", partial_chunk_tokens={chunk}" if chunk else ""
                 print(f"  {kind:<22} max_steps_off_policy={off_policy}{chunked}: {rate:6.1f} steps/min, "
-                      f"trained tokens {staleness:.2f} steps stale on average")
+                      f"mean staleness: groups {groups:.2f}, tokens {tokens:.2f} steps")
         sync = statistics.median(rates["sync"])
         for name, _, chunk in cases[1:]:
             ratios[(blocking, name)] = statistics.median(rates[name]) / sync

@@ -31,6 +31,8 @@ from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.renderers.base import Message, Renderer
 
 if TYPE_CHECKING:
+    from tinker import types
+
     from polyrl.clients import SamplingClient
 
 
@@ -209,7 +211,7 @@ class RolloutContext:
 
 
 async def sample_once(sampler: SamplingClient, prompt: list[int],
-                      params: Any) -> tuple[list[int], list[float], str]:
+                      params: types.SamplingParams) -> tuple[list[int], list[float], str]:
     """One sequence from ``sampler``: its tokens, their logprobs and its stop reason."""
     from tinker import types
 
