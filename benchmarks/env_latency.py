@@ -139,7 +139,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         Engine.shared(root / "store").call(lambda: torch.set_num_threads(args.threads))
 
-    print(f"{args.groups} groups x {args.group} episodes x {args.turns} turns per step, {LATENCY_S * 1000:.0f} ms "
+    print(f"{args.groups} groups x {args.group} episodes x {args.turns} turns per step, "
+          f"{LATENCY_S * 1000:.0f} ms "
           f"per environment step, {args.tokens} tokens per turn, {args.steps} steps per run")
     cases = [("sync", 0, None), ("off-policy", 1, None)]
     if args.chunk:
