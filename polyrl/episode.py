@@ -69,6 +69,10 @@ class Episode:
     # per token: the optimizer steps the weights that sampled it had seen; -1 on prompt/environment tokens
     sampler_steps: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
+    # [start, end) and sequence_id (None where the sampler gave none) of each sampled sequence: one per
+    # turn, or one per chunk of a turn sampled in chunks; what a stable_reinforce Datum names as the
+    # source of its tokens (provenance)
+    sequence_runs: list[tuple[int, int, str | None]] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
     done_by_env: bool = False
@@ -95,9 +99,11 @@ class Episode:
         return sum(self.action_mask)
 
     def append(self, tokens: list[int], logprobs: list[float] | None = None,
-               sampler_steps: list[int] | None = None) -> None:
+               sampler_steps: list[int] | None = None,
+               runs: list[tuple[int, str | None]] | None = None) -> None:
         """Append prompt/environment tokens (``logprobs`` None) or one sampled turn, with the sampler step
-        of each of its tokens (not given: -1, see :meth:`fill_sampler_steps`)."""
+        of each of its tokens (not given: -1, see :meth:`fill_sampler_steps`) and the length and
+        sequence_id of each sequence it was sampled as (not given: one sequence without an id)."""
         self.tokens.extend(tokens)
         if logprobs is None:
             self.logprobs.extend([0.0] * len(tokens))
@@ -105,6 +111,10 @@ class Episode:
             self.sampler_steps.extend([-1] * len(tokens))
         else:
             self.turn_spans.append((len(self.tokens) - len(tokens), len(self.tokens)))
+            start = len(self.tokens) - len(tokens)
+            for length, sequence_id in runs or [(len(tokens), None)]:
+                self.sequence_runs.append((start, start + length, sequence_id))
+                start += length
             self.logprobs.extend(logprobs)
             self.action_mask.extend([1] * len(tokens))
             self.sampler_steps.extend([-1] * len(tokens) if sampler_steps is None else sampler_steps)
@@ -187,19 +197,22 @@ class RolloutContext:
         tokens: list[int] = []
         logprobs: list[float] = []
         steps_T: list[int] = []
+        runs: list[tuple[int, str | None]] = []  # (length, sequence_id) of each chunk
         for chunk in itertools.count():
             sampler, step = self.sampler_ref.current
             wanted = budget - len(tokens) if chunk_tokens is None else min(chunk_tokens, budget - len(tokens))
             params = types.SamplingParams(max_tokens=wanted, temperature=self.settings.temperature,
                                           stop=stops, seed=self.chunk_seed(turn, chunk))
-            new, new_logprobs, stop_reason = await sample_once(sampler, episode.tokens + tokens, params)
+            new, new_logprobs, stop_reason, sequence_id = await sample_once(
+                sampler, episode.tokens + tokens, params)
             start = len(tokens)
             tokens, logprobs, steps_T = tokens + new, logprobs + new_logprobs, steps_T + [step] * len(new)
             if chunk and (end := stop_across(tokens, start, stops, self.renderer.decode)) is not None:
                 tokens, logprobs, steps_T, stop_reason = tokens[:end], logprobs[:end], steps_T[:end], "stop"
+            runs.append((len(tokens) - start, sequence_id))
             if chunk_tokens is None or stop_reason != "length" or len(new) < wanted or len(tokens) >= budget:
                 break
-        episode.append(tokens, logprobs, steps_T)
+        episode.append(tokens, logprobs, steps_T, runs)
         episode.stop_reasons.append(stop_reason)
         message = self.renderer.parse_response(tokens)
         episode.messages.append(message)
@@ -211,8 +224,8 @@ class RolloutContext:
 
 
 async def sample_once(sampler: SamplingClient, prompt: list[int],
-                      params: types.SamplingParams) -> tuple[list[int], list[float], str]:
-    """One sequence from ``sampler``: its tokens, their logprobs and its stop reason."""
+                      params: types.SamplingParams) -> tuple[list[int], list[float], str, str | None]:
+    """One sequence from ``sampler``: its tokens, their logprobs, its stop reason and sequence_id."""
     from tinker import types
 
     try:
@@ -227,7 +240,7 @@ async def sample_once(sampler: SamplingClient, prompt: list[int],
         raise SamplerError(f"the sampler returned {len(seq.tokens)} tokens with "
                            f"{'no' if logprobs is None else len(logprobs)} logprobs; "
                            "the loss needs one per token")
-    return list(seq.tokens), list(logprobs), seq.stop_reason
+    return list(seq.tokens), list(logprobs), seq.stop_reason, getattr(seq, "sequence_id", None)
 
 
 def stop_across(tokens: list[int], start: int, stops: list[int] | list[str],

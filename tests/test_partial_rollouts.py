@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from tinker import types
 
+from polyrl.advantages import provenance_spans
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
@@ -79,7 +80,7 @@ class Versioned:
                 break
         if self.then is not None:
             self.then()
-        seq = types.SampledSequence(stop_reason=reason, sequence_id="s",
+        seq = types.SampledSequence(stop_reason=reason, sequence_id=f"s{len(script.calls)}",
                                     tokens_np=np.array(out, dtype=np.int32),
                                     logprobs_np=np.full(len(out), -(self.step + 1) / 10, dtype=np.float32))
         return types.SampleResponse(sequences=[seq])
@@ -142,6 +143,12 @@ def test_a_long_turn_continues_in_chunks_with_the_newest_sampler():
     assert calls[2]["prompt"] == [ord(c) for c in "Q:abcdef"]
     assert ep.sampled_steps() == [0, 0, 0, 1, 1, 1, 1, 1]
     assert ep.logprobs[2:] == pytest.approx([-0.1] * 3 + [-0.2] * 5)
+    # each chunk is its own sampled sequence: a stable_reinforce Datum names each for its tokens
+    assert ep.sequence_runs == [(2, 5, "s1"), (5, 8, "s2"), (8, 10, "s3")]
+    spans, covered = provenance_spans(ep)
+    assert covered == 10 and spans == [
+        types.PromptProvenanceSpan(sequence_id="s1", length=2), types.SampledProvenanceSpan(sequence_id="s1", length=3),
+        types.SampledProvenanceSpan(sequence_id="s2", length=3), types.SampledProvenanceSpan(sequence_id="s3", length=2)]
     seeds = [c["seed"] for c in calls]
     assert seeds[0] == (SEED * 1009) % 2**31 and len(set(seeds)) == 3
     again = Script("abcdefghijkl")  # the same turn again: the same calls, seeds included

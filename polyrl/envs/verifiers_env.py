@@ -192,7 +192,8 @@ class VerifiersBuilder(EnvBuilder):
         prefix: list[int] = []
         for prompt, completion, logprobs, _ in turns:
             if prompt[: len(prefix)] != prefix or len(logprobs) != len(completion):
-                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.sampler_steps, ep.turn_spans):
+                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.sampler_steps, ep.turn_spans,
+                             ep.sequence_runs):
                     part.clear()
                 return False
             ep.append(prompt[len(prefix):])

@@ -27,12 +27,16 @@ KEYS_ENV = "POLYRL_SERVE_API_KEYS"
 LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's in-flight limit 429 (retried)
     ("--max-request-tokens", 1 << 20, "model_input tokens in one forward_backward request, or one prompt"),
     ("--max-request-datums", 1024, "datums in one forward_backward request (the SDK splits larger batches)"),
-    ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets"),
+    ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets, and of a sampling "
+                            "request's top-K, target or alternative-token logprobs"),
     ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done "
                                         "(one forward_backward call's chunks must fit in it together)"),
     ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
     ("--max-checkpoints", 1000, "per key: checkpoints kept in the store; past it a save gets 403 until some "
                                 "are deleted"),
+    ("--max-recorded-tokens", 1 << 24, "per key: prompt and sampled tokens of the sequences its samplers "
+                                       "recorded for stable_reinforce (record_stability_info); past it the "
+                                       "least recently used are evicted"),
 ]
 
 
@@ -125,7 +129,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        max_request_tokens=args.max_request_tokens, max_request_datums=args.max_request_datums,
                        max_target_k=args.max_target_k, max_tokens_in_flight=args.max_tokens_in_flight,
                        max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
-                       sweep_interval_s=args.sweep_interval,
+                       max_recorded_tokens=args.max_recorded_tokens, sweep_interval_s=args.sweep_interval,
                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
 
