@@ -11,8 +11,8 @@ and adds the per-token terms, if any (zero on prompt and environment tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from tinker import types
 

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from polyrl.backend import service_lost
-from polyrl.config import (DEFAULT_MAX_ABS_REWARD, DEFAULT_MAX_OBSERVATION_BYTES,
-                           DEFAULT_MAX_OBSERVATION_TOKENS)
+from polyrl.config import (
+    DEFAULT_MAX_ABS_REWARD,
+    DEFAULT_MAX_OBSERVATION_BYTES,
+    DEFAULT_MAX_OBSERVATION_TOKENS,
+)
 from polyrl.envs.base import Env, call_env
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.renderers.base import Message, Renderer
@@ -168,7 +172,7 @@ class RolloutContext:
     group_id: int
     sampler_ref: SamplerRef
     renderer: Renderer
-    settings: "RolloutSettings"
+    settings: RolloutSettings
     seed: int | None
 
     def __post_init__(self) -> None:
