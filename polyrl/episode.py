@@ -283,8 +283,8 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
     """Play one episode to the end, each turn with ``sampler``'s newest; exceptions propagate (the caller
     counts them as failures)."""
     start = time.monotonic()
-    ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id, sampler,
-                         renderer, settings, seed)
+    ctx = RolloutContext(episode.env_name, episode.split, episode.task_index, episode.group_id,
+                         SamplerRef.of(sampler), renderer, settings, seed)
     try:
         obs = await call_env(env.reset)
         check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized

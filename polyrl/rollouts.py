@@ -15,14 +15,23 @@ import hashlib
 import math
 import random
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from polyrl.config import EnvConfig
+from polyrl.config_env import SplitName
 from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.episode import (Episode, RolloutContext, RolloutSettings, SamplerError, SamplerRef,
-                            check_rewards, run_episode)
+from polyrl.episode import (
+    Episode,
+    RolloutContext,
+    RolloutSettings,
+    SamplerError,
+    SamplerRef,
+    check_rewards,
+    run_episode,
+)
 from polyrl.errors import ServiceLostError
 from polyrl.renderers.base import Renderer
 
@@ -32,7 +41,7 @@ if TYPE_CHECKING:
 
 async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Renderer,
                     sampler: SamplingClient | SamplerRef, settings: RolloutSettings,
-                    seeds: list[int | None]) -> list[Episode]:
+                    seeds: Sequence[int | None]) -> list[Episode]:
     """Run a group's rollouts concurrently, each turn with ``sampler``'s newest. A failing rollout
     (exception or timeout) is marked with ``error`` and kept in the list, so the caller can apply the
     failure budget. A builder that drives its own rollouts may return several episodes (roles) per
@@ -128,7 +137,7 @@ class EnvRuntime:
         )
         return cls(name, cfg, builder, settings, seed)
 
-    def num_tasks(self, split: str) -> int | None:
+    def num_tasks(self, split: SplitName) -> int | None:
         split_cfg = self.cfg.splits.get(split)
         limit = split_cfg.num_samples if split_cfg else None
         available = self.builder.num_tasks(split)
@@ -136,7 +145,7 @@ class EnvRuntime:
             return available
         return limit if available is None else min(limit, available)
 
-    def task_index(self, split: str, position: int) -> int:
+    def task_index(self, split: SplitName, position: int) -> int:
         """The task at ``position`` of the split's order: epochs of a seeded shuffle when the split
         is finite and ``shuffle`` is set, else sequential."""
         n = self.num_tasks(split)
