@@ -279,11 +279,12 @@ def test_calculator_tool_flow():
     )
     first, second, final = results
     assert first.messages == [
-        {"role": "tool", "tool_call_id": "a", "content": str(task.answer)},
-        {"role": "tool", "tool_call_id": "b", "content": "error: division by zero"},
+        {"role": "tool", "tool_call_id": "a", "name": "calculator", "content": str(task.answer)},
+        {"role": "tool", "tool_call_id": "b", "name": "calculator", "content": "error: division by zero"},
     ]
     assert (first.reward, first.done, second.reward, second.done) == (0.0, False, 0.0, False)
     assert second.messages[0]["role"] == "tool" and "unknown tool" in second.messages[0]["content"]
+    assert second.messages[0]["name"] == "search"  # named as called: harmony writes the reply's author
     assert second.messages[1]["role"] == "user" and "could not parse JSON" in second.messages[1]["content"]
     assert final.done and final.reward == 1.0
     assert final.metrics == {"success": 1.0, "tool_calls": 4.0}

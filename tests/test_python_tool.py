@@ -67,7 +67,7 @@ def test_a_right_tool_using_episode_gets_reward_1(tokenizer):
     ep = asyncio.run(run_episode(builder.make("train", 0), Episode("python_tool", "train", 0, 0), renderer,
                                  policy, settings))
     assert ep.reward == 1.0 and ep.success and ep.num_turns == 2 and ep.done_by_env
-    assert ep.messages[2] == {"role": "tool", "tool_call_id": "call_0", "content": answer + "\n"}
+    assert ep.messages[2] == {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": answer + "\n"}
     assert ep.metrics == {"success": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
 
     # the same task answered wrongly gets 0; the designed mistakes are wrong

@@ -54,7 +54,8 @@ class Segments:
         return total.index_add(0, self.ids, values)
 
 
-LossFn = Callable[[Tensor, Mapping[str, Tensor], Segments, Mapping[str, float]], tuple[Tensor, dict[str, float]]]
+LossFn = Callable[[Tensor, Mapping[str, Tensor], Segments, Mapping[str, float]],
+                  tuple[Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,8 @@ def corrected(fn: LossFn, name: str, role: str) -> LossFn:
     return loss
 
 
-def _clip_bounds(inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
+def _clip_bounds(inputs: Mapping[str, Tensor],
+                 config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
     """Ratio bounds: per-token inputs win over ``loss_fn_config``, which wins over 0.8 / 1.2."""
     low = inputs.get("clip_low_threshold", config.get("clip_low_threshold", DEFAULT_CLIP_LOW))
     high = inputs.get("clip_high_threshold", config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
