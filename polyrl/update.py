@@ -3,8 +3,10 @@ arrives, then one optimizer step once every loss came back finite.
 
 :func:`prepare_minibatch` applies each environment's failure budget, computes the advantages (plus the
 KL penalty's and the distillation teacher's per-token terms, when configured) and builds the Datums;
-:func:`forward_backward` sends them; :func:`optimizer_step` waits for the losses and applies one
-``optim_step``. :class:`StepUpdate` is what the step trained on.
+:func:`forward_backward` sends them (with ``off_policy.correction``, as ``loss_fn_config`` keys on the
+local engine, or folded into the Datums after a ``forward`` pass with backend tinker:
+:func:`fold_correction`); :func:`optimizer_step` waits for the losses and applies one ``optim_step``.
+:class:`StepUpdate` is what the step trained on.
 
 No non-finite number reaches the weights: an advantage, per-token term or sampler logprob past
 float32's range keeps its minibatch's Datums from being built; a loss that comes back NaN or inf, or an
