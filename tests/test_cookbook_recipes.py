@@ -133,9 +133,10 @@ def test_cookbook_rl_loop_recipe(served, hub, tmp_path):
 def test_cookbook_async_math_rl_with_max_steps_off_policy(served, tiny_model_dir, tmp_path):
     """math_rl in async mode (``max_steps_off_policy=2``: sampling runs ahead of training on weights up to two
     steps old), at the async run's default loss, stable_reinforce."""
-    done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, f"model_name={tiny_model_dir}",
-                     "renderer_name=qwen3", "env=arithmetic", "groups_per_batch=4", "group_size=2", "lora_rank=4",
-                     "eval_every=0", "save_every=2", "max_steps=3", "max_steps_off_policy=2")
+    args = [f"model_name={tiny_model_dir}", "renderer_name=qwen3", "env=arithmetic", "groups_per_batch=4",
+            "group_size=2", "lora_rank=4", "eval_every=0", "save_every=2", "max_steps=3",
+            "max_steps_off_policy=2"]
+    done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _rows(tmp_path / "log")
     trained = [r for r in rows if "env/all/reward/total" in r]
