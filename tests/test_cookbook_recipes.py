@@ -95,16 +95,16 @@ def served(hub, tiny_model_dir, tmp_path_factory):
 
 def _gsm8k(hub: Path, n: int) -> None:
     """``openai/gsm8k`` (configuration ``main``) as the hub lays it out: the README's ``configs:`` block names
-    the configuration's files. Answers end ``#### N`` as GSM8K's do."""
+    the configuration's files. Answers end ``#### N`` as GSM8K's do; every one is 7, as the coin-flip model
+    answers without reading the question (answers that differed would pull its one choice both ways)."""
     root = hub / "openai" / "gsm8k"
     (root / "main").mkdir(parents=True, exist_ok=True)
     (root / "README.md").write_text(
         "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
         "  - split: test\n    path: main/test.jsonl\n---\n")
     for split, count in (("train", n), ("test", 2)):
-        rows = [{"question": f"Tom has {i} apples and finds {3 + 4 * (i % 2) - i} more. How many now?",
-                 "answer": f"{i} + {3 + 4 * (i % 2) - i} = {3 + 4 * (i % 2)}\n#### {3 + 4 * (i % 2)}"}
-                for i in range(count)]
+        rows = [{"question": f"Tom has {i} apples and finds {7 - i} more. How many apples has he now?",
+                 "answer": f"{i} + {7 - i} = 7\n#### 7"} for i in range(count)]
         (root / "main" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -121,9 +121,10 @@ def test_cookbook_rl_loop_recipe(served, hub, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     rewards = _finite(rows, "reward/total")
     assert all(0.0 <= r <= 1.0 for r in rewards) and 0.0 < sum(rewards) < len(rewards), rewards
-    # a batch whose rewards all agree is skipped (no optim_step metrics); this model is right half the time
+    # a batch whose rewards all agree is skipped (no optim_step metrics: 1 in 64 here, as this model is right
+    # half the time); the others trained with stable_reinforce on rl_loop's provenance spans
     grad_norms = _finite(rows, "grad_norm:mean")
-    assert all(g > 0 for g in grad_norms) and "all advantages zero" not in done.stderr
+    assert all(g > 1e-3 for g in grad_norms), grad_norms
     cps = _rows(log, "checkpoints.jsonl")
     assert [c["name"] for c in cps] == ["000002", "final"]
     assert cps[0]["state_path"].startswith("tinker://") and cps[-1]["sampler_path"].startswith("tinker://")
