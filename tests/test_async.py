@@ -17,8 +17,8 @@ import torch
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.episode import Episode
+from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import train

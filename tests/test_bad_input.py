@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.config import MAX_EPISODES_PER_STEP, ConfigError
+from polyrl.config import MAX_EPISODES_PER_STEP
 from polyrl.config_files import load_config
 from polyrl.sft import SFTConfig
 

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from polyrl.envs.base import EnvBuilder, StepResult
-from polyrl.envs.registry import get_env_builder
 from polyrl.envs.builtin import (
     CALCULATOR_TOOL,
     ExpressionError,
@@ -17,6 +16,7 @@ from polyrl.envs.builtin import (
     extract_answer,
     parse_number,
 )
+from polyrl.envs.registry import get_env_builder
 
 ENV_NAMES = ["arithmetic", "countdown", "guess_number", "calculator"]
 

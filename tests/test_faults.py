@@ -18,8 +18,8 @@ from scripted import ScriptedSampler
 
 from polyrl.config import TrainConfig
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode, RolloutSettings
+from polyrl.renderers import get_renderer
 from polyrl.rollouts import run_group
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
@@ -749,8 +749,9 @@ def test_trainer_stops_with_one_line_past_its_recoveries(tiny_model_dir, tmp_pat
 def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_dir, tmp_path, monkeypatch):
     """A kill between saving a checkpoint and logging its row leaves it in the store, where no row
     refers to it: the relaunch removes it (and says so)."""
-    from polyrl.local.checkpoints import Store
     from test_train import RecordingConsole, SimulatedCrash
+
+    from polyrl.local.checkpoints import Store
 
     cfg = _config(tiny_model_dir, tmp_path, max_steps=4, save_every=2)
     real_log = RunFiles.log_checkpoint

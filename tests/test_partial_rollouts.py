@@ -271,7 +271,9 @@ def test_queue_episodes_in_flight_take_released_samplers_and_the_bound_is_per_to
     assert stale == []
     assert [[g.key for g in taken] for taken in taken_G] == [[(0, 0)], [(2, 0)], [(1, 0)]]
     (g0,), (g2,), (g1,) = taken_G
-    turns = lambda g: [set(g.episodes[0].sampler_steps[a:b]) for a, b in g.episodes[0].turn_spans]
+    def turns(g):
+        return [set(g.episodes[0].sampler_steps[a:b]) for a, b in g.episodes[0].turn_spans]
+
     assert turns(g0) == [{0}, {0}] and g0.sampler_step == 0
     assert turns(g2) == [{1}, {1}] and g2.sampler_step == 1
     assert turns(g1) == [{1}, {2}] and g1.sampler_step == 1  # started with v0, sampled nothing with it

@@ -20,11 +20,11 @@ import pytest
 from scripted import ScriptedSampler
 from tinker import types
 
-from polyrl.envs.registry import make_env_builder
 from polyrl.envs.python_tool import PYTHON_TOOL, tool_reply
+from polyrl.envs.registry import make_env_builder
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode, RolloutSettings, run_episode
+from polyrl.renderers import get_renderer
 
 try:
     LAYERS = sandbox_layers()
@@ -220,7 +220,7 @@ def test_bad_args_are_config_errors():
                          ({"shell": True}, "unknown arg 'shell'")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(None, [f"model_name={TrainConfig.__name__}",
-                               f"environments.py.type=python_tool",
+                               "environments.py.type=python_tool",
                                f"environments.py.args={json.dumps(args)}"])
 
 

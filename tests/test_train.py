@@ -266,7 +266,6 @@ def _settings(**kw):
 
 def test_tool_episode_is_token_exact_and_env_tokens_get_no_weight(tokenizer):
     from polyrl.envs.builtin import CalculatorBuilder  # noqa: F401 - registered builtin
-
     from polyrl.envs.registry import get_env_builder
 
     builder = get_env_builder("calculator")({}, seed=0)

@@ -14,8 +14,8 @@ from tinker import types
 from polyrl import advantages as adv
 from polyrl.config import ConfigError, EnvConfig, TrainConfig
 from polyrl.config_files import load_config
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode
+from polyrl.renderers import get_renderer
 from polyrl.rollouts import EnvRuntime, run_group, split_roles
 
 
