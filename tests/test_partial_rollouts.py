@@ -147,8 +147,10 @@ def test_a_long_turn_continues_in_chunks_with_the_newest_sampler():
     assert ep.sequence_runs == [(2, 5, "s1"), (5, 8, "s2"), (8, 10, "s3")]
     spans, covered = provenance_spans(ep)
     assert covered == 10 and spans == [
-        types.PromptProvenanceSpan(sequence_id="s1", length=2), types.SampledProvenanceSpan(sequence_id="s1", length=3),
-        types.SampledProvenanceSpan(sequence_id="s2", length=3), types.SampledProvenanceSpan(sequence_id="s3", length=2)]
+        types.PromptProvenanceSpan(sequence_id="s1", length=2),
+        types.SampledProvenanceSpan(sequence_id="s1", length=3),
+        types.SampledProvenanceSpan(sequence_id="s2", length=3),
+        types.SampledProvenanceSpan(sequence_id="s3", length=2)]
     seeds = [c["seed"] for c in calls]
     assert seeds[0] == (SEED * 1009) % 2**31 and len(set(seeds)) == 3
     again = Script("abcdefghijkl")  # the same turn again: the same calls, seeds included
