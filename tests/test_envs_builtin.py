@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from polyrl.envs.base import EnvBuilder, StepResult
-from polyrl.envs.registry import get_env_builder
 from polyrl.envs.builtin import (
     CALCULATOR_TOOL,
     ExpressionError,
@@ -17,6 +16,7 @@ from polyrl.envs.builtin import (
     extract_answer,
     parse_number,
 )
+from polyrl.envs.registry import get_env_builder
 
 ENV_NAMES = ["arithmetic", "countdown", "guess_number", "calculator"]
 
@@ -372,7 +372,8 @@ def test_demonstration_shapes():
         wrong_calc, task = builder.demonstration("train", 0)[0], builder.task("train", 0)
         assert [m["role"] for m in wrong_calc] == ["user", "assistant", "tool", "assistant"]
         sent = wrong_calc[1]["tool_calls"][0]["function"]["arguments"]["expression"]
-        assert task.expression.startswith(sent + " ") and len(sent.split()) == len(task.expression.split()) - 2
+        assert (task.expression.startswith(sent + " ")
+                and len(sent.split()) == len(task.expression.split()) - 2)
         assert wrong_calc[3]["content"] == f"\\boxed{{{wrong_calc[2]['content']}}}"
     # where leaving the operand out changes nothing, the mistake skips the tool and misses by one
     zeros = build("calculator", kinds=["add3"], min_value=0, max_value=0, demo_error_rate=1.0)

@@ -147,8 +147,10 @@ def test_a_long_turn_continues_in_chunks_with_the_newest_sampler():
     assert ep.sequence_runs == [(2, 5, "s1"), (5, 8, "s2"), (8, 10, "s3")]
     spans, covered = provenance_spans(ep)
     assert covered == 10 and spans == [
-        types.PromptProvenanceSpan(sequence_id="s1", length=2), types.SampledProvenanceSpan(sequence_id="s1", length=3),
-        types.SampledProvenanceSpan(sequence_id="s2", length=3), types.SampledProvenanceSpan(sequence_id="s3", length=2)]
+        types.PromptProvenanceSpan(sequence_id="s1", length=2),
+        types.SampledProvenanceSpan(sequence_id="s1", length=3),
+        types.SampledProvenanceSpan(sequence_id="s2", length=3),
+        types.SampledProvenanceSpan(sequence_id="s3", length=2)]
     seeds = [c["seed"] for c in calls]
     assert seeds[0] == (SEED * 1009) % 2**31 and len(set(seeds)) == 3
     again = Script("abcdefghijkl")  # the same turn again: the same calls, seeds included
@@ -271,7 +273,9 @@ def test_queue_episodes_in_flight_take_released_samplers_and_the_bound_is_per_to
     assert stale == []
     assert [[g.key for g in taken] for taken in taken_G] == [[(0, 0)], [(2, 0)], [(1, 0)]]
     (g0,), (g2,), (g1,) = taken_G
-    turns = lambda g: [set(g.episodes[0].sampler_steps[a:b]) for a, b in g.episodes[0].turn_spans]
+    def turns(g):
+        return [set(g.episodes[0].sampler_steps[a:b]) for a, b in g.episodes[0].turn_spans]
+
     assert turns(g0) == [{0}, {0}] and g0.sampler_step == 0
     assert turns(g2) == [{1}, {1}] and g2.sampler_step == 1
     assert turns(g1) == [{1}, {2}] and g1.sampler_step == 1  # started with v0, sampled nothing with it
