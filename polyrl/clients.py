@@ -53,6 +53,10 @@ class TrainingClient(Protocol):
 
     def get_tokenizer(self) -> Tokenizer: ...
 
+    def forward(self, data: list[types.Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float | str] | None = None
+                ) -> Future[types.ForwardBackwardOutput]: ...
+
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None
                          ) -> Future[types.ForwardBackwardOutput]: ...
