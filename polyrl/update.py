@@ -36,7 +36,7 @@ from polyrl.rollouts import EnvRuntime, split_roles
 from polyrl.scoring import TokenSignals
 
 if TYPE_CHECKING:
-    from polyrl.clients import Future, TrainingClient
+    from polyrl.clients import Future, OptimParams, TrainingClient
     from polyrl.run import Run
 
 FLOAT32_MAX = 3.4028234663852886e38  # Datum inputs travel as float32: anything larger becomes inf
@@ -237,7 +237,7 @@ def sampled_targets(datum: types.Datum, n: int) -> torch.Tensor:
 
 
 # ---- the optimizer step ---------------------------------------------------------------------------
-def optim_params(config: TrainConfig, step: int) -> types.AdamParams | types.DimuonParams:
+def optim_params(config: TrainConfig, step: int) -> OptimParams:
     """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``: Adam's, or
     Dimuon's (its damping and rank correction exponent only when the config sets them, so that a service
     whose DimuonParams lack them takes the step)."""
@@ -275,7 +275,7 @@ def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
 
 async def optimizer_step(training: TrainingClient, guard: ServiceGuard,
                          pending: list[Future[types.ForwardBackwardOutput]], problem: str | None,
-                         params: types.AdamParams | types.DimuonParams, step: int) -> Optimized:
+                         params: OptimParams, step: int) -> Optimized:
     """Wait for the step's ``forward_backward`` results, then apply one ``optim_step`` unless the update
     is not finite: a ``problem`` in the inputs, a loss that came back NaN or inf (checked here, whatever
     the backend does about it), or a step the engine refused. A service that reports a non-finite
