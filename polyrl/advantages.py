@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from tinker import types
 
 from polyrl.episode import Episode
+from polyrl.images import next_token_inputs
 
 #: Per group, per episode, one advantage per sampled turn.
 Advantages = list[list[list[float]]]
@@ -186,12 +187,13 @@ def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
     advantages_T = token_advantages(ep)
     if terms_T is not None:
         advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
+    model_input, targets = next_token_inputs(ep.tokens, ep.images)
     inputs = {
-        "target_tokens": types.TensorData(data=ep.tokens[1:], dtype="int64"),
+        "target_tokens": types.TensorData(data=targets, dtype="int64"),
         "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),
         "advantages": types.TensorData(data=advantages_T[1:], dtype="float32"),
     }
     if loss_fn in ACTION_MASK_INPUTS:
         inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]],
                                                                dtype="float32")
-    return types.Datum(model_input=types.ModelInput.from_ints(ep.tokens[:-1]), loss_fn_inputs=inputs)
+    return types.Datum(model_input=model_input, loss_fn_inputs=inputs)

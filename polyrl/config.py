@@ -30,6 +30,8 @@ TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys a
 DEFAULT_MAX_ABS_REWARD = 1e6
 DEFAULT_MAX_OBSERVATION_TOKENS = 32_768
 DEFAULT_MAX_OBSERVATION_BYTES = 1 << 20
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # polyrl.images.MAX_IMAGE_BYTES (config.py imports no polyrl module)
+DEFAULT_MAX_IMAGE_PIXELS = 36_000_000
 # Tokens (packed, padding included) per forward/backward pass of the local engine; a call's datums are
 # split into as many micro-batches as this needs and their gradients summed.
 DEFAULT_MICRO_BATCH_TOKENS = 4096
@@ -223,9 +225,20 @@ class LimitsConfig(BaseModel):
         "against the failure budget.",
     )
     max_observation_bytes: int = Field(
-        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs and image "
-        "data included) one observation may hold; checked before it is tokenized, so an environment that "
-        "answers with megabytes fails its episode instead of exhausting memory.",
+        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs included; "
+        "images are bounded by max_image_bytes and max_image_pixels) one observation may hold; checked "
+        "before it is tokenized, so an environment that answers with megabytes fails its episode instead of "
+        "exhausting memory.",
+    )
+    max_image_bytes: int = Field(
+        DEFAULT_MAX_IMAGE_BYTES, ge=1, description="Most bytes one encoded image of an observation may "
+        "hold (PNG, JPEG, ...); checked before it is read. An episode with a bigger one fails, counted "
+        "against the failure budget.",
+    )
+    max_image_pixels: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Most pixels (width x height) one image of an "
+        "observation may have; checked from its header before a pixel is decoded (a decompression bomb fails "
+        "its episode). The model's processor then resizes it to its own pixel budget.",
     )
     nonfinite_steps: Literal["stop", "skip"] = Field(
         "stop", description="A step whose update is not finite (a loss, gradient or advantage that is NaN or "

@@ -5,6 +5,13 @@ prompt + the exact sampled tokens + the newly rendered environment messages; not
 so what is trained is exactly what was sampled. Sampled tokens carry their sampler logprobs and an
 action mask of 1; prompt and environment tokens carry 0 (they get no weight in the loss).
 
+Images are content like text: an observation's image parts are read and bounded (``max_image_bytes``,
+``max_image_pixels``), rendered into the sequence (their positions hold the model's image placeholder id,
+as many as its processor counts), and kept as :class:`~polyrl.images.ImageSpan` s in ``Episode.images``;
+:meth:`Episode.model_input` gives the ``ModelInput`` (text and ``ImageChunk`` s) the sampler and the
+Datums take. The episode's messages keep a reference instead of each image (``images/<hash>.jpeg``, the
+file the run stores it in once), so nothing downstream holds pixels or base64.
+
 This module sits just above the environment interface (:mod:`polyrl.envs.base`), so environments
 that drive their own rollouts (``EnvBuilder.rollout``) import what they need from it at the top:
 :class:`Episode`, the :class:`RolloutContext` they are given, :func:`run_episode` and
@@ -13,16 +20,19 @@ that drive their own rollouts (``EnvBuilder.rollout``) import what they need fro
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from polyrl import images
 from polyrl.backend import service_lost
-from polyrl.config import (DEFAULT_MAX_ABS_REWARD, DEFAULT_MAX_OBSERVATION_BYTES,
-                           DEFAULT_MAX_OBSERVATION_TOKENS)
+from polyrl.config import (DEFAULT_MAX_ABS_REWARD, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS,
+                           DEFAULT_MAX_OBSERVATION_BYTES, DEFAULT_MAX_OBSERVATION_TOKENS)
 from polyrl.envs.base import Env, call_env
 from polyrl.errors import RunStoppedError, ServiceLostError
-from polyrl.renderers.base import Message, Renderer
+from polyrl.images import ImageSpan
+from polyrl.renderers.base import Message, Rendered, Renderer
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient
@@ -56,6 +66,8 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    images: list[ImageSpan] = field(default_factory=list)  # where images sit in ``tokens``
+    image_files: dict[str, bytes] = field(default_factory=dict)  # every image of ``messages``, by reference
     logprobs: list[float] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
@@ -83,6 +95,37 @@ class Episode:
     @property
     def action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    def model_input(self, end: int | None = None):
+        """The ``ModelInput`` of ``tokens[:end]``: text chunks and each image's ``ImageChunk``."""
+        return images.model_input(self.tokens, self.images, end)
+
+    def keep_images(self, messages: list[Message], spans: list[ImageSpan] | None) -> list[Message]:
+        """``messages`` as the episode keeps them: each image part a reference to the file its encoded
+        bytes are stored in (``{"type": "image", "image": "images/<hash>.jpeg", "width", "height"}``, the
+        bytes in ``image_files``). ``spans``: the images as rendered, in order (None: the messages were not
+        rendered, and each image gets the canonical encoding)."""
+        if not images.has_images(messages):
+            return list(messages)
+        found = list(images.image_parts(messages))
+        if spans is not None and len(spans) != len(found):
+            raise ValueError(f"the renderer rendered {len(spans)} of the observation's {len(found)} images")
+        encoded = iter([(span.data, span.format) for span in spans] if spans is not None else
+                       [(images.encode(part["image"]), images.ENCODING) for part in found])
+
+        def reference(part: dict) -> dict:
+            data, fmt = next(encoded)
+            name = images.stored_name(data, fmt)
+            self.image_files[name] = data
+            width, height = part["image"].size
+            return {"type": "image", "image": name, "width": width, "height": height}
+
+        return images.map_images(messages, reference)
+
+    def append_rendered(self, rendered: Rendered) -> None:
+        """Append rendered prompt/environment tokens and the images among them."""
+        self.images.extend(span.shifted(len(self.tokens)) for span in rendered.images)
+        self.append(rendered.tokens)
 
     def append(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
         """Append prompt/environment tokens (``logprobs`` None) or sampled tokens."""
@@ -127,7 +170,7 @@ class RolloutContext:
             seed=None if self.seed is None else (self.seed * 1009 + turn) % (2**31),
         )
         try:
-            response = await self.sampler.sample(types.ModelInput.from_ints(episode.tokens), 1, params)
+            response = await self.sampler.sample(episode.model_input(), 1, params)
         except Exception as exc:
             if (lost := service_lost(exc)) is not None:  # not the environment's failure: the run reopens
                 raise ServiceLostError(lost) from exc
@@ -156,6 +199,12 @@ class RolloutSettings:
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
     max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
     max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    @property
+    def image_limits(self) -> images.ImageLimits:
+        return images.ImageLimits(self.max_image_bytes, self.max_image_pixels)
 
 
 async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: SamplingClient,
@@ -167,24 +216,30 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
     try:
         obs = await call_env(env.reset)
         check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
-        episode.messages = list(obs.messages)
+        messages = await read_images(obs.messages, settings)
         episode.tools = list(obs.tools)
-        prompt = renderer.initial_prompt(obs.messages, obs.tools or None)
-        episode.append(check_observation_tokens(prompt, settings))
+        prompt = check_observation_tokens(renderer.render_prompt(messages, obs.tools or None), settings)
+        episode.messages = episode.keep_images(messages, prompt.images)
+        episode.append_rendered(prompt)
         for turn in range(settings.max_turns):
             message = await ctx.sample(episode)
             result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
             check_observation_bytes(result.messages, settings)
-            episode.messages.extend(result.messages)
+            messages = await read_images(result.messages, settings)
             if result.done:
+                episode.messages.extend(episode.keep_images(messages, None))
                 episode.done_by_env = True
                 break
-            if turn + 1 < settings.max_turns:
+            if turn + 1 >= settings.max_turns:
+                episode.messages.extend(episode.keep_images(messages, None))
+            else:
                 finished = episode.stop_reasons[-1] == "stop"
-                episode.append(check_observation_tokens(
-                    renderer.continuation(result.messages, assistant_finished=finished), settings))
+                rendered = check_observation_tokens(
+                    renderer.render_continuation(messages, assistant_finished=finished), settings)
+                episode.messages.extend(episode.keep_images(messages, rendered.images))
+                episode.append_rendered(rendered)
     finally:
         await call_env(env.close)
         episode.duration_s = time.monotonic() - start
@@ -200,8 +255,16 @@ def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None
                                   f"(max_observation_bytes)")
 
 
-def check_observation_tokens(tokens: list[int], settings: RolloutSettings) -> list[int]:
-    """``tokens``, unless an observation rendered to more than ``max_observation_tokens``."""
+async def read_images(messages: list[Message], settings: RolloutSettings) -> list[Message]:
+    """``messages`` with each image read, bounded and decoded (a thread: a big one takes a while)."""
+    if not images.has_images(messages):
+        return list(messages)
+    return await asyncio.to_thread(images.decoded_parts, messages, settings.image_limits)
+
+
+def check_observation_tokens(tokens: Any, settings: RolloutSettings) -> Any:
+    """``tokens`` (a list or a :class:`Rendered`), unless an observation rendered to more than
+    ``max_observation_tokens``."""
     if len(tokens) > settings.max_observation_tokens:
         raise ObservationTooLarge(f"the observation renders to {len(tokens):,} tokens, more than "
                                   f"max_observation_tokens={settings.max_observation_tokens:,}")
@@ -218,6 +281,8 @@ def _text_bytes(value: Any, limit: int) -> int:
             total += len(item) if len(item) > limit else len(item.encode("utf-8", "surrogatepass"))
         elif isinstance(item, (bytes, bytearray)):
             total += len(item)
+        elif images.is_image_part(item):  # bounded by max_image_bytes / max_image_pixels instead
+            continue
         elif isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple)):

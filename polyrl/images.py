@@ -305,6 +305,12 @@ def flatten(chunks: list, placeholder: int) -> tuple[list[int], list[ImageSpan]]
     return tokens, spans
 
 
+def next_token_inputs(tokens: list[int], spans: list[ImageSpan] = ()) -> tuple[types.ModelInput, list[int]]:
+    """A Datum's input and targets for a whole sequence: the ``ModelInput`` of ``tokens[:-1]`` and the
+    targets ``tokens[1:]`` (0 at image positions, as tinker-cookbook writes them)."""
+    return model_input(tokens, spans, len(tokens) - 1), without_images(tokens, spans)[1:]
+
+
 def without_images(tokens: list[int], spans: list[ImageSpan], fill: int = 0) -> list[int]:
     """``tokens`` with every image position set to ``fill`` (tinker-cookbook's target tokens write 0
     there: an image position is never a target)."""
