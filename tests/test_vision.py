@@ -397,3 +397,80 @@ def test_trajectories_store_each_image_once_and_refer_to_it(vl_tokenizer, tmp_pa
     assert row["messages"][0]["content"][0] == {"type": "image", "image": episodes[0].images[0].name,
                                                 "width": 64, "height": 64}
     assert len(text) < 20_000 and "base64" not in text and "/9j/" not in text  # no JPEG inline
+
+
+def test_the_renderer_of_a_qwen3_vl_directory_is_inferred(tiny_vl_dir, vl_tokenizer):
+    from polyrl.renderers import infer_renderer
+
+    assert infer_renderer(tiny_vl_dir, vl_tokenizer) == "qwen3_vl_instruct"
+    assert infer_renderer("Qwen/Qwen3-VL-30B-A3B-Instruct", vl_tokenizer) == "qwen3_vl_instruct"
+
+
+# ---- the visual environment ------------------------------------------------------------------------------
+def test_the_visual_environment_draws_tasks_deterministically_and_holds_out_its_test_split():
+    from polyrl.envs.builtin.visual import COLOURS, VisualBuilder, grade
+
+    builder = VisualBuilder({"kinds": ["colour", "count"], "demo_error_rate": 0.5}, seed=3)
+    again = VisualBuilder({"kinds": ["colour", "count"], "demo_error_rate": 0.5}, seed=3)
+    train = [builder.task("train", i) for i in range(200)]
+    test = [builder.task("test", i) for i in range(60)]
+    assert train[:20] == [again.task("train", i) for i in range(20)]
+    assert not {t.key() for t in train} & {t.key() for t in test}
+    assert {t.kind for t in train} == {"colour", "count"}
+    assert np.array_equal(np.asarray(train[0].image()), np.asarray(again.task("train", 0).image()))
+    for task in train[:50]:
+        image = task.image()
+        assert image.size == (64, 64)
+        if task.kind == "colour":  # the largest shape's colour covers the most non-white pixels
+            pixels = np.asarray(image).reshape(-1, 3)
+            counts = {name: int((pixels == rgb).all(1).sum()) for name, rgb in COLOURS.items()}
+            assert max(counts, key=counts.get) == task.answer
+        else:
+            assert 1 <= int(task.answer) <= 4
+        assert grade(task, f"\\boxed{{{task.answer}}}") == (1.0, True)
+        assert grade(task, "no idea") == (0.0, False)
+    # demonstrations: the designed mistake at the set rate, on the same picture
+    demos = [builder.demonstration("train", i) for i in range(200)]
+    wrong = [grade(t, m[1]["content"])[0] == 0 for t, (m, _) in zip(train, demos)]
+    assert 0.4 < sum(wrong) / len(wrong) < 0.6
+    colour = next(i for i, t in enumerate(train) if t.kind == "colour" and wrong[i])
+    assert demos[colour][0][1]["content"] == "\\boxed{white}"
+    assert demos[0][0][0]["content"][0]["type"] == "image"
+    with pytest.raises(ValueError, match="kinds must be a non-empty list"):
+        VisualBuilder({"kinds": ["shade"]})
+
+
+def test_playing_the_visual_environment_shows_the_image_path_and_size(tiny_vl_dir, tmp_path, capsys):
+    from polyrl.envs.builtin.visual import VisualBuilder
+    from polyrl.interactive import Screen, run_play
+    from test_export_chat_play import Typed, _play_args
+
+    answer = VisualBuilder({}, seed=0).task("train", 2).answer
+    typed = Typed(f"\\boxed{{{answer}}}")
+    episodes = run_play(_play_args(env="visual", model=tiny_vl_dir, task=2, images_dir=tmp_path / "shown"),
+                        Screen(typed))
+    shown = capsys.readouterr().out
+    saved = list((tmp_path / "shown" / "images").iterdir())
+    assert len(saved) == 1 and f"[image 64 x 64 px, 4 tokens: {saved[0]}]" in shown
+    assert "<|vision_start|>" in shown and "<|image_pad|>" not in shown  # the image stands in for its tokens
+    assert "What colour is the largest shape?" in shown
+    assert episodes[0].reward == 1.0 and "renderer qwen3_vl_instruct" in shown
+
+
+def test_chat_attaches_an_image_with_slash_image(vl_tokenizer, tmp_path):
+    from polyrl.interactive import Screen, chat_loop
+    from test_export_chat_play import Typed
+
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(tmp_path / "red.png")
+    renderer = vl_renderer(vl_tokenizer)
+    sampler = ReplySampler(vl_tokenizer, ["red", "ok"])
+    typed = Typed("/image /nonexistent.png", f"/image {tmp_path / 'red.png'}", "What colour?", "thanks")
+    asyncio.run(chat_loop(sampler, renderer, Screen(typed), 1.0, 8))
+    first, second = sampler.inputs
+    assert [c.expected_tokens for c in first.chunks if c.type == "image"] == [4]
+    assert [c.type for c in second.chunks].count("image") == 1  # the image is not sent twice
+    # a text-only model answers an image with an error line, and the chat goes on
+    sampler = ReplySampler(vl_tokenizer, ["hi"])
+    typed = Typed(f"/image {tmp_path / 'red.png'}", "What colour?", "hello")
+    asyncio.run(chat_loop(sampler, get_renderer("qwen3", vl_tokenizer), Screen(typed), 1.0, 8))
+    assert len(sampler.inputs) == 1 and sampler.inputs[0].chunks[0].type == "encoded_text"
