@@ -270,6 +270,11 @@ class LimitsConfig(BaseModel):
     )
 
 
+# The limits that were top-level keys before ``limits:`` existed (later ones never were).
+FLAT_LIMITS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes", "nonfinite_steps",
+               "max_no_update_frac", "max_no_signal_frac", "service_timeout", "max_service_recoveries")
+
+
 class OutputsConfig(BaseModel):
     """Files a run writes under ``log_path`` besides metrics, trajectories and checkpoints."""
 
@@ -374,7 +379,7 @@ class TrainConfig(PolicyConfig):
         "weight_decay": "optimizer.weight_decay", "grad_clip_norm": "optimizer.grad_clip_norm",
         "max_steps_off_policy": "off_policy.max_steps", "stale_groups": "off_policy.stale_groups",
         "stream_minibatches": "off_policy.stream_minibatches",
-        **{key: f"limits.{key}" for key in LimitsConfig.model_fields},
+        **{key: f"limits.{key}" for key in FLAT_LIMITS},
         "report": "outputs.report", "metrics_json": "outputs.metrics_json",
     }
 
