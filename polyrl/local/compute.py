@@ -29,7 +29,7 @@ def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor, 
 def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor],
                     chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
     """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order)."""
-    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend)
+    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
     target = torch.cat(targets).to(out.device)
     flat = out.reshape(-1, out.shape[-1])
     if not split:  # full logits came back (an architecture whose unembedding cannot run apart)

@@ -38,6 +38,7 @@ from polyrl.local.compute import packed_logprobs
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
+from polyrl.local.vision import ModelImage, keyed
 
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
@@ -249,7 +250,8 @@ class Engine:
                     self._generator.seed()
                 with base.use_for_sampling(adapter) if adapter else base.use(None) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
-                                       logits_fn=base.logits if base.split_head else None)
+                                       logits_fn=base.logits if base.split_head or base.vision else None,
+                                       vision=base.vision)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001
@@ -282,7 +284,7 @@ class Engine:
         if unknown:
             raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {loss_fn!r} "
                              f"(it takes: {list(spec.config_keys) or 'none'})")
-        prepared = [_prepare_datum(i, d, spec, st.base.vocab_size) for i, d in enumerate(data)]
+        prepared = [_prepare_datum(i, d, spec, st.base) for i, d in enumerate(data)]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=backward), torch.set_grad_enabled(backward):
@@ -303,7 +305,7 @@ class Engine:
         )
 
     def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
-        prepared = [_prepare_datum(i, d, None, st.base.vocab_size) for i, d in enumerate(data)]
+        prepared = [_prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
             for mb in self._micro_batches(st.base, prepared):
@@ -323,7 +325,20 @@ class Engine:
         )
 
     def _micro_batches(self, base: BaseModel, prepared: list["_Datum"]) -> list[MicroBatch]:
-        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
+        if not any(p.images for p in prepared):
+            return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
+                                 base.device)
+        # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
+        keys: dict[tuple[str, int], int] = {}
+        sequences = [keyed(p.tokens, p.images, keys) for p in prepared]
+        by_key = {keys[(im.key, im.start)]: im for p in prepared for im in p.images}
+        mrope = [base.vision.rope(p.tokens, p.images)[0] for p in prepared]
+        batches = micro_batches(sequences, self.micro_batch_tokens, base.linear_per_pair, base.device, mrope,
+                                base.vision.image_token_id)
+        for mb in batches:
+            if mb.image_keys:
+                mb.vision = base.vision.inputs([by_key[k] for k in mb.image_keys], base.device)
+        return batches
 
     def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
         """One AdamW step on the accumulated gradients. A step whose loss or gradient is not finite is
@@ -446,6 +461,7 @@ class _Datum:
     tokens: list[int]
     target: torch.Tensor  # int64 [len(tokens)]
     floats: dict[str, torch.Tensor]  # float32 loss inputs, each [len(tokens)]
+    images: list[ModelImage] = field(default_factory=list)  # a vision-language model's images
 
 
 @contextlib.contextmanager
@@ -531,15 +547,13 @@ def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Ten
     return total, metrics
 
 
-def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, vocab: int) -> _Datum:
-    """One datum's tokens, targets and float inputs, validated with clear errors."""
+def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, base: BaseModel) -> _Datum:
+    """One datum's tokens, targets and float inputs (and a vision-language model's images), validated with
+    clear errors."""
     if not isinstance(datum, types.Datum):
         raise ValueError(f"data[{i}] is a {type(datum).__name__}, not a tinker.types.Datum")
-    tokens: list[int] = []
-    for chunk in datum.model_input.chunks:
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise ValueError(f"data[{i}].model_input has a {chunk.type!r} chunk; the local engine takes text tokens only")
-        tokens.extend(int(t) for t in chunk.tokens)
+    vocab = base.vocab_size
+    tokens, found = model_input_tokens(base, datum.model_input, f"data[{i}].model_input")
     if not tokens:
         raise ValueError(f"data[{i}].model_input is empty")
     inputs = datum.loss_fn_inputs
@@ -564,7 +578,20 @@ def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, voc
         if len(t) != len(tokens):
             raise ValueError(f"data[{i}]: loss_fn_inputs[{key!r}] has {len(t)} entries but model_input has {len(tokens)} tokens")
         floats[key] = t
-    return _Datum(tokens, target, floats)
+    return _Datum(tokens, target, floats, found)
+
+
+def model_input_tokens(base: BaseModel, model_input: types.ModelInput, where: str) -> tuple[list[int], list[ModelImage]]:
+    """The tokens of a ``ModelInput`` (image positions: the model's placeholder) and its images."""
+    if base.vision is not None:
+        return base.vision.read_chunks(model_input.chunks, where)
+    tokens: list[int] = []
+    for chunk in model_input.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise ValueError(f"{where} has a {chunk.type!r} chunk, but model {base.name!r} is text-only (a "
+                             "vision-language model takes images)")
+        tokens.extend(int(t) for t in chunk.tokens)
+    return tokens, []
 
 
 def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

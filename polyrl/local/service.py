@@ -20,7 +20,7 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
 from polyrl.local import losses
-from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
+from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState, model_input_tokens
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import SampleJob, resolve_stops
@@ -63,8 +63,9 @@ def check_sample_options(topk_prompt_logprobs: int = 0, topk_sample_logprobs: in
 
 def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
                     include_prompt_logprobs: bool = False, prompt_only: bool = False) -> SampleJob:
-    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``)."""
-    tokens = prompt.to_ints()
+    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``); a
+    vision-language model's images are decoded and processed here, on the caller's thread."""
+    tokens, found = model_input_tokens(base, prompt, "prompt")
     if not tokens:
         raise ValueError("prompt is empty")
     if min(tokens) < 0 or max(tokens) >= base.vocab_size:
@@ -85,8 +86,9 @@ def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int,
     eos = base.hf_model.generation_config.eos_token_id if base.hf_model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
+    mrope, delta = base.vision.rope(tokens, found) if found else (None, 0)
     return SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
-                     max_tokens, prompt_only)
+                     max_tokens, prompt_only, tuple(found), mrope, delta)
 
 
 class ServiceClient:
