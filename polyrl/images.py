@@ -134,7 +134,8 @@ def image_bytes(value: Any, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise ImageError("the data: URI image is not valid base64") from None
-    if isinstance(value, str) and re.match(r"^[a-z][a-z0-9+.-]*://", value) and not value.startswith("file://"):
+    url = isinstance(value, str) and re.match(r"^[a-z][a-z0-9+.-]*://", value) is not None
+    if url and not value.startswith("file://"):
         raise ImageError(f"image URLs are not fetched ({value[:60]!r}): give a file path, the bytes, a data: "
                          "URI or a PIL image")
     if isinstance(value, (str, os.PathLike)):
@@ -182,6 +183,32 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> PILImage.Image:
                 Image.DecompressionBombWarning) as exc:
             raise ImageError(f"the {fmt} image is corrupt or truncated ({_reason(exc)})") from None
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def check_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[int, int]:
+    """(width, height) of encoded ``data`` read from its header alone, within ``limits``: what a server
+    checks before it queues an image (no pixel is decoded here)."""
+    from PIL import Image, UnidentifiedImageError
+
+    _check_bytes(len(data), limits)
+    if data.startswith(_PNG_SIGNATURE) and len(data) >= 24:
+        _check_size(struct.unpack(">II", data[16:24]), limits, "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+                _check_size(image.size, limits, image.format or "")
+                return image.size
+        except ImageError:
+            raise
+        except UnidentifiedImageError:
+            raise ImageError(f"not an image in a known format ({', '.join(FORMATS)}; {len(data):,} bytes "
+                             f"starting {data[:8]!r})") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise ImageError(f"the image declares more than max_image_pixels={limits.max_pixels:,} pixels "
+                             "(a decompression bomb?)") from None
+        except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
+            raise ImageError(f"the image is corrupt or truncated ({_reason(exc)})") from None
 
 
 def _reason(exc: BaseException) -> str:

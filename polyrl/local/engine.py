@@ -581,7 +581,8 @@ def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, bas
     return _Datum(tokens, target, floats, found)
 
 
-def model_input_tokens(base: BaseModel, model_input: types.ModelInput, where: str) -> tuple[list[int], list[ModelImage]]:
+def model_input_tokens(base: BaseModel, model_input: types.ModelInput,
+                       where: str) -> tuple[list[int], list[ModelImage]]:
     """The tokens of a ``ModelInput`` (image positions: the model's placeholder) and its images."""
     if base.vision is not None:
         return base.vision.read_chunks(model_input.chunks, where)

@@ -98,7 +98,8 @@ class BaseModel:
         try:
             with MODEL_LOAD_LOCK:
                 self.config = AutoConfig.from_pretrained(self.path)
-                loader = AutoModelForImageTextToText if is_vision_config(self.config) else AutoModelForCausalLM
+                vision = is_vision_config(self.config)
+                loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
                 model = loader.from_pretrained(self.path, dtype=self.dtype)
         except OSError as e:
             raise ValueError(f"model {name!r} could not be loaded: {e}") from None
@@ -176,7 +177,8 @@ class BaseModel:
         layers = self._decoder_layers()
         heads = getattr(self.text_config, "num_attention_heads", None)
         hidden = getattr(self.text_config, "hidden_size", None)
-        head_dim = getattr(self.text_config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        text = self.text_config
+        head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
         if not layers or not heads or not head_dim:
             return DEFAULT_LINEAR_PER_PAIR
         per_block = sum(p.numel() for p in layers[0].parameters())
@@ -240,7 +242,7 @@ class BaseModel:
         kinds = {}
         for name, module in self.hf_model.named_modules():
             lowered = name.lower()
-            if self.vision is not None and any(part in ("visual", "vision_tower") for part in lowered.split(".")):
+            if self.vision is not None and {"visual", "vision_tower"} & set(lowered.split(".")):
                 continue  # the vision tower and its projector keep their weights
             if isinstance(module, torch.nn.Linear):
                 if module is out_emb:

@@ -157,7 +157,8 @@ def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = 
         pos[r, : len(row)] = torch.tensor(row.positions)
         if multimodal is not None:
             multimodal[:, r, : len(row)] = pos[r, : len(row)]
-            image_keys += [t for k, t in enumerate(row.tokens) if t < 0 and (k == 0 or row.tokens[k - 1] != t)]
+            tokens = row.tokens
+            image_keys += [t for k, t in enumerate(tokens) if t < 0 and (k == 0 or tokens[k - 1] != t)]
         for d, path in row.paths.items():
             p = torch.tensor(path)
             if multimodal is not None and mrope[d] is not None:
@@ -172,5 +173,5 @@ def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = 
     if multimodal is not None:
         ids = ids.masked_fill(ids < 0, placeholder)
         pos = torch.cat([pos.unsqueeze(0), multimodal])
-    return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device), lengths,
-                      image_keys)
+    return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device),
+                      lengths, image_keys)

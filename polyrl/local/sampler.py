@@ -205,7 +205,6 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     for job in jobs:
         first.setdefault(unique.setdefault(job.key, len(unique)), job)
     prompts = [first[i].prompt for i in range(len(unique))]
-    keys = list(unique)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
     pad = 0
@@ -284,8 +283,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator,
-                deltas if bool(deltas.any()) else None)
+        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
+                generator, deltas if bool(deltas.any()) else None)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -307,8 +306,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     return responses
 
 
-def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator,
-            prompt_deltas=None):
+def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
+            tokenizer, device, generator, prompt_deltas=None):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]

@@ -20,7 +20,8 @@ from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
 
 from polyrl.local import losses
-from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState, model_input_tokens
+from polyrl.local.engine import (DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState,
+                                 model_input_tokens)
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import SampleJob, resolve_stops

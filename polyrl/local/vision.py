@@ -52,7 +52,8 @@ def is_vision_config(config: Any) -> bool:
 class Vision:
     """The image side of one vision-language base model."""
 
-    def __init__(self, hf_model: Any, path: str, config: Any, limits: images.ImageLimits = images.DEFAULT_LIMITS):
+    def __init__(self, hf_model: Any, path: str, config: Any,
+                 limits: images.ImageLimits = images.DEFAULT_LIMITS):
         from transformers import AutoImageProcessor
 
         kind = getattr(config, "model_type", "?")
@@ -64,7 +65,7 @@ class Vision:
         except Exception as e:  # noqa: BLE001 - a missing or unreadable preprocessor_config.json
             raise ValueError(f"vision-language model {path!r} has no image processor that loads "
                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-        self.inner = hf_model.model  # vision tower + language model, as the conditional-generation model holds them
+        self.inner = hf_model.model  # the vision tower and the language model, under the unembedding
         self.image_token_id = int(config.image_token_id)
         self.merge = int(config.vision_config.spatial_merge_size)
         self.limits = limits
@@ -98,8 +99,8 @@ class Vision:
             raise ValueError(f"{where}: {e}") from None
         length = int(grid.prod()) // self.merge**2
         if expected_tokens is None or int(expected_tokens) != length:
-            raise ValueError(f"{where}: expected_tokens={expected_tokens} but the model's image processor makes "
-                             f"{length} tokens of this image ({int(grid[2]) * self.patch} x "
+            raise ValueError(f"{where}: expected_tokens={expected_tokens} but the model's image processor "
+                             f"makes {length} tokens of this image ({int(grid[2]) * self.patch} x "
                              f"{int(grid[1]) * self.patch} pixels after resizing)")
         return ModelImage(start, length, key, pixel_values, grid)
 

@@ -7,8 +7,9 @@
 2. Otherwise the tokenizer's special tokens, for local and tiny models: a Qwen3-VL model directory
    (``model_type: qwen3_vl``) -> ``qwen3_vl`` when its template thinks (``<think>``), else
    ``qwen3_vl_instruct``; Llama 3 header tokens -> ``llama3``; ChatML -> ``qwen3`` when the template is
-   Qwen3's (``<think>`` / JSON ``<tool_call>``), else ``chatml``. A ChatML template with Qwen3.5-style XML tool calls, or a name of a Qwen after
-   Qwen3, is not guessed at: Qwen3.5, Qwen3.8 and Nemotron 3 all look like that and differ.
+   Qwen3's (``<think>`` / JSON ``<tool_call>``), else ``chatml``. A ChatML template with Qwen3.5-style
+   XML tool calls, or a name of a Qwen after Qwen3, is not guessed at: Qwen3.5, Qwen3.8 and Nemotron 3
+   all look like that and differ.
 3. Anything else is an error naming the model and the renderer choices: a wrong format silently
    ruins training.
 """

@@ -61,6 +61,11 @@ class ServeConfig:
     max_request_tokens: int = 1 << 20
     max_request_datums: int = 1024
     max_target_k: int = 128
+    # Images of one request (400 past it), and one image's encoded bytes and declared pixels (413 past them:
+    # read from its header before anything is queued or decoded).
+    max_request_images: int = 64
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 36_000_000
     # What one API key may have at once, so that no key starves the others: tokens of forward_backward
     # data and sampling prompts accepted and not yet done, and samples likewise (429 with Retry-After past
     # them: the SDK waits and retries; 400 for data that would wait for an earlier seq_id, which a 429
@@ -94,7 +99,8 @@ class Server(CheckpointLifecycle):
         self.usage = Usage()
         self.saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
-                                      config.max_target_k)
+                                      config.max_target_k, config.max_request_images, config.max_image_bytes,
+                                      config.max_image_pixels)
         quiet = config.sample_quiet_ms / 1000
         self.gate = SampleGate(self._submit_sample, self.outstanding.__bool__, quiet, 3 * quiet, 100 * quiet)
         self.served: dict[str, str] = {}  # any spelling of a served model -> its canonical name
@@ -512,6 +518,7 @@ class Server(CheckpointLifecycle):
         if req.seq_id is not None and req.seq_id in rec.seen:
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
+        P.check_prompt_images(req.prompt, self.limits)
         n_prompt, cfg = req.prompt.length, self.config
         if n_prompt > cfg.max_request_tokens:
             raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
@@ -535,17 +542,30 @@ class Server(CheckpointLifecycle):
                     del rec.seen[seq]
         loop_add = self.gate.add
 
+        loop = asyncio.get_running_loop()
+
+        def prepare(state: SamplerState):
+            check_sample_options(req.topk_prompt_logprobs, req.topk_sample_logprobs, req.prompt_alt_tokens_k,
+                                 req.target_prompt_logprobs)
+            n_prompt = req.prompt.length
+            if last_n is not None and not (1 <= last_n <= n_prompt - 1):
+                raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = "
+                                 f"{n_prompt - 1}")
+            return make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
+                                   bool(req.prompt_logprobs))
+
         def start(state: SamplerState) -> None:
+            if any(c.type == "image" for c in req.prompt.chunks):  # decoding images: off the event loop
+                def prepared(f: asyncio.Future) -> None:
+                    if f.exception() is not None:
+                        out.set_exception(f.exception())
+                    else:
+                        loop_add(state, f.result(), out)
+
+                loop.run_in_executor(None, prepare, state).add_done_callback(prepared)
+                return
             try:
-                check_sample_options(req.topk_prompt_logprobs, req.topk_sample_logprobs, req.prompt_alt_tokens_k,
-                                     req.target_prompt_logprobs)
-                if any(getattr(c, "type", None) != "encoded_text" for c in req.prompt.chunks):
-                    raise ValueError("prompt has non-text chunks; this server takes text tokens only")
-                n_prompt = req.prompt.length
-                if last_n is not None and not (1 <= last_n <= n_prompt - 1):
-                    raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n_prompt - 1}")
-                job = make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
-                                      bool(req.prompt_logprobs))
+                job = prepare(state)
             except (ValueError, RequestError) as e:
                 out.set_exception(e)
                 return
@@ -557,8 +577,6 @@ class Server(CheckpointLifecycle):
             else:
                 start(rec.ready.result())
         else:
-            loop = asyncio.get_running_loop()
-
             def when_ready(f: Future) -> None:
                 if f.exception() is not None:
                     out.set_exception(f.exception())
