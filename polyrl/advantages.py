@@ -11,11 +11,13 @@ and adds the per-token terms, if any (zero on prompt and environment tokens).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from tinker import types
 
 from polyrl.episode import Episode
+from polyrl.errors import RunStoppedError
 from polyrl.images import next_token_inputs
 
 #: Per group, per episode, one advantage per sampled turn.
@@ -178,22 +180,70 @@ def token_advantages(ep: Episode) -> list[float]:
 ACTION_MASK_INPUTS = {"dro": "mask", "gspo": "sequence_ratio_mask"}
 
 
+#: Losses whose Datums must say which sampled sequence each token comes from (``Datum.with_provenance``).
+PROVENANCE_LOSSES = ("stable_reinforce",)
+
+
+class MissingSequenceId(RunStoppedError):
+    """A stable_reinforce Datum needs the sampler's sequence_id of every sampled turn of its episode."""
+
+
+def provenance_spans(ep: Episode) -> tuple[list, int]:
+    """Where each token of ``ep`` up to its last sampled turn comes from: turn k's request prompt was
+    every token before the turn, so the tokens since the previous turn are positions of that prompt,
+    and the turn's own tokens are its sampled tokens. Returns the spans and the number of tokens they
+    cover (tokens after the last turn were in no request and carry no loss)."""
+    spans: list = []
+    covered = 0
+    for (start, end), sequence_id in zip(ep.turn_spans, ep.turn_sequence_ids, strict=True):
+        if sequence_id is None:
+            raise MissingSequenceId(f"loss_fn stable_reinforce needs the sampler's sequence_id of every "
+                                    f"sampled turn, and an episode of {ep.env_name} has a turn without one "
+                                    "(its environment samples outside polyrl's sampler); use another loss_fn")
+        if start > covered:
+            spans.append(types.PromptProvenanceSpan(sequence_id=sequence_id, offset=covered,
+                                                    length=start - covered))
+        if end > start:
+            spans.append(types.SampledProvenanceSpan(sequence_id=sequence_id, length=end - start))
+        covered = end
+    return spans, covered
+
+
+def _without(spans: list, first: bool) -> list:
+    """``spans`` less their first (or last) position."""
+    span = spans[0] if first else spans[-1]
+    rest = spans[1:] if first else spans[:-1]
+    if span.length > 1:
+        shorter = replace(span, offset=span.offset + 1, length=span.length - 1) if first else \
+            replace(span, length=span.length - 1)
+        rest = [shorter, *rest] if first else [*rest, shorter]
+    return rest
+
+
 def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
              terms_T: list[float] | None = None) -> types.Datum:
     """The training example for an episode: input ``tokens[:-1]`` predicts ``tokens[1:]``; sampler
     logprobs and advantages (plus ``terms_T``, a per-token term for each token, if given) are shifted
     the same way, zero outside the sampled tokens; losses in :data:`ACTION_MASK_INPUTS` also get the
-    action mask."""
+    action mask, losses in :data:`PROVENANCE_LOSSES` provenance spans (the Datum then ends with the
+    last sampled turn)."""
     advantages_T = token_advantages(ep)
     if terms_T is not None:
         advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
-    model_input, targets = next_token_inputs(ep.tokens, ep.images)
+    n, spans = len(ep.tokens), None
+    if loss_fn in PROVENANCE_LOSSES:
+        spans, n = provenance_spans(ep)
+    model_input, targets = next_token_inputs(ep.tokens[:n], [s for s in ep.images if s.end <= n])
     inputs = {
         "target_tokens": types.TensorData(data=targets, dtype="int64"),
-        "logprobs": types.TensorData(data=ep.logprobs[1:], dtype="float32"),
-        "advantages": types.TensorData(data=advantages_T[1:], dtype="float32"),
+        "logprobs": types.TensorData(data=ep.logprobs[1:n], dtype="float32"),
+        "advantages": types.TensorData(data=advantages_T[1:n], dtype="float32"),
     }
     if loss_fn in ACTION_MASK_INPUTS:
-        inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]],
+        inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:n]],
                                                                dtype="float32")
-    return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+    datum = types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+    if spans is None:
+        return datum
+    return datum.with_provenance(model_input=_without(spans, first=False),
+                                 loss_fn_inputs=_without(spans, first=True))

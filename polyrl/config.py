@@ -24,7 +24,7 @@ from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, Spl
 from polyrl.errors import UserInputError
 from polyrl.secrets import redact
 
-LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta")
+LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff", "max_ratio")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 # Bounds on what an environment hands the trainer (LimitsConfig.max_abs_reward, max_observation_*).
 DEFAULT_MAX_ABS_REWARD = 1e6
@@ -169,12 +169,33 @@ class OptimizerConfig(BaseModel):
 
     model_config = _STRICT
 
-    type: Literal["adam"] = Field("adam", description="Optimizer: 'adam' (with AdamW-style weight decay).")
-    beta1: float = Field(0.9, description="Adam beta1.")
-    beta2: float = Field(0.95, description="Adam beta2.")
-    eps: float = Field(1e-8, description="Adam epsilon.")
-    weight_decay: float = Field(0.0, description="Weight decay (AdamW-style).")
+    type: Literal["adam", "dimuon"] = Field(
+        "adam", description="Optimizer: 'adam' (with AdamW-style weight decay) or 'dimuon' (Tinker's Dimuon: "
+        "momentum, row/column preconditioning and the matrix sign on each LoRA matrix). Fixed when the "
+        "training client is created, so a run resumes with the optimizer it started with.")
+    beta1: float = Field(0.9, description="Momentum coefficient (Adam's beta1; Dimuon's EMA beta1).")
+    beta2: float = Field(0.95, description="Adam beta2 (adam only).")
+    eps: float = Field(1e-8, description="Adam epsilon (adam only).")
+    weight_decay: float = Field(0.0, description="Weight decay, AdamW-style (adam only).")
     grad_clip_norm: float = Field(0.0, ge=0, description="Clip the gradient norm to this; 0 = no clipping.")
+    damping: float | None = Field(
+        None, gt=0, description="Dimuon: damping of the row and column preconditioner; null = the service's "
+        "default (polyrl's engine: 0.1).")
+    rank_lr_correction_exponent: float | None = Field(
+        None, description="Dimuon: exponent of the learning-rate correction relative to rank 32 (0 = none); "
+        "null = the service's default (polyrl's engine: 0.5).")
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> OptimizerConfig:
+        """A setting the chosen optimizer would ignore is an error."""
+        if self.type == "adam":
+            unused = [k for k in ("damping", "rank_lr_correction_exponent") if getattr(self, k) is not None]
+        else:
+            defaults = OptimizerConfig()
+            unused = [k for k in ("beta2", "eps", "weight_decay") if getattr(self, k) != getattr(defaults, k)]
+        if unused:
+            raise ConfigProblems([(k, f"not used by optimizer type {self.type!r}") for k in unused])
+        return self
 
 
 class OffPolicyConfig(BaseModel):
@@ -389,12 +410,14 @@ class TrainConfig(PolicyConfig):
     )
 
     # loss and advantages
-    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"] = Field(
-        "importance_sampling", description="Policy-gradient loss."
+    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"] = Field(
+        "importance_sampling", description="Policy-gradient loss. stable_reinforce (Tinker's "
+        "StableReinforce) trains against the sampler logprobs the service recorded for each sampled turn, "
+        "named by provenance spans on the Datums; it stays stable off-policy."
     )
     loss_fn_config: dict[str, float] = Field(
         default_factory=dict, description="Loss parameters: clip_low_threshold and clip_high_threshold (ppo, "
-        "cispo, gspo), beta (dro).",
+        "cispo, gspo), beta (dro), kl_coeff and max_ratio (stable_reinforce).",
     )
     advantages: AdvantagesConfig = Field(
         default_factory=AdvantagesConfig, description="How episode rewards become advantages."
@@ -491,7 +514,10 @@ class TrainConfig(PolicyConfig):
                 problems.append((where, f"unknown key (allowed: {', '.join(LOSS_FN_CONFIG_KEYS)})"))
             elif key == "beta" and self.loss_fn != "dro":
                 problems.append((where, f"only used by loss_fn 'dro', not {self.loss_fn!r}"))
-            elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling"):
+            elif key in ("kl_coeff", "max_ratio") and self.loss_fn != "stable_reinforce":
+                problems.append((where, f"only used by loss_fn 'stable_reinforce', not {self.loss_fn!r}"))
+            elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling",
+                                                               "stable_reinforce"):
                 problems.append((where, f"not used by loss_fn {self.loss_fn!r}"))
         return problems
 

@@ -71,6 +71,9 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each sampled turn
+    # the sampler's sequence_id of each sampled turn (None where the sampler gave none): what a
+    # stable_reinforce Datum names as the source of its tokens (provenance)
+    turn_sequence_ids: list[str | None] = field(default_factory=list)
     step_rewards: list[float] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)
     done_by_env: bool = False
@@ -127,14 +130,17 @@ class Episode:
         self.images.extend(span.shifted(len(self.tokens)) for span in rendered.images)
         self.append(rendered.tokens)
 
-    def append(self, tokens: list[int], logprobs: list[float] | None = None) -> None:
-        """Append prompt/environment tokens (``logprobs`` None) or sampled tokens."""
+    def append(self, tokens: list[int], logprobs: list[float] | None = None,
+               sequence_id: str | None = None) -> None:
+        """Append prompt/environment tokens (``logprobs`` None) or sampled tokens (with the sampler's
+        ``sequence_id`` of them, when known)."""
         self.tokens.extend(tokens)
         if logprobs is None:
             self.logprobs.extend([0.0] * len(tokens))
             self.action_mask.extend([0] * len(tokens))
         else:
             self.turn_spans.append((len(self.tokens) - len(tokens), len(self.tokens)))
+            self.turn_sequence_ids.append(sequence_id)
             self.logprobs.extend(logprobs)
             self.action_mask.extend([1] * len(tokens))
 
@@ -181,7 +187,7 @@ class RolloutContext:
             raise SamplerError(f"the sampler returned {len(seq.tokens)} tokens with "
                                f"{'no' if logprobs is None else len(logprobs)} logprobs; "
                                "the loss needs one per token")
-        episode.append(list(seq.tokens), list(logprobs))
+        episode.append(list(seq.tokens), list(logprobs), getattr(seq, "sequence_id", None))
         episode.stop_reasons.append(seq.stop_reason)
         message = self.renderer.parse_response(list(seq.tokens))
         episode.messages.append(message)

@@ -35,9 +35,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import secrets
 import shutil
+import subprocess
+import sys
 import time
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 from polyrl.config import EnvConfig, TrainConfig
@@ -101,8 +108,42 @@ def pass_at_1(metrics: dict[str, float]) -> dict[str, float]:
     return {env: metrics[f"test/{env}/pass@1"] for env in ENVIRONMENTS}
 
 
+@contextlib.contextmanager
+def served(model_dir: Path, store: Path, threads: int) -> Iterator[dict]:
+    """``polyrl serve`` on 127.0.0.1 over the quickstart's store, for the RL phase: yields the config
+    keys that point a run at it (backend tinker, base_url; its API key in ``TINKER_API_KEY``)."""
+    key = f"tml-quickstart-{secrets.token_hex(8)}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKER_TELEMETRY": "0"}
+    cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", str(model_dir), "--api-key", key,
+           "--store-dir", str(store), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    old_key = os.environ.get("TINKER_API_KEY")
+    try:
+        url = None
+        for line in proc.stdout:
+            if "listening on" in line:
+                url = line.rsplit(" ", 1)[-1].strip()
+                break
+        if url is None:
+            raise RuntimeError(f"polyrl serve did not start (exit code {proc.wait()})")
+        os.environ["TINKER_API_KEY"] = key
+        yield {"backend": "tinker", "base_url": url}
+    finally:
+        if old_key is None:
+            os.environ.pop("TINKER_API_KEY", None)
+        else:
+            os.environ["TINKER_API_KEY"] = old_key
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int, quiet: bool,
-              max_steps_off_policy: int = 0) -> dict:
+              max_steps_off_policy: int = 0, loss_fn: str = "importance_sampling", serve: bool = False,
+              threads: int = 1) -> dict:
     console = ConsoleLog(enabled=not quiet)
     say = console.info
     times: dict[str, float] = {}
@@ -137,15 +178,19 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
         + ", ".join(f"{k} {v:.2f}" for k, v in pass_at_1(before).items()))
     lap("eval_before")
 
-    rl_config = check_config(TrainConfig(
-        **common, resume_from=sft_state, learning_rate=RL["learning_rate"], batch_size=RL["batch_size"],
-        max_steps=rl_steps, max_tokens=32, save_every=0, outputs={"report": False},
-        log_path=str(workdir / "rl"), off_policy={"max_steps": max_steps_off_policy},
-        environments=env_configs("train", group_size=RL["group_size"]),
-    ))
     say(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples, both environments"
-        + (f", sampling up to {max_steps_off_policy} steps ahead" if max_steps_off_policy else ""))
-    await train_async(rl_config, console)
+        + (f", sampling up to {max_steps_off_policy} steps ahead" if max_steps_off_policy else "")
+        + f", loss {loss_fn}" + (", through polyrl serve" if serve else ""))
+    with served(model_dir, workdir / "store", threads) if serve else contextlib.nullcontext({}) as backend:
+        where = backend or {"local": common["local"]}
+        rl_config = check_config(TrainConfig(
+            **{k: v for k, v in common.items() if k != "local"}, **where, resume_from=sft_state,
+            learning_rate=RL["learning_rate"], batch_size=RL["batch_size"], loss_fn=loss_fn,
+            max_steps=rl_steps, max_tokens=32, save_every=0, outputs={"report": False},
+            log_path=str(workdir / "rl"), off_policy={"max_steps": max_steps_off_policy},
+            environments=env_configs("train", group_size=RL["group_size"]),
+        ))
+        await train_async(rl_config, console)
     final = json.loads((workdir / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
     lap("rl")
 
@@ -154,7 +199,7 @@ async def run(workdir: Path, size: str, sft_steps: int, rl_steps: int, seed: int
     times["total"] = time.monotonic() - t0
     summary = {"before": pass_at_1(before), "after": pass_at_1(after), "seconds": times,
                "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed,
-               "max_steps_off_policy": max_steps_off_policy}
+               "max_steps_off_policy": max_steps_off_policy, "loss_fn": loss_fn, "serve": serve}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -172,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads (default: 1; these matrices are too small to gain from more)")
     p.add_argument("--max-steps-off-policy", type=int, default=0,
                    help="RL sampling this many steps ahead of training (default: 0, the synchronous loop)")
+    p.add_argument("--loss-fn", default="importance_sampling",
+                   choices=typing.get_args(TrainConfig.model_fields["loss_fn"].annotation),
+                   help="the RL loss (default: importance_sampling)")
+    p.add_argument("--serve", action="store_true",
+                   help="run the RL phase through `polyrl serve` on 127.0.0.1 (backend tinker) instead of "
+                        "the in-process engine")
     p.add_argument("--quiet", action="store_true", help="print only the results")
     args = p.parse_args(argv)
 
@@ -179,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     s = asyncio.run(run(Path(args.workdir), args.size, args.sft_steps, args.rl_steps, args.seed, args.quiet,
-                        args.max_steps_off_policy))
+                        args.max_steps_off_policy, args.loss_fn, args.serve, args.threads))
     b, a, t = s["before"], s["after"], s["seconds"]
     for env in ENVIRONMENTS:
         print(f"  {env:<13} before {b[env]:.2f} -> after {a[env]:.2f}")

@@ -27,6 +27,7 @@ from polyrl.rollouts import EnvRuntime, plan_step, rollout_bounds, sample_group
 from polyrl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
+from polyrl.update import optimizer_choice, sampler_options
 
 if TYPE_CHECKING:
     from polyrl.clients import ServiceClient, Tokenizer, TrainingClient
@@ -157,11 +158,12 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
             console.info(f"resuming from {row['state_path']} at step {state.step}")
         elif config.resume_from:
             training = await guard("loading resume_from", service.create_training_client_from_state,
-                                   config.resume_from)
+                                   config.resume_from, **optimizer_choice(config))
             console.info(f"initialized weights from {config.resume_from}")
         else:
             training = await guard("creating the model", service.create_lora_training_client,
-                                   base_model=config.model_name, rank=config.lora_rank, seed=config.seed)
+                                   base_model=config.model_name, rank=config.lora_rank, seed=config.seed,
+                                   **optimizer_choice(config))
         return training
 
     policy = await open_policy(config, connect)
@@ -172,7 +174,8 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
     state.failed_steps = sum(bool(r.get("rollouts/dropped_groups")) for r in earlier)
     await remove_unlogged_checkpoints(config, console, files, guard, service, resuming=row is not None)
     files.log_attempt({"training_run_id": training.model_id, "step": state.step})
-    sampler = await guard("creating a sampler", training.save_weights_and_get_sampling_client)
+    sampler = await guard("creating a sampler", training.save_weights_and_get_sampling_client,
+                          **sampler_options(config))
     ahead = config.off_policy.max_steps
     queue = RolloutQueue(
         partial(plan_step, weights, runtimes, config.batch_size),

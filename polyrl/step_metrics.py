@@ -22,12 +22,12 @@ if TYPE_CHECKING:
     from polyrl.config import TrainConfig
 
 
-def update_metrics(adam: types.AdamParams, minibatches: list[Minibatch],
+def update_metrics(params: types.AdamParams | types.DimuonParams, minibatches: list[Minibatch],
                    optimized: Optimized | None) -> dict[str, float]:
     """The update's metrics: the learning rate, the per-token signals' (weighted by sampled tokens),
     then either the skipped step or the loss, clipping, sampler/learner KL and the optimizer's own,
     then what was trained on."""
-    metrics: dict[str, float] = {"optim/lr": adam.learning_rate,
+    metrics: dict[str, float] = {"optim/lr": params.learning_rate,
                                  **token_weighted([(m.episodes_D, m.metrics) for m in minibatches])}
     episodes_D = [ep for m in minibatches for ep in m.episodes_D]
     if optimized is not None and optimized.refused is not None:

@@ -47,8 +47,8 @@ from polyrl.report import refresh_for_training
 from polyrl.rollout_queue import StepBatch
 from polyrl.run import Run, RunState, close_run, open_run, reopen_run, resume_hint
 from polyrl.step_metrics import bound_warnings, episode_row, no_update_reason, step_row, update_metrics
-from polyrl.update import (Minibatch, StepUpdate, adam_params, first_problem, forward_backward,
-                           optimizer_step, prepare_minibatch, refuse_update)
+from polyrl.update import (Minibatch, StepUpdate, first_problem, forward_backward, optim_params,
+                           optimizer_step, prepare_minibatch, refuse_update, sampler_options)
 
 if TYPE_CHECKING:
     from tinker import types
@@ -112,12 +112,12 @@ async def train_step(run: Run) -> dict[str, float]:
 
     # One optimizer step, once every loss came back finite; an update that is not finite applies
     # nothing, and the run stops or skips the step (nonfinite_steps)
-    adam, problem, optimized = adam_params(config, step), first_problem(minibatches), None
+    params, problem, optimized = optim_params(config, step), first_problem(minibatches), None
     if any(m.episodes_D for m in minibatches):
-        optimized = await optimizer_step(run.training, run.guard, pending, problem, adam, step)
+        optimized = await optimizer_step(run.training, run.guard, pending, problem, params, step)
         if optimized.refused is not None:
             await refuse_update(run, step, optimized.refused, sent=bool(pending))
-    update = StepUpdate.of(minibatches, update_metrics(adam, minibatches, optimized),
+    update = StepUpdate.of(minibatches, update_metrics(params, minibatches, optimized),
                            seconds=time.monotonic() - started - batch.seconds)
 
     # Where the run stands now: a relaunch continues with the next step and draws the groups still in
@@ -179,13 +179,15 @@ async def checkpoint(run: Run, state: RunState) -> Saved:
         saved = await run.guard(f"saving checkpoint {name}", training.save_state, name)
         sampler_path = (await run.guard(f"saving sampler weights {name}", training.save_weights_for_sampler,
                                         name)).path
-        sampler = await run.guard("creating a sampler", training.create_sampling_client, sampler_path)
+        sampler = await run.guard("creating a sampler", training.create_sampling_client, sampler_path,
+                                  **sampler_options(config))
         row = {"name": name, "batch": done, "final": final, "state_path": saved.path,
                "sampler_path": sampler_path, "cursors": dict(state.cursors), "draw_step": state.draw_step,
                "consumed": [list(key) for key in state.consumed], "wandb_run_id": state.wandb_run_id}
         run.console.info(f"checkpoint {name}: {saved.path}")
     else:
-        sampler = await run.guard("updating the sampler", training.save_weights_and_get_sampling_client)
+        sampler = await run.guard("updating the sampler", training.save_weights_and_get_sampling_client,
+                                  **sampler_options(config))
     return Saved(sampler, done, row, time.monotonic() - started)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from tinker import types
+from tinker.types.optimizer import OptimParamsBase
 
 from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard, make_rest_client, update_refused
@@ -163,13 +164,31 @@ def forward_backward(training: TrainingClient, data_D: list[types.Datum],
 
 
 # ---- the optimizer step ---------------------------------------------------------------------------
-def adam_params(config: TrainConfig, step: int) -> types.AdamParams:
-    """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``."""
+def optim_params(config: TrainConfig, step: int) -> types.AdamParams | types.DimuonParams:
+    """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``: Adam's, or
+    Dimuon's (its damping and rank correction exponent only when the config sets them, so that a service
+    whose DimuonParams lack them takes the step)."""
     lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
     optimizer = config.optimizer
+    if optimizer.type == "dimuon":
+        extra = {k: v for k in ("damping", "rank_lr_correction_exponent")
+                 if (v := getattr(optimizer, k)) is not None}
+        values = {"learning_rate": lr, "beta1": optimizer.beta1, "grad_clip_norm": optimizer.grad_clip_norm}
+        return OptimParamsBase(type="dimuon", **values, **extra) if extra else types.DimuonParams(**values)
     return types.AdamParams(learning_rate=lr, beta1=optimizer.beta1, beta2=optimizer.beta2,
                             eps=optimizer.eps, weight_decay=optimizer.weight_decay,
                             grad_clip_norm=optimizer.grad_clip_norm)
+
+
+def sampler_options(config: TrainConfig) -> dict:
+    """How the run's samplers are made: a loss that trains on what the service recorded of each sampled
+    sequence (stable_reinforce) needs them to record it."""
+    return {"record_stability_info": True} if config.loss_fn in adv_lib.PROVENANCE_LOSSES else {}
+
+
+def optimizer_choice(config: TrainConfig) -> dict:
+    """The ``optimizer=`` a new training client is created with (Tinker fixes it for the client's life)."""
+    return {"optimizer": types.DimuonOptimizerConfig()} if config.optimizer.type == "dimuon" else {}
 
 
 def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
@@ -183,7 +202,7 @@ def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
 
 async def optimizer_step(training: TrainingClient, guard: ServiceGuard,
                          pending: list[Future[types.ForwardBackwardOutput]], problem: str | None,
-                         adam: types.AdamParams, step: int) -> Optimized:
+                         params: types.AdamParams | types.DimuonParams, step: int) -> Optimized:
     """Wait for the step's ``forward_backward`` results, then apply one ``optim_step`` unless the update
     is not finite: a ``problem`` in the inputs, a loss that came back NaN or inf (checked here, whatever
     the backend does about it), or a step the engine refused. A service that reports a non-finite
@@ -195,7 +214,7 @@ async def optimizer_step(training: TrainingClient, guard: ServiceGuard,
         if refused is not None:
             return Optimized(results, None, refused)
         try:
-            return Optimized(results, await training.optim_step(adam))
+            return Optimized(results, await training.optim_step(params))
         except Exception as exc:
             if update_refused(exc):
                 return Optimized(results, None, " ".join(str(exc).split())[:300])

@@ -158,7 +158,8 @@ def test_apply_overrides_copies_and_creates_mappings():
         (["environments.arithmetic.splits.valid.shuffle=true"], "environments.arithmetic.splits.valid: Input should be 'train' or 'test'"),
         (["environments.arithmetic.num_rollouts=eight"], "environments.arithmetic.num_rollouts: Input should be a valid integer"),
         (["environments.arithmetic.num_rollouts=0"], "environments.arithmetic.num_rollouts: Input should be greater than or equal to 1"),
-        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro' or 'gspo'"),
+        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro', 'gspo' or "
+                                "'stable_reinforce'"),
         (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
         (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
         (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"], "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),

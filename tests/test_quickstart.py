@@ -52,3 +52,21 @@ def test_quickstart_learns_as_well_sampling_one_step_ahead(tmp_path):
     rows = [json.loads(x) for x in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["async/staleness_max"] == 0 and max(r["async/staleness_max"] for r in rows) == 1
     assert sum(r["async/staleness_mean"] for r in rows[1:]) > 0.5 * (len(rows) - 1)  # mostly a step behind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("serve", [False, True], ids=["in-process", "through-polyrl-serve"])
+def test_quickstart_learns_with_stable_reinforce(tmp_path, serve):
+    """The quickstart's RL phase with ``loss_fn: stable_reinforce`` (recording samplers, provenance on
+    every Datum), in process and through ``polyrl serve`` (backend tinker, the SDK over 127.0.0.1):
+    held-out success rises by at least 0.30."""
+    workdir = tmp_path / "qs"
+    through = ["--serve"] if serve else []
+    before, after, stdout = _quickstart(workdir, "--loss-fn", "stable_reinforce", *through)
+    assert after - before >= 0.30, stdout
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["loss_fn"] == "stable_reinforce" and summary["serve"] is serve
+    config = json.loads((workdir / "rl" / "config.json").read_text())
+    assert config["loss_fn"] == "stable_reinforce" and config["backend"] == ("tinker" if serve else "local")
+    final = json.loads((workdir / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert final["state_path"].startswith("tinker://sess-" if serve else "tinker://local-")

@@ -156,7 +156,7 @@ def test_sdk_training_and_sampling(served, service, training, tokenizer):
     assert info.model_id.endswith(":train:0") and info.lora_rank == 4 and info.model_data.tokenizer_id
     tokens = _tokens(tokenizer)
     n = len(tokens)
-    for loss in sorted(losses.LOSSES):
+    for loss in sorted(name for name, spec in losses.LOSSES.items() if not spec.provenance):  # (*)
         out = training.forward_backward([_datum(tokens, loss), _datum(tokens[:-1], loss)], loss).result()
         assert "loss:sum" in out.metrics and np.isfinite(out.metrics["loss:sum"]), loss
         assert [o["logprobs"].shape for o in out.loss_fn_outputs] == [[n], [n - 1]]
@@ -237,9 +237,10 @@ def test_checkpoints_resume_and_rest(served, service, training, tokenizer):
 def test_unsupported_loss_is_a_user_error_and_the_client_goes_on(training, tokenizer):
     tokens = _tokens(tokenizer)
     with pytest.raises(tinker.RequestFailedError) as err:
-        training.forward_backward([_datum(tokens, "ppo")], "stable_reinforce").result(timeout=60)
+        training.forward_backward([_datum(tokens, "ppo")], "custom").result(timeout=60)
     assert err.value.category == types.RequestErrorCategory.User
-    assert "stable_reinforce" in str(err.value) and "importance_sampling" in str(err.value)
+    assert "'custom' is one of Tinker's losses but is not implemented" in str(err.value)
+    assert "importance_sampling" in str(err.value) and "stable_reinforce" in str(err.value)
     out = training.forward_backward([_datum(tokens, "ppo")], "ppo").result(timeout=60)  # still usable
     assert "loss:sum" in out.metrics
 
@@ -1086,11 +1087,8 @@ def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: 
 def test_cookbook_math_rl_recipe(served, tiny_model_dir, tmp_path):
     common = [f"model_name={tiny_model_dir}", "renderer_name=qwen3", "env=arithmetic", "groups_per_batch=4",
               "group_size=2", "lora_rank=4", "max_tokens=8", "eval_every=0", "save_every=1", "max_steps=2"]
-    # its default loss (stable_reinforce) is refused with a clear error, not a hang
-    refused = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common)
-    assert refused.returncode != 0
-    assert "stable_reinforce" in refused.stderr and "not implemented by polyrl serve" in refused.stderr
-    done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common, "loss_fn=importance_sampling")
+    # at its default loss, stable_reinforce: recording samplers, provenance spans on every datum
+    done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert any("env/all/reward/total" in r for r in rows)
@@ -1098,7 +1096,7 @@ def test_cookbook_math_rl_recipe(served, tiny_model_dir, tmp_path):
     assert cps[-1]["state_path"].startswith("tinker://")
     # resuming: the cookbook loads the last state (weights and optimizer, in a new session) and carries on
     more = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common[:-1], "max_steps=3",
-                     "loss_fn=importance_sampling", log_dir="resume")
+                     log_dir="resume")
     assert more.returncode == 0, more.stderr[-3000:]
     assert f"Resumed training from {cps[-1]['state_path']}" in more.stderr
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]

@@ -419,7 +419,7 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     from polyrl.run import resume_hint
     from polyrl.step_metrics import step_row, update_metrics
     from polyrl.train import checkpoint, log_step, take_groups
-    from polyrl.update import StepUpdate, adam_params, forward_backward, optimizer_step, prepare_minibatch
+    from polyrl.update import StepUpdate, forward_backward, optim_params, optimizer_step, prepare_minibatch
 
     run = _opened(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
     state = run.state
@@ -449,7 +449,7 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
         minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
         pending = [forward_backward(run.training, minibatch.data_D, run.config)] if minibatch.data_D else []
-        adam, optimized = adam_params(run.config, 0), None
+        adam, optimized = optim_params(run.config, 0), None
         if minibatch.episodes_D:
             optimized = await optimizer_step(run.training, run.guard, pending, minibatch.problem, adam, 0)
         return StepUpdate.of([minibatch], update_metrics(adam, [minibatch], optimized), 0.0)
@@ -676,3 +676,26 @@ def test_overrides_reach_the_loop_config(tmp_path):
     cfg = load_config(tmp_path / "run.yaml", ["batch_size=64", "learning_rate=2e-5",
                                               "environments.arithmetic.num_rollouts=8"])
     assert (cfg.batch_size, cfg.learning_rate, cfg.environments["arithmetic"].num_rollouts) == (64, 2e-5, 8)
+
+
+def test_stable_reinforce_with_dimuon_trains_on_the_real_engine(tiny_model_dir, tmp_path):
+    """``loss_fn: stable_reinforce`` and ``optimizer.type: dimuon`` end to end in process on a multi-turn
+    environment: the samplers record, every Datum names the sequences of its turns (the engine checks
+    each token against them), and each step applies a Dimuon update. (A KL penalty gives every sampled
+    token a signal, so a random model's all-zero rewards still train.)"""
+    from polyrl.local.checkpoints import Store
+    from polyrl.tracking.console import ConsoleLog
+
+    cfg = _config(tiny_model_dir, tmp_path, max_steps=2, save_every=0, batch_size=2,
+                  loss_fn="stable_reinforce", loss_fn_config={"max_ratio": 1.5}, optimizer={"type": "dimuon"},
+                  learning_rate=0.02,
+                  kl={"penalty_coef": 0.05}, environments={"guess": {
+                      "type": "guess_number", "num_rollouts": 4, "max_turns": 3, "args": {"max_guesses": 3}}})
+    train(cfg, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["turns/mean"] > 1 and r["optim/datums"] == 8 and np.isfinite(r["optim/loss"]) for r in rows)
+    assert rows[-1]["optim/grad_norm"] > 0
+    final = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()][-1]
+    store = Store(tmp_path / "store")
+    assert store.meta(store.resolve(final["state_path"])[1])["optimizer"] == "dimuon"

@@ -30,8 +30,8 @@ from polyrl.step_metrics import (bound_warnings, episode_metrics, kl_metrics, no
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning, checkpoint, evaluate, log_step, take_groups
-from polyrl.update import (GroupCounts, Minibatch, Optimized, StepUpdate, adam_params, filter_groups,
-                           first_problem, forward_backward, nonfinite_inputs, optimizer_step,
+from polyrl.update import (GroupCounts, Minibatch, Optimized, StepUpdate, filter_groups, first_problem,
+                           forward_backward, nonfinite_inputs, optim_params, optimizer_choice, optimizer_step,
                            prepare_minibatch, refuse_update)
 
 
@@ -89,12 +89,12 @@ class RecordingTraining:
         self.calls.append(("save_weights_for_sampler", name))
         return Answered(types.SaveWeightsForSamplerResponse(path=f"tinker://run-a/sampler_weights/{name}"))
 
-    def create_sampling_client(self, model_path):
-        self.calls.append(("create_sampling_client", model_path))
+    def create_sampling_client(self, model_path, **options):
+        self.calls.append(("create_sampling_client", model_path, *options.items()))
         return Answered(f"sampler of {model_path}")
 
-    def save_weights_and_get_sampling_client(self):
-        self.calls.append(("save_weights_and_get_sampling_client",))
+    def save_weights_and_get_sampling_client(self, **options):
+        self.calls.append(("save_weights_and_get_sampling_client", *options.items()))
         return Answered("sampler of the latest weights")
 
 
@@ -342,10 +342,10 @@ def test_refuse_update_stops_or_skips_the_step_discarding_its_gradients(tmp_path
 def test_adam_params_follow_the_learning_rate_schedule(tmp_path):
     config = _config(tmp_path, learning_rate=0.01, lr_schedule="linear", optimizer={"beta1": 0.8},
                      max_steps=4)
-    rates = [adam_params(config, s).learning_rate for s in range(4)]
+    rates = [optim_params(config, s).learning_rate for s in range(4)]
     assert rates == pytest.approx([0.01, 0.0075, 0.005, 0.0025])
-    assert adam_params(config, 0).beta1 == 0.8
-    assert adam_params(_config(tmp_path, learning_rate=0.01), 3).learning_rate == 0.01
+    assert optim_params(config, 0).beta1 == 0.8
+    assert optim_params(_config(tmp_path, learning_rate=0.01), 3).learning_rate == 0.01
 
 
 def test_update_metrics_weigh_signals_by_tokens_and_report_the_optimizer(tmp_path):
@@ -529,3 +529,47 @@ def test_close_run_closes_every_part_even_when_one_fails(tmp_path):
     run = asyncio.run(close())
     assert closed == ["wandb", "uploader", "word"]
     assert run.console.lines == ["warning: closing failed: wandb is gone"]
+
+
+# ---------------------------------------------------------------------------- StableReinforce, Dimuon
+def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tmp_path):
+    calls: list = []
+    run = _run(tmp_path, calls=calls, loss_fn="stable_reinforce", loss_fn_config={"kl_coeff": 0.1})
+    state = RunState(step=1, cursors={"word": 0})
+    asyncio.run(checkpoint(run, state))
+    state.step = 2
+    asyncio.run(checkpoint(run, state))
+    record = ("record_stability_info", True)
+    assert calls[0] == ("save_weights_and_get_sampling_client", record)
+    assert calls[-1] == ("create_sampling_client", "tinker://run-a/sampler_weights/000002", record)
+
+    ep = _episode(1.0)
+    ep.turn_sequence_ids = ["seq-a"]
+    datum = adv.to_datum(_record(ep, [0.5]), "stable_reinforce")
+    assert datum.model_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", length=2),
+                                       types.SampledProvenanceSpan(sequence_id="seq-a", length=2)]
+    assert datum.loss_fn_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", offset=1, length=1),
+                                         types.SampledProvenanceSpan(sequence_id="seq-a", length=3)]
+    ep.turn_sequence_ids = [None]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
+        adv.to_datum(ep, "stable_reinforce")
+    with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):
+        _config(tmp_path, loss_fn="ppo", loss_fn_config={"kl_coeff": 0.1})
+
+
+def test_dimuon_config_gives_dimuon_clients_and_steps(tmp_path):
+    config = _config(tmp_path, learning_rate=0.02, optimizer={"type": "dimuon", "beta1": 0.7})
+    params = optim_params(config, 0)
+    assert isinstance(params, types.DimuonParams)
+    assert (params.learning_rate, params.beta1, params.grad_clip_norm) == (0.02, 0.7, 0.0)
+    assert optimizer_choice(config) == {"optimizer": types.DimuonOptimizerConfig()}
+    assert optimizer_choice(_config(tmp_path)) == {}
+    tuned = optim_params(_config(tmp_path, optimizer={"type": "dimuon", "damping": 0.3}), 0)
+    assert tuned.model_dump() == {"type": "dimuon", "learning_rate": 1e-4, "beta1": 0.9,
+                                  "grad_clip_norm": 0.0, "damping": 0.3}
+    for bad, words in (({"type": "dimuon", "weight_decay": 0.1}, "weight_decay: not used by optimizer type "
+                                                                 "'dimuon'"),
+                       ({"damping": 0.3}, "damping: not used by optimizer type 'adam'"),
+                       ({"type": "sgd"}, "optimizer.type")):
+        with pytest.raises(ValueError, match=words):
+            _config(tmp_path, optimizer=bad)

@@ -192,7 +192,8 @@ class VerifiersBuilder(EnvBuilder):
         prefix: list[int] = []
         for prompt, completion, logprobs, _ in turns:
             if prompt[: len(prefix)] != prefix or len(logprobs) != len(completion):
-                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.turn_spans):
+                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.turn_spans,
+                             ep.turn_sequence_ids):
                     part.clear()
                 return False
             ep.append(prompt[len(prefix):])

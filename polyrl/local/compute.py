@@ -26,18 +26,36 @@ def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor, 
     return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]
 
 
+def _requests(mb: MicroBatch, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(packed position, target token) of every request, and the requests per datum. A datum's target
+    is ``[n]`` (one per token) or ``[n, K]`` (K per token, e.g. top-K soft targets): its positions are
+    then each repeated K times."""
+    if all(t.dim() == 1 for t in targets):
+        return mb.gather, torch.cat(targets), list(mb.lengths)
+    gathers = mb.gather.split(mb.lengths)
+    gather = torch.cat([g if t.dim() == 1 else g.repeat_interleave(t.shape[1])
+                        for g, t in zip(gathers, targets)])
+    return gather, torch.cat([t.reshape(-1) for t in targets]), [t.numel() for t in targets]
+
+
 def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor],
                     chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
-    """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order)."""
+    """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order), shaped
+    like the datum's targets (``[n]`` or ``[n, K]``)."""
     out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
-    target = torch.cat(targets).to(out.device)
+    gather, target, lengths = _requests(mb, targets)
+    target = target.to(out.device)
     flat = out.reshape(-1, out.shape[-1])
+
+    def shaped(lp: torch.Tensor) -> list[torch.Tensor]:
+        return [x.reshape(t.shape) for x, t in zip(lp.split(lengths), targets)]
+
     if not split:  # full logits came back (an architecture whose unembedding cannot run apart)
-        lp = flat[mb.gather, target] - torch.logsumexp(flat, dim=-1)[mb.gather]
-        return list(lp.split(mb.lengths))
+        lp = flat[gather, target] - torch.logsumexp(flat, dim=-1)[gather]
+        return shaped(lp)
     # Unique packed positions in chunks; requests (datum tokens) sorted by position so each chunk's
     # requests are one contiguous run.
-    positions, inverse = torch.unique(mb.gather, return_inverse=True)
+    positions, inverse = torch.unique(gather, return_inverse=True)
     order = torch.argsort(inverse, stable=True)
     inverse_sorted, target_sorted = inverse[order], target[order]
     per_chunk = max(1, chunk_bytes // (4 * base.vocab_size))
@@ -53,4 +71,4 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
         else:
             pieces.append(_chunk_logprobs(base, hidden, local, target_sorted[lo:hi]))
     lp = torch.cat(pieces)[torch.argsort(order)]
-    return list(lp.split(mb.lengths))
+    return shaped(lp)

@@ -23,7 +23,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from tinker import types
@@ -35,10 +35,13 @@ from polyrl.local.checkpoints import (
     CheckpointPath, CheckpointRequestError, Store, age_recipients, check_name, check_ttl, encrypt_files,
 )
 from polyrl.local.compute import packed_logprobs
+from polyrl.local.datums import PreparedDatum, batch_loss, prepare_datum, reduce_metrics
 from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
 from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
-from polyrl.local.vision import ModelImage, keyed
+from polyrl.local.stability import SampledInputs
+from polyrl.local.vision import keyed
 
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
@@ -53,7 +56,8 @@ class TrainerState:
     adapter: str
     spec: LoraSpec
     params: list[torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer
+    optimizer_type: str = "adamw"  # fixed when the client is created: "adamw" or "dimuon"
     steps: int = 0
     bad_loss: float | None = None  # a non-finite loss among the forward_backward calls since the last step
 
@@ -268,29 +272,42 @@ class Engine:
     def loaded_models(self) -> list[BaseModel]:
         return list(self._bases.values())
 
-    def create_trainer(self, model_id: str, base_model: str, spec: LoraSpec) -> TrainerState:
+    def create_trainer(self, model_id: str, base_model: str, spec: LoraSpec,
+                       optimizer: str = "adamw") -> TrainerState:
         base = self.base(base_model)
         adapter = f"train_{next(self._adapter_ids)}"
         params = base.add_adapter(adapter, spec)
-        optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
-        return TrainerState(model_id, base, adapter, spec, params, optimizer)
+        return TrainerState(model_id, base, adapter, spec, params,
+                            make_optimizer(optimizer, params, spec.rank), optimizer)
 
     # ---- training operations (worker thread only) --------------------------------------------
     def forward_backward(self, st: TrainerState, data: list[types.Datum], loss_fn: str,
-                         loss_fn_config: dict | None, backward: bool) -> types.ForwardBackwardOutput:
+                         loss_fn_config: dict | None, backward: bool,
+                         provenance: Callable[[list[types.Datum]], Sequence[SampledInputs]] | None = None,
+                         ) -> types.ForwardBackwardOutput:
+        """``provenance`` resolves the datums' provenance spans against the sequences the caller's
+        session recorded (for a loss that needs it, such as ``stable_reinforce``)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
         unknown = sorted(set(config) - set(spec.config_keys))
         if unknown:
             raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {loss_fn!r} "
                              f"(it takes: {list(spec.config_keys) or 'none'})")
-        prepared = [_prepare_datum(i, d, spec, st.base) for i, d in enumerate(data)]
+        sampled: Sequence[SampledInputs | None] = [None] * len(data)
+        if spec.provenance:
+            if provenance is None:
+                raise ValueError(f"loss {loss_fn!r} needs sequences recorded by this session's samplers "
+                                 "(record_stability_info=True)")
+            sampled = provenance(data)
+        prepared = [prepare_datum(i, d, spec, st.base, s)
+                    for i, (d, s) in enumerate(zip(data, sampled))]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=backward), torch.set_grad_enabled(backward):
             for mb in self._micro_batches(st.base, prepared):
                 lps = packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])
-                loss, metrics = _batch_loss(spec, [prepared[i] for i in mb.datums], lps, config, st.base.device)
+                members = [prepared[i] for i in mb.datums]
+                loss, metrics = batch_loss(spec, members, lps, config, st.base.device)
                 if backward:
                     loss.backward()
                 for i, lp in zip(mb.datums, lps):
@@ -305,7 +322,7 @@ class Engine:
         )
 
     def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
-        prepared = [_prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
+        prepared = [prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
             for mb in self._micro_batches(st.base, prepared):
@@ -324,7 +341,7 @@ class Engine:
             metrics=metrics,
         )
 
-    def _micro_batches(self, base: BaseModel, prepared: list["_Datum"]) -> list[MicroBatch]:
+    def _micro_batches(self, base: BaseModel, prepared: list[PreparedDatum]) -> list[MicroBatch]:
         if not any(p.images for p in prepared):
             return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
                                  base.device)
@@ -340,17 +357,13 @@ class Engine:
                 mb.vision = base.vision.inputs([by_key[k] for k in mb.image_keys], base.device)
         return batches
 
-    def optim_step(self, st: TrainerState, params: types.AdamParams) -> types.OptimStepResponse:
-        """One AdamW step on the accumulated gradients. A step whose loss or gradient is not finite is
-        refused (:class:`NonFiniteUpdateError`): weights and optimizer state stay bit for bit, the
-        gradients are dropped, and the next ``forward_backward`` starts a clean step."""
-        for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
-            value = getattr(params, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"adam_params.{name} must be a finite number >= 0, got {value}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(params, name) < 1:
-                raise ValueError(f"adam_params.{name} must be in [0, 1), got {getattr(params, name)}")
+    def optim_step(self, st: TrainerState,
+                   params: types.AdamParams | DimuonSettings) -> types.OptimStepResponse:
+        """One step of the client's optimizer (AdamW or Dimuon, see :mod:`polyrl.local.optim`) on the
+        accumulated gradients. A step whose loss or gradient is not finite is refused
+        (:class:`NonFiniteUpdateError`): weights and optimizer state stay bit for bit, the gradients are
+        dropped, and the next ``forward_backward`` starts a clean step."""
+        check_kind(st.optimizer_type, params)
         trained = [p for p in st.params if p.grad is not None]
         grads = [p.grad for p in trained]
         total_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
@@ -361,9 +374,7 @@ class Engine:
             st.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteUpdateError(f"optim_step refused: {problem}; the weights and optimizer state are "
                                        "unchanged and the accumulated gradients were dropped")
-        for group in st.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)
+        configure(st.optimizer, params)
         if grads and params.grad_clip_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(trained, params.grad_clip_norm, total_norm)
         st.optimizer.step()
@@ -374,7 +385,7 @@ class Engine:
     # ---- checkpoints (worker thread only) ---------------------------------------------------
     def _meta(self, st: TrainerState, user_metadata: dict | None = None) -> dict:
         return {"base_model": st.base.name, "lora": st.spec.to_dict(), "steps": st.steps,
-                "model_id": st.model_id, "user_metadata": user_metadata}
+                "model_id": st.model_id, "user_metadata": user_metadata, "optimizer": st.optimizer_type}
 
     def save_state(self, st: TrainerState, name: str, overwrite: bool = False,
                    user_metadata: dict | None = None, ttl_seconds: int | None = None) -> str:
@@ -425,10 +436,15 @@ class Engine:
                                          "load the training or sampler checkpoint it was saved from")
         return directory
 
-    def load_trainer(self, model_id: str, path: str, with_optimizer: bool) -> TrainerState:
+    def load_trainer(self, model_id: str, path: str, with_optimizer: bool,
+                     optimizer: str = "adamw") -> TrainerState:
+        """A training client from a checkpoint: with its optimizer state (and so its optimizer), or with a
+        fresh ``optimizer``."""
         directory = self._loadable(path)
         meta = self.store.meta(directory)
-        st = self.create_trainer(model_id, meta["base_model"], LoraSpec(**meta["lora"]))
+        if with_optimizer:
+            optimizer = meta.get("optimizer", "adamw")
+        st = self.create_trainer(model_id, meta["base_model"], LoraSpec(**meta["lora"]), optimizer)
         st.base.load_adapter_weights(st.adapter, directory)
         if with_optimizer:
             if not (directory / "optimizer.pt").exists():
@@ -456,14 +472,6 @@ atexit.register(Engine.stop_all)  # runs before the interpreter stops its thread
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-@dataclass
-class _Datum:
-    tokens: list[int]
-    target: torch.Tensor  # int64 [len(tokens)]
-    floats: dict[str, torch.Tensor]  # float32 loss inputs, each [len(tokens)]
-    images: list[ModelImage] = field(default_factory=list)  # a vision-language model's images
-
-
 @contextlib.contextmanager
 def _all_or_nothing(params: list[torch.nn.Parameter]) -> Iterator[None]:
     """Gradients of a call are added to the ones already accumulated only if the whole call succeeds:
@@ -527,80 +535,3 @@ def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
         if sum(_count_not_finite(moments)):
             raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; "
                                        "nothing was written")
-
-
-def _batch_loss(spec: losses.LossSpec, datums: list[_Datum], lps: list[torch.Tensor], config: dict,
-                device: torch.device) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """The loss of a micro-batch's datums: one call of the loss per set of ``loss_fn_inputs`` keys
-    (datums may differ, e.g. ``weights`` on some only; each is computed with exactly its own inputs)."""
-    by_keys: dict[tuple[str, ...], list[int]] = {}
-    for n, d in enumerate(datums):
-        by_keys.setdefault(tuple(sorted(d.floats)), []).append(n)
-    total, metrics = None, []
-    for keys, members in by_keys.items():
-        flat_lp = torch.cat([lps[n] for n in members])
-        inputs = {k: torch.cat([datums[n].floats[k] for n in members]).to(device) for k in keys}
-        seg_ids = torch.cat([torch.full((len(lps[n]),), j, dtype=torch.long) for j, n in enumerate(members)])
-        loss, m = spec.fn(flat_lp, inputs, losses.Segments(seg_ids.to(device), len(members)), config)
-        total = loss if total is None else total + loss
-        metrics.append(m)
-    return total, metrics
-
-
-def _prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, base: BaseModel) -> _Datum:
-    """One datum's tokens, targets and float inputs (and a vision-language model's images), validated with
-    clear errors."""
-    if not isinstance(datum, types.Datum):
-        raise ValueError(f"data[{i}] is a {type(datum).__name__}, not a tinker.types.Datum")
-    vocab = base.vocab_size
-    tokens, found = model_input_tokens(base, datum.model_input, f"data[{i}].model_input")
-    if not tokens:
-        raise ValueError(f"data[{i}].model_input is empty")
-    inputs = datum.loss_fn_inputs
-    required = spec.inputs if spec else ("target_tokens",)
-    for key in required:
-        if key not in inputs:
-            raise ValueError(f"data[{i}].loss_fn_inputs is missing {key!r} (loss {spec.name if spec else 'custom'} "
-                             f"needs {list(required)})")
-    allowed = set(required) | set(spec.optional_inputs if spec else ()) | {"weights", "mask"}
-    target = inputs["target_tokens"].to_torch().reshape(-1).long()
-    if len(target) != len(tokens):
-        raise ValueError(f"data[{i}]: target_tokens has {len(target)} entries but model_input has {len(tokens)} tokens")
-    if len(target) and (int(target.min()) < 0 or int(target.max()) >= vocab):
-        raise ValueError(f"data[{i}]: target_tokens out of range for vocabulary size {vocab}")
-    if max(tokens) >= vocab or min(tokens) < 0:
-        raise ValueError(f"data[{i}]: model_input token out of range for vocabulary size {vocab}")
-    floats = {}
-    for key, td in inputs.items():
-        if key == "target_tokens" or key not in allowed:
-            continue
-        t = td.to_torch().reshape(-1).float()
-        if len(t) != len(tokens):
-            raise ValueError(f"data[{i}]: loss_fn_inputs[{key!r}] has {len(t)} entries but model_input has {len(tokens)} tokens")
-        floats[key] = t
-    return _Datum(tokens, target, floats, found)
-
-
-def model_input_tokens(base: BaseModel, model_input: types.ModelInput,
-                       where: str) -> tuple[list[int], list[ModelImage]]:
-    """The tokens of a ``ModelInput`` (image positions: the model's placeholder) and its images."""
-    if base.vision is not None:
-        return base.vision.read_chunks(model_input.chunks, where)
-    tokens: list[int] = []
-    for chunk in model_input.chunks:
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise ValueError(f"{where} has a {chunk.type!r} chunk, but model {base.name!r} is text-only (a "
-                             "vision-language model takes images)")
-        tokens.extend(int(t) for t in chunk.tokens)
-    return tokens, []
-
-
-def reduce_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-micro-batch metrics by the reduction their ``name:reduction`` key names."""
-    reducers = {"sum": sum, "max": max, "min": min}
-    keys = {k for p in parts for k in p}
-    out = {}
-    for k in sorted(keys):
-        values = [p[k] for p in parts if k in p]
-        out[k] = reducers.get(k.rsplit(":", 1)[-1], lambda v: sum(v) / len(v))(values)
-    return out

@@ -1,10 +1,13 @@
 """Loss functions with Tinker's semantics, in one registry.
 
 Every loss sees the whole ``forward_backward`` batch flattened: ``logprobs`` are the learner's
-log-probabilities of the target tokens of all datums concatenated (shape ``[N]``, with gradient),
-``inputs`` the matching ``loss_fn_inputs`` tensors, and ``segments`` which datum each token belongs
-to (for sequence-level losses). Losses are **sums** over tokens and datums, as in Tinker; a loss
-returns ``(loss, metrics)`` with metric keys of the form ``name:reduction``.
+log-probabilities of the target tokens of all datums concatenated (shape ``[N]``, with gradient;
+``[N, K]`` for a loss registered with ``top_k=True`` given ``(N, K)`` targets), ``inputs`` the matching
+``loss_fn_inputs`` tensors, and ``segments`` which datum each token belongs to (for sequence-level
+losses). Losses are **sums** over tokens and datums, as in Tinker; a loss returns ``(loss, metrics)``
+with metric keys of the form ``name:reduction``. A loss registered with ``provenance=True`` also gets
+``sampled`` (1.0 on targets a provenance span names as sampled tokens) and ``sampler_logprobs`` (their
+logprobs as the sampler recorded them; see :mod:`polyrl.local.stability`).
 
 Adding a loss is one decorated function::
 
@@ -23,6 +26,8 @@ Tensor = torch.Tensor
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
 DEFAULT_DRO_BETA = 0.05
+DEFAULT_MAX_RATIO = 2.0  # stable_reinforce: importance weights are truncated here
+DEFAULT_KL_COEFF = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class LossSpec:
     inputs: tuple[str, ...]  # required loss_fn_inputs keys
     optional_inputs: tuple[str, ...]
     config_keys: tuple[str, ...]
+    top_k: bool = False  # takes (N, K) target_tokens and weights
+    provenance: bool = False  # needs provenance spans resolved against recorded sequences
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -61,9 +68,11 @@ def register_loss(
     inputs: tuple[str, ...],
     optional_inputs: tuple[str, ...] = (),
     config_keys: tuple[str, ...] = (),
+    top_k: bool = False,
+    provenance: bool = False,
 ) -> Callable[[LossFn], LossFn]:
     def deco(fn: LossFn) -> LossFn:
-        LOSSES[name] = LossSpec(name, fn, inputs, optional_inputs, config_keys)
+        LOSSES[name] = LossSpec(name, fn, inputs, optional_inputs, config_keys, top_k, provenance)
         return fn
 
     return deco
@@ -94,8 +103,10 @@ def _clip_metrics(ratio: Tensor, low, high, advantages: Tensor) -> dict[str, flo
     return {"clipped_tokens:sum": float(clipped.sum()), "active_tokens:sum": float(active.sum())}
 
 
-@register_loss("cross_entropy", inputs=("target_tokens",), optional_inputs=("weights",))
+@register_loss("cross_entropy", inputs=("target_tokens",), optional_inputs=("weights",), top_k=True)
 def cross_entropy(logprobs, inputs, segments, config):
+    """``-sum w * logp``; with (N, K) targets and weights, over all K targets of every position (Tinker's
+    top-K distillation: soft targets are weights such as a teacher's renormalized probabilities)."""
     weights = inputs.get("weights")
     loss = -(logprobs * weights).sum() if weights is not None else -logprobs.sum()
     return loss, {"loss:sum": float(loss.detach())}
@@ -170,3 +181,34 @@ def gspo(logprobs, inputs, segments, config):
     objective = torch.minimum(ratio * adv, _clamp(ratio, low, high) * adv)
     loss = -objective.sum()
     return loss, {"loss:sum": float(loss.detach()), **_clip_metrics(ratio.detach(), low, high, adv)}
+
+
+@register_loss("stable_reinforce", inputs=("target_tokens", "advantages"), optional_inputs=("logprobs",),
+               config_keys=("kl_coeff", "max_ratio"), provenance=True)
+def stable_reinforce(logprobs, inputs, segments, config):
+    """REINFORCE with truncated importance weights against the *recorded* sampler logprobs ``q``, on the
+    targets provenance names as sampled (``m``), plus an optional KL term towards the sampler::
+
+        r = exp(logp - q);  loss = -sum m * sg(min(r, max_ratio)) * A * logp
+                                   + kl_coeff * sum m * (r - 1 - log r)
+
+    The weight's gradient is stopped, so a token's gradient is ``min(r, max_ratio) * A * grad logp``:
+    the importance-sampled policy gradient while ``r <= max_ratio``, and never more than ``max_ratio``
+    times the on-policy one however stale the sample or far the sampler's numerics. ``r - 1 - log r``
+    (>= 0) estimates KL(sampler || learner) from the sampler's tokens. A client's own ``logprobs`` input
+    is not used."""
+    max_ratio = float(config.get("max_ratio", DEFAULT_MAX_RATIO))
+    kl_coeff = float(config.get("kl_coeff", DEFAULT_KL_COEFF))
+    if not max_ratio > 0:
+        raise ValueError(f"loss_fn_config max_ratio must be > 0, got {max_ratio}")
+    if not kl_coeff >= 0:
+        raise ValueError(f"loss_fn_config kl_coeff must be >= 0, got {kl_coeff}")
+    mask = inputs["sampled"]
+    log_ratio = (logprobs - inputs["sampler_logprobs"]) * mask
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio.detach(), max=max_ratio)
+    kl = (ratio - 1 - log_ratio) * mask
+    loss = -(mask * weight * inputs["advantages"] * logprobs).sum() + kl_coeff * kl.sum()
+    truncated = (ratio.detach() > max_ratio) & (mask != 0)
+    return loss, {"loss:sum": float(loss.detach()), "sampled_tokens:sum": float(mask.sum()),
+                  "truncated_tokens:sum": float(truncated.sum()), "kl_sampler:sum": float(kl.detach().sum())}

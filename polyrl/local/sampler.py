@@ -10,6 +10,12 @@ tokens: what ``forward`` computes for the same tokens, so RL importance ratios c
 like. They agree to float32 rounding, not bit for bit: a matrix product's rounding depends on the
 batch (rows, padding) a request runs in, and which requests share a batch depends on timing.
 
+A request can also ask for what the model says about its prompt and its samples (Tinker's options):
+the logprob of every prompt token (or of the last ``prompt_logprobs_last_n``), the top-K tokens and
+logprobs at each prompt position and each sampled position, the logprobs of given target tokens at
+each prompt position, and K tokens drawn at each prompt position. All come from the full
+log-softmax of the model's float32 logits, computed in chunks of positions.
+
 Sampling is by inverse CDF: one uniform number per row per step, vectorised over the batch. A
 seeded request's rows draw theirs from a counter-based hash of (row seed, step), so a sample never
 depends on its batch, and nothing loops over rows in Python (on a GPU, a per-row generator would
@@ -30,7 +36,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from tinker import types
+from tinker.types.topk_logprobs import TopkLogprobs
 
+MAX_LOGPROBS_K = 128  # widest top-K / target / alternative-token request (also bounded by the vocabulary)
+TOPK_MASK_LOGPROB = -99999.0  # Tinker's filler for a top-K row with nothing in it (token 0)
+PROMPT_CHUNK_BYTES = 64 << 20  # float32 logits of prompt positions alive at once
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
 
@@ -47,9 +57,21 @@ class SampleJob:
     stop_strings: tuple[str, ...] = ()
     max_tokens: int = 16
     prompt_only: bool = False  # compute_logprobs: prefill, no sampling
+    last_n: int | None = None  # prompt logprobs (and top-K rows) of the last n prompt tokens only
+    topk_prompt: int = 0
+    topk_sample: int = 0
+    target_prompt: torch.Tensor | None = None  # int64 [len(prompt) - 1, K], -1: nothing asked
+    target_layout: types.TensorData | None = None  # a sparse request's layout, which the answer keeps
+    alt_k: int = 0  # tokens drawn at each prompt position after the first
     images: tuple = ()  # a vision-language model's images (polyrl.local.vision.ModelImage)
     mrope: torch.Tensor | None = None  # [3, len(prompt)] multimodal positions, with images
     rope_delta: int = 0  # how far decoding's positions run ahead of the token count
+
+    @property
+    def wants_prompt(self) -> bool:
+        """Whether the prefill must unembed every prompt position for this job."""
+        return (self.include_prompt_logprobs or self.prompt_only or self.topk_prompt > 0
+                or self.target_prompt is not None or self.alt_k > 0)
 
     @property
     def key(self) -> tuple:
@@ -109,6 +131,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str | None = None
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per sampled token
 
 
 def resolve_stops(stop, tokenizer, eos_ids: list[int]) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -214,7 +237,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         ids[i, width - len(p) :] = torch.tensor(p, device=device)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lp_prompts = sorted({unique[j.key] for j in jobs if j.include_prompt_logprobs or j.prompt_only})
+    lp_prompts = sorted({unique[j.key] for j in jobs if j.wants_prompt})
     with_images = [first[i] for i in range(len(prompts)) if first[i].images]
     deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
     from transformers import DynamicCache
@@ -243,25 +266,28 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
             use_cache=True,
             **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
         )
-    prompt_lps: dict[int, np.ndarray] = {}
     if split:  # unembed the last position of every prompt, every position of the asked-for ones
         hidden = out.last_hidden_state
         last_logits = logits_fn(hidden[:, -1, :])
-        rows_logits = ((i, logits_fn(hidden[i, width - len(prompts[i]) : -1])) for i in lp_prompts)
+
+        def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
+            return logits_fn(hidden[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi])
     else:
-        logits = out.logits.float()
-        last_logits = logits[:, -1, :]
-        rows_logits = ((i, logits[i, width - len(prompts[i]) : -1]) for i in lp_prompts)
-    for i, row_logits in rows_logits:
-        p = prompts[i]
-        arr = np.full(len(p), np.nan, dtype=np.float32)
-        if len(p) > 1:
-            targets = torch.tensor(p[1:], device=device)
-            picked = row_logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row_logits, dim=-1)
-            arr[1:] = picked.cpu().numpy()
-        for image in first[i].images:  # an image position is no token's prediction
-            arr[image.start:image.end] = np.nan
-        prompt_lps[i] = arr
+        logits = out.logits
+        last_logits = logits[:, -1, :].float()
+
+        def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
+            return logits[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi].float()
+    prompt_out: dict[int, dict] = {}
+    for i in lp_prompts:
+        members = [j for j, job in enumerate(jobs) if unique[job.key] == i and job.wants_prompt]
+        prompt_out.update(_prompt_outputs(prompts[i], [jobs[j] for j in members], members,
+                                          lambda lo, hi, i=i: row_logits(i, lo, hi), last_logits.shape[-1],
+                                          generator))
+        for j in members:  # an image position is no token's prediction
+            for image in first[i].images:
+                if "prompt_logprobs_np" in prompt_out[j]:
+                    prompt_out[j]["prompt_logprobs_np"][image.start:image.end] = np.nan
 
     # ---- expand to one row per sample --------------------------------------------------------
     rows: list[_Row] = []
@@ -298,12 +324,116 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
                 sequence_id=uuid.uuid4().hex,
                 tokens_np=np.asarray(r.tokens, dtype=np.int32),
                 logprobs_np=np.asarray(r.logprobs, dtype=np.float32),
+                topk_logprobs_np=_topk_matrix(r.topk, job.topk_sample) if job.topk_sample else None,
             )
             for r in by_job.get(j, [])
         ]
-        plp = prompt_lps.get(unique[job.key]) if (job.include_prompt_logprobs or job.prompt_only) else None
-        responses.append(types.SampleResponse(sequences=seqs, prompt_logprobs_np=plp))
+        responses.append(types.SampleResponse(sequences=seqs, **prompt_out.get(j, {})))
     return responses
+
+
+def _topk_matrix(rows: list[tuple[list[int], list[float]]], k: int) -> TopkLogprobs:
+    ids = np.asarray([r[0] for r in rows], dtype=np.int32).reshape(len(rows), k)
+    return TopkLogprobs(token_ids=ids, logprobs=np.asarray([r[1] for r in rows], dtype=np.float32)
+                              .reshape(len(rows), k))
+
+
+def _prompt_outputs(prompt: list[int], jobs: list[SampleJob], ids: list[int], row_logits, vocab: int,
+                    generator: torch.Generator | None) -> dict[int, dict]:
+    """What each of ``jobs`` (sharing ``prompt``; keyed by ``ids``) asked about the prompt, as
+    ``SampleResponse`` fields. ``row_logits(lo, hi)`` gives the float32 logits at the positions that
+    predict prompt tokens ``lo + 1 .. hi``; they are taken in chunks, so at most one chunk of
+    ``[positions, vocab]`` logits is alive at once. Position 0 predicts nothing: NaN, a filler top-K
+    row, and no row of the target and alternative-token tensors (which have ``len(prompt) - 1``)."""
+    n = len(prompt)
+    outs = [_PromptOut(n, job, generator) for job in jobs]
+    start = min(o.first for o in outs)
+    chunk = max(1, PROMPT_CHUNK_BYTES // (4 * vocab))
+    for p in range(start, n, chunk):
+        hi = min(n, p + chunk)
+        logits = row_logits(p - 1, hi - 1)  # predicts prompt[p:hi]
+        logp = torch.log_softmax(logits, dim=-1)
+        picked = logp.gather(-1, torch.tensor(prompt[p:hi], device=logp.device).unsqueeze(-1)).squeeze(-1)
+        for out in outs:
+            out.add(p, hi, logits, logp, picked)
+    return {j: out.fields() for j, out in zip(ids, outs)}
+
+
+class _PromptOut:
+    """One job's answers about its prompt, filled chunk by chunk."""
+
+    def __init__(self, n: int, job: SampleJob, generator: torch.Generator | None):
+        self.job = job
+        self.first = 1 if (job.target_prompt is not None or job.alt_k or not job.last_n) else n - job.last_n
+        self.logprobs = np.full(n, np.nan, dtype=np.float32)
+        k = job.topk_prompt
+        self.topk = (np.zeros((n, k), np.int32), np.full((n, k), TOPK_MASK_LOGPROB, np.float32))
+        wanted = job.target_prompt
+        self.target = np.zeros(tuple(wanted.shape), np.float32) if wanted is not None else None
+        self.alt = (np.zeros((n - 1, job.alt_k), np.int64), np.zeros((n - 1, job.alt_k), np.float32))
+        self.generator = generator
+        if job.alt_k and job.params.seed is not None:  # a seeded request draws the same alternatives
+            device = generator.device if generator is not None else "cpu"
+            self.generator = torch.Generator(device=device).manual_seed(int(job.params.seed) & (2**64 - 1))
+
+    def add(self, p: int, hi: int, logits: torch.Tensor, logp: torch.Tensor, picked: torch.Tensor) -> None:
+        """The chunk of positions ``[p, hi)`` (the logits predicting ``prompt[p:hi]``)."""
+        job, lo = self.job, max(p, self.first)
+        if lo >= hi:
+            return
+        sub = slice(lo - p, hi - p)
+        last_n_from = len(self.logprobs) - job.last_n if job.last_n else 1
+        scored = max(lo, last_n_from)  # prompt logprobs and top-K rows honour last_n
+        if (job.include_prompt_logprobs or job.prompt_only) and scored < hi:
+            self.logprobs[scored:hi] = picked[scored - p:].cpu().numpy()
+        if job.topk_prompt and scored < hi:
+            values, tokens = torch.topk(logp[scored - p:], job.topk_prompt, dim=-1)
+            self.topk[0][scored:hi], self.topk[1][scored:hi] = tokens.cpu().numpy(), values.cpu().numpy()
+        if job.target_prompt is not None:
+            want = job.target_prompt[lo - 1: hi - 1].to(logp.device)
+            got = logp[sub].gather(-1, want.clamp(min=0))
+            self.target[lo - 1: hi - 1] = torch.where(want >= 0, got, torch.zeros_like(got)).cpu().numpy()
+        if job.alt_k:
+            self.alt[0][lo - 1: hi - 1], self.alt[1][lo - 1: hi - 1] = _draw_alternatives(
+                logits[sub], logp[sub], job, self.generator)
+
+    def fields(self) -> dict:
+        job, out = self.job, {}
+        if job.include_prompt_logprobs or job.prompt_only:
+            out["prompt_logprobs_np"] = self.logprobs
+        if job.topk_prompt:
+            out["topk_prompt_logprobs_np"] = TopkLogprobs(token_ids=self.topk[0], logprobs=self.topk[1])
+        if self.target is not None:
+            out["target_prompt_logprobs"] = _like(job.target_layout, self.target)
+        if job.alt_k:
+            tokens, logprobs = (types.TensorData.from_numpy(a) for a in self.alt)
+            out["prompt_alt_tokens"] = types.PromptAltTokens(tokens=tokens, logprobs=logprobs)
+        return out
+
+
+def _like(layout: types.TensorData | None, dense: np.ndarray) -> types.TensorData:
+    """Target logprobs in the request's layout: dense, or the same sparse cells."""
+    if layout is None or layout.sparse_crow_indices is None:
+        return types.TensorData.from_numpy(dense)
+    crow = np.asarray(layout.sparse_crow_indices, dtype=np.int64)
+    rows = np.repeat(np.arange(len(crow) - 1), np.diff(crow))
+    values = dense[rows, np.asarray(layout.sparse_col_indices, dtype=np.int64)]
+    return types.TensorData(data=values.astype(np.float32), dtype="float32", shape=list(dense.shape),
+                            sparse_crow_indices=list(layout.sparse_crow_indices),
+                            sparse_col_indices=list(layout.sparse_col_indices))
+
+
+def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
+                       generator: torch.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+    """``job.alt_k`` tokens per position, drawn with replacement at the request's temperature (the most
+    likely token at temperature 0), with the model's logprobs (temperature 1) of them."""
+    k, temperature = job.alt_k, job.params.temperature
+    if temperature <= 0:
+        tokens = logits.argmax(-1, keepdim=True).expand(-1, k)
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        tokens = torch.multinomial(probs, k, replacement=True, generator=generator)
+    return tokens.cpu().numpy(), logp.gather(-1, tokens).cpu().numpy()
 
 
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
@@ -331,6 +461,7 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     seeded = seeds >= 0
     sel = torch.arange(len(rows), device=device)
     step = 0
+    topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
 
     while True:
         u = _row_uniforms(seeds[sel], seeded[sel], step, generator)
@@ -342,13 +473,17 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
         step += 1
         token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        for row_i, tok, lp in zip(in_cache, tokens.tolist(), token_lp.tolist()):
+        if topk_width:
+            top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
+        for pos, (row_i, tok, lp) in enumerate(zip(in_cache, tokens.tolist(), token_lp.tolist())):
             row = rows[row_i]
             if row.stop_reason is not None:
                 continue
             job = jobs[row.job]
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            if job.topk_sample:
+                row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
             if tok in job.stop_ids:
                 row.stop_reason = "stop"
             elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars, tokenizer):

@@ -13,18 +13,35 @@ import math
 import os
 import uuid
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
+from tinker.types.optimizer import OptimParamsBase
 
 from polyrl.local import losses
-from polyrl.local.engine import (DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState,
-                                 model_input_tokens)
+from polyrl.local.datums import model_input_tokens
+from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
-from polyrl.local.sampler import SampleJob, resolve_stops
+from polyrl.local.sampler import MAX_LOGPROBS_K, SampleJob, resolve_stops
+from polyrl.local.stability import SequenceRecords
+
+LOCAL_OWNER = "local"  # in-process, the ServiceClient is both the owner and the session of its records
+
+
+def record_sequences(records: SequenceRecords, owner: str, session: str, prompt: list[int],
+                     response: types.SampleResponse,
+                     sequence_ids: list[str] | None = None) -> types.SampleResponse:
+    """Record a response's sequences (under ``sequence_ids``, else their own) and pass it on."""
+    ids = sequence_ids or [seq.sequence_id for seq in response.sequences]
+    records.add(owner, session, prompt, [(sid, seq.tokens_np, seq.logprobs_np)
+                                         for sid, seq in zip(ids, response.sequences, strict=True)])
+    return response
 
 
 class ClientFuture(AwaitableConcurrentFuture):
@@ -54,16 +71,69 @@ def _chain(fut: Future, fn) -> Future:
     return out
 
 
-def check_sample_options(topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-                         prompt_alt_tokens_k: int = 0, target_prompt_logprobs: Any = None) -> None:
-    """Refuse the ``sample`` options the local engine does not implement."""
-    if topk_prompt_logprobs or topk_sample_logprobs or prompt_alt_tokens_k or target_prompt_logprobs is not None:
-        raise ValueError("top-k logprobs, target_prompt_logprobs and prompt_alt_tokens are not supported "
-                         "by the local engine")
+@dataclass(frozen=True)
+class PromptQueries:
+    """What a ``sample`` call may ask about its prompt and its samples besides the samples themselves
+    (Tinker's options: see :mod:`polyrl.local.sampler`)."""
+
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: types.TensorData | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+    def apply(self, job: SampleJob, vocab: int, max_k: int) -> SampleJob:
+        """``job`` with these queries, each checked against the prompt, the vocabulary and ``max_k``."""
+        n, widest = len(job.prompt), min(max_k, vocab)
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            k = getattr(self, name)
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= widest:
+                raise ValueError(f"{name} must be a count between 0 and {widest} (the most this engine "
+                                 f"returns per position), got {k!r}")
+        last_n = self.prompt_logprobs_last_n
+        if last_n is not None:
+            if not (job.include_prompt_logprobs or job.prompt_only):
+                raise ValueError("prompt_logprobs_last_n applies to prompt logprobs; set "
+                                 "include_prompt_logprobs")
+            if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= n - 1:
+                raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {n - 1}, "
+                                 f"got {last_n!r}")
+        target = None
+        if self.target_prompt_logprobs is not None:
+            target = target_ids(self.target_prompt_logprobs, n, vocab, max_k)
+        return replace(job, last_n=last_n, topk_prompt=self.topk_prompt_logprobs,
+                       topk_sample=self.topk_sample_logprobs, target_prompt=target,
+                       target_layout=self.target_prompt_logprobs if target is not None else None,
+                       alt_k=self.prompt_alt_tokens_k)
+
+
+def target_ids(td: types.TensorData, n: int, vocab: int, max_k: int) -> torch.Tensor:
+    """``target_prompt_logprobs`` as a dense int64 ``[n - 1, K]`` tensor (-1 where nothing is asked),
+    after checking its shape before anything of its size is allocated."""
+    shape = list(td.shape or [])
+    if td.dtype != "int64" or len(shape) != 2:
+        raise ValueError(f"target_prompt_logprobs must be an int64 tensor of shape [len(prompt) - 1, K], got "
+                         f"{td.dtype} of shape {shape}")
+    if shape[0] != n - 1 or not 1 <= shape[1] <= max_k:
+        raise ValueError(f"target_prompt_logprobs has shape {shape}; it must be [len(prompt) - 1 = {n - 1}, "
+                         f"K] with K between 1 and {max_k}")
+    try:
+        ids = td.to_torch(pad_value=-1).long()
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise ValueError(f"target_prompt_logprobs is not a valid tensor of shape {shape}: {e}") from None
+    if list(ids.shape) != shape:
+        raise ValueError(f"target_prompt_logprobs holds {ids.numel()} values, not {shape[0] * shape[1]}")
+    if int(ids.min()) < -1 or int(ids.max()) >= vocab:
+        raise ValueError(f"target_prompt_logprobs holds token ids out of range for vocabulary size {vocab} "
+                         "(-1: no id)")
+    if int(ids.max()) < 0:
+        raise ValueError("target_prompt_logprobs names no token id (every cell is -1)")
+    return ids
 
 
 def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
-                    include_prompt_logprobs: bool = False, prompt_only: bool = False) -> SampleJob:
+                    include_prompt_logprobs: bool = False, prompt_only: bool = False,
+                    queries: PromptQueries = PromptQueries(), max_k: int = MAX_LOGPROBS_K) -> SampleJob:
     """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``); a
     vision-language model's images are decoded and processed here, on the caller's thread."""
     tokens, found = model_input_tokens(base, prompt, "prompt")
@@ -88,8 +158,9 @@ def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int,
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
     mrope, delta = base.vision.rope(tokens, found) if found else (None, 0)
-    return SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
-                     max_tokens, prompt_only, tuple(found), mrope, delta)
+    job = SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
+                    max_tokens, prompt_only, images=tuple(found), mrope=mrope, rope_delta=delta)
+    return queries.apply(job, base.vocab_size, max_k)
 
 
 class ServiceClient:
@@ -103,6 +174,9 @@ class ServiceClient:
     300M parameters and more) trades recomputation for activation memory. ``max_store_bytes`` caps
     the store (a save past it is refused); ``project_id`` (or ``$TINKER_PROJECT_ID``) is where
     ``copy_weights`` puts copies, as in the SDK.
+
+    The client is the session: the sequences its samplers record (``record_stability_info=True``) are
+    what its training clients' ``stable_reinforce`` datums may name (:mod:`polyrl.local.stability`).
     """
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
@@ -113,6 +187,7 @@ class ServiceClient:
                                     max_store_bytes)
         self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
+        self.records = SequenceRecords()
         self._models = list(models)
         self._counter = itertools.count()
 
@@ -136,24 +211,28 @@ class ServiceClient:
         if not (train_mlp or train_attn or train_unembed):
             raise ValueError("at least one of train_mlp, train_attn, train_unembed must be True")
         spec = LoraSpec(rank, train_mlp, train_attn, train_unembed, seed)
+        kind = optimizer_type(optimizer)
         model_id = self._next_model_id()
-        fut = self.engine.submit(lambda: self.engine.create_trainer(model_id, base_model, spec))
-        return ClientFuture(_chain(fut, lambda st: TrainingClient(self.engine, st)))
+        fut = self.engine.submit(lambda: self.engine.create_trainer(model_id, base_model, spec, kind))
+        return ClientFuture(_chain(fut, self._training_client))
+
+    def _training_client(self, st: TrainerState) -> "TrainingClient":
+        return TrainingClient(self.engine, st, self.records, self.session_id)
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
                                           weights_access_token: str | None = None, optimizer: Any = None) -> ClientFuture:
-        return self._from_state(path, with_optimizer=False)
+        return self._from_state(path, with_optimizer=False, optimizer=optimizer_type(optimizer))
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
                                                          weights_access_token: str | None = None) -> ClientFuture:
         return self._from_state(path, with_optimizer=True)
 
-    def _from_state(self, path: str, with_optimizer: bool) -> ClientFuture:
+    def _from_state(self, path: str, with_optimizer: bool, optimizer: str = "adamw") -> ClientFuture:
         model_id = self._next_model_id()
-        fut = self.engine.submit(lambda: self.engine.load_trainer(model_id, path, with_optimizer))
-        return ClientFuture(_chain(fut, lambda st: TrainingClient(self.engine, st)))
+        fut = self.engine.submit(lambda: self.engine.load_trainer(model_id, path, with_optimizer, optimizer))
+        return ClientFuture(_chain(fut, self._training_client))
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
                                retry_config: Any = None, record_stability_info: bool = False) -> ClientFuture:
@@ -163,7 +242,8 @@ class ServiceClient:
             fut = self.engine.submit(lambda: self.engine.load_sampler(model_path))
         else:
             fut = self.engine.submit(lambda: SamplerState(self.engine.base(base_model), None, None))
-        return ClientFuture(_chain(fut, lambda s: SamplingClient(self.engine, s)))
+        record = (self.records, self.session_id) if record_stability_info else None
+        return ClientFuture(_chain(fut, lambda s: SamplingClient(self.engine, s, record)))
 
     def get_server_capabilities(self) -> types.GetServerCapabilitiesResponse:
         loaded = {m.name: m for m in self.engine.loaded_models()}
@@ -212,29 +292,48 @@ class ServiceClient:
 class TrainingClient:
     """A LoRA adapter being trained; operations run in submission order on the engine."""
 
-    def __init__(self, engine: Engine, state: TrainerState):
+    def __init__(self, engine: Engine, state: TrainerState, records: SequenceRecords | None = None,
+                 session_id: str = ""):
         self._engine = engine
         self._state = state
+        self._records = records if records is not None else SequenceRecords()
+        self._session_id = session_id
         self.model_id = state.model_id
+
+    def _provenance(self, data: list[types.Datum]):
+        return self._records.resolve(LOCAL_OWNER, self._session_id, data)
+
+    def _sampling_client(self, state: SamplerState, record_stability_info: bool) -> "SamplingClient":
+        record = (self._records, self._session_id) if record_stability_info else None
+        return SamplingClient(self._engine, state, record)
 
     def _submit(self, fn) -> APIFuture:
         return AwaitableConcurrentFuture(self._engine.submit(fn))
 
     def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
-        return self._submit(lambda: self._engine.forward_backward(self._state, data, loss_fn, loss_fn_config, backward=False))
+        return self._submit(lambda: self._engine.forward_backward(
+            self._state, data, loss_fn, loss_fn_config, backward=False, provenance=self._provenance))
 
     def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
-        return self._submit(lambda: self._engine.forward_backward(self._state, data, loss_fn, loss_fn_config, backward=True))
+        return self._submit(lambda: self._engine.forward_backward(
+            self._state, data, loss_fn, loss_fn_config, backward=True, provenance=self._provenance))
 
     def forward_backward_custom(self, data: list[types.Datum], loss_fn, *, loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         return self._submit(lambda: self._engine.forward_backward_custom(self._state, data, loss_fn))
 
-    def optim_step(self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
-        params = optim_params or adam_params
-        if not isinstance(params, types.AdamParams):
-            raise ValueError("optim_step needs tinker.types.AdamParams (the local engine trains with AdamW)")
+    def optim_step(self, optim_params: Any = None, *,
+                   adam_params: types.AdamParams | None = None) -> APIFuture[types.OptimStepResponse]:
+        """``AdamParams`` or ``DimuonParams``, matching the optimizer the client was created with."""
+        if optim_params is not None and adam_params is not None:
+            raise ValueError("Specify optim_params or legacy adam_params, not both")
+        params = optim_params if optim_params is not None else adam_params
+        if isinstance(params, OptimParamsBase):
+            params = DimuonSettings.of(params)
+        elif not isinstance(params, types.AdamParams):
+            raise ValueError("optim_step needs tinker.types.AdamParams or tinker.types.DimuonParams, got "
+                             f"{type(params).__name__}")
         return self._submit(lambda: self._engine.optim_step(self._state, params))
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
@@ -260,12 +359,13 @@ class TrainingClient:
             path = self._engine.save_for_sampler(self._state, name) if name else None
             return self._engine.snapshot_sampler(self._state, path)
 
-        return ClientFuture(_chain(self._engine.submit(op), lambda s: SamplingClient(self._engine, s)))
+        fut = self._engine.submit(op)
+        return ClientFuture(_chain(fut, lambda s: self._sampling_client(s, record_stability_info)))
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None,
                                record_stability_info: bool = False) -> ClientFuture:
         fut = self._engine.submit(lambda: self._engine.load_sampler(model_path))
-        return ClientFuture(_chain(fut, lambda s: SamplingClient(self._engine, s)))
+        return ClientFuture(_chain(fut, lambda s: self._sampling_client(s, record_stability_info)))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
         return self._load(path, with_optimizer=False)
@@ -275,7 +375,7 @@ class TrainingClient:
 
     def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
         def op():
-            new = self._engine.load_trainer(self.model_id, path, with_optimizer)
+            new = self._engine.load_trainer(self.model_id, path, with_optimizer, self._state.optimizer_type)
             self._state.base.delete_adapter(self._state.adapter)
             self._state = new
             return types.LoadWeightsResponse(path=path, model_id=self.model_id)
@@ -334,27 +434,35 @@ class TrainingClient:
 
 
 class SamplingClient:
-    """Samples from a frozen set of weights; requests from many callers are batched together."""
+    """Samples from a frozen set of weights; requests from many callers are batched together. With
+    ``record`` (made with ``record_stability_info=True``) every sampled sequence is recorded for its
+    session before its result is handed out."""
 
-    def __init__(self, engine: Engine, state: SamplerState):
+    def __init__(self, engine: Engine, state: SamplerState,
+                 record: tuple[SequenceRecords, str] | None = None):
         self._engine = engine
         self._state = state
+        self._record = record
         self.model_path = state.model_path
-
-    def _job(self, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
-             include_prompt_logprobs: bool = False, prompt_only: bool = False) -> SampleJob:
-        return make_sample_job(self._state.base, prompt, num_samples, params, include_prompt_logprobs, prompt_only)
 
     def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0,
+               target_prompt_logprobs: types.TensorData | None = None, prompt_alt_tokens_k: int = 0,
                prompt_logprobs_last_n: int | None = None) -> APIFuture[types.SampleResponse]:
-        check_sample_options(topk_prompt_logprobs, topk_sample_logprobs, prompt_alt_tokens_k, target_prompt_logprobs)
-        job = self._job(prompt, num_samples, sampling_params, include_prompt_logprobs)
-        return AwaitableConcurrentFuture(self._engine.submit_sample(self._state, job))
+        queries = PromptQueries(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+                                prompt_alt_tokens_k, prompt_logprobs_last_n)
+        job = make_sample_job(self._state.base, prompt, num_samples, sampling_params, include_prompt_logprobs,
+                              queries=queries)
+        fut = self._engine.submit_sample(self._state, job)
+        if self._record is not None:
+            records, session = self._record
+            fut = _chain(fut, lambda r: record_sequences(records, LOCAL_OWNER, session, job.prompt, r))
+        return AwaitableConcurrentFuture(fut)
 
     def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
-        job = self._job(prompt, 1, types.SamplingParams(max_tokens=1), prompt_only=True)
+        queries = PromptQueries(prompt_logprobs_last_n=prompt_logprobs_last_n)
+        job = make_sample_job(self._state.base, prompt, 1, types.SamplingParams(max_tokens=1),
+                              prompt_only=True, queries=queries)
         fut = self._engine.submit_sample(self._state, job)
         return AwaitableConcurrentFuture(_chain(fut, lambda r: r.prompt_logprobs))
 

@@ -27,7 +27,8 @@ KEYS_ENV = "POLYRL_SERVE_API_KEYS"
 LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's in-flight limit 429 (retried)
     ("--max-request-tokens", 1 << 20, "model_input tokens in one forward_backward request, or one prompt"),
     ("--max-request-datums", 1024, "datums in one forward_backward request (the SDK splits larger batches)"),
-    ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets"),
+    ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets, and of a sampling "
+                            "request's top-K, target or alternative-token logprobs"),
     ("--max-request-images", 64, "images in one forward_backward request, or one prompt"),
     ("--max-image-bytes", 20 << 20, "encoded bytes of one image (413 past it)"),
     ("--max-image-pixels", 36_000_000, "declared width x height of one image, read from its header before "
@@ -37,6 +38,9 @@ LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's 
     ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
     ("--max-checkpoints", 1000, "per key: checkpoints kept in the store; past it a save gets 403 until some "
                                 "are deleted"),
+    ("--max-recorded-tokens", 1 << 24, "per key: prompt and sampled tokens of the sequences its samplers "
+                                       "recorded for stable_reinforce (record_stability_info); past it the "
+                                       "least recently used are evicted"),
 ]
 
 
@@ -131,7 +135,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                        max_tokens_in_flight=args.max_tokens_in_flight,
                        max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
-                       sweep_interval_s=args.sweep_interval,
+                       max_recorded_tokens=args.max_recorded_tokens, sweep_interval_s=args.sweep_interval,
                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
 

@@ -1,7 +1,8 @@
 """Tinker's wire formats: JSON request bodies in, protobuf and JSON results out.
 
 Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the encodings mirror the
-SDK's ``request_conv`` (what it sends) and ``response_conv`` (what it decodes). JSON bodies are
+SDK's ``request_conv`` (what it sends) and ``response_conv`` (what it decodes); a ``SampleResponse``'s
+are :mod:`polyrl.serve.sample_wire`'s. JSON bodies are
 validated with small models that ignore unknown keys (a newer SDK may send more) and reuse the
 SDK's own types for the nested parts (``ModelInput``, ``SamplingParams``, ``AdamParams``, ``LoraConfig``).
 """
@@ -20,6 +21,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from polyrl import images
+from polyrl.local.optim import DimuonSettings
 
 
 class RequestError(Exception):
@@ -148,6 +150,7 @@ class SampleReq(_Req):
     target_prompt_logprobs: dict[str, Any] | None = None
     prompt_alt_tokens_k: int = 0
     prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
 
     @model_validator(mode="after")
     def _sane(self) -> "SampleReq":
@@ -242,6 +245,54 @@ def _summarize(e: ValidationError, limit: int = 3) -> str:
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
+
+
+def tensor_from_json(value: Any, field: str, max_values: int) -> types.TensorData:
+    """A ``TensorData`` sent as JSON (``{data, dtype, shape, sparse_crow_indices, sparse_col_indices}``),
+    its declared size checked against ``max_values`` before anything of that size is allocated."""
+    if not isinstance(value, dict):
+        raise RequestError(400, f"{field} must be a tensor object (data, dtype, shape), got "
+                                f"{type(value).__name__}")
+    try:
+        td = _TensorJson.model_validate(value)
+    except ValidationError as e:
+        raise RequestError(400, f"invalid {field}: {_summarize(e)}") from None
+    if any(n < 0 for n in td.shape) or math.prod(td.shape) > max_values:
+        raise RequestError(400, f"{field} declares shape {td.shape}; this server takes at most {max_values} "
+                                "values per tensor")
+    crow, col = td.sparse_crow_indices, td.sparse_col_indices
+    sparse = crow is not None or col is not None
+    if sparse and not (len(td.shape) == 2 and crow is not None and col is not None and _valid_csr(
+            np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64), len(td.data), td.shape)):
+        raise RequestError(400, f"{field} is not a valid sparse (CSR) 2-D tensor of shape {td.shape}")
+    if not sparse and len(td.data) != math.prod(td.shape):
+        raise RequestError(400, f"{field} has {len(td.data)} values but shape {td.shape}")
+    return types.TensorData(data=np.asarray(td.data, dtype=np.int64 if td.dtype == "int64" else np.float32),
+                            dtype=td.dtype, shape=list(td.shape), sparse_crow_indices=td.sparse_crow_indices,
+                            sparse_col_indices=td.sparse_col_indices)
+
+
+class _TensorJson(_Req):
+    data: list[Annotated[int, Field(ge=-(2**63), lt=2**63)]] | list[float]
+    dtype: Literal["int64", "float32"]
+    shape: list[Annotated[int, Field(ge=0, lt=2**31)]]
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
+def optim_settings(req: "OptimStepReq") -> types.AdamParams | DimuonSettings:
+    """The step's hyperparameters: ``adam_params``, or Dimuon's ``optimizer_params`` (a 400 naming the
+    field for anything else)."""
+    if req.adam_params is not None:
+        return req.adam_params
+    params = req.optimizer_params or {}
+    if params.get("type") != "dimuon":
+        raise RequestError(400, f"optimizer params of type {params.get('type', 'none given')!r} are not "
+                                "supported; pass tinker.types.AdamParams or tinker.types.DimuonParams")
+    try:
+        return DimuonSettings.of(params)
+    except ValueError as e:
+        raise RequestError(400, str(e)) from None
 
 
 # ---- forward_backward requests (protobuf) ---------------------------------------------------------
@@ -445,7 +496,33 @@ def _decode_datum(d: pb.Datum) -> types.Datum:
               types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
               for c in d.model_input]
     inputs = {name: _decode_tensor(name, t) for name, t in d.loss_fn_inputs.items()}
-    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    n = sum(c.length for c in chunks)
+    spans = {}
+    for name in ("model_input_spans", "loss_fn_input_spans"):
+        given = getattr(d, name)
+        spans[name] = [_decode_span(name, k, x) for k, x in enumerate(given)] if len(given) else None
+        if spans[name] is not None and len(spans[name]) > n:
+            raise ValueError(f"{name} holds {len(spans[name])} spans for {n} positions")
+    if (spans["model_input_spans"] is None) != (spans["loss_fn_input_spans"] is None):
+        raise ValueError("provenance comes as a pair: model_input_spans and loss_fn_input_spans, or neither")
+    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs, **spans)
+
+
+MAX_SEQUENCE_ID_CHARS = 128
+
+
+def _decode_span(name: str, k: int,
+                 span: pb.ProvenanceSpan) -> types.PromptProvenanceSpan | types.SampledProvenanceSpan:
+    kind = span.WhichOneof("span")
+    if kind is None:
+        raise ValueError(f"{name}[{k}] is an empty provenance span")
+    x = getattr(span, kind)
+    if not 0 < len(x.sequence_id) <= MAX_SEQUENCE_ID_CHARS:
+        raise ValueError(f"{name}[{k}].sequence_id must be 1 to {MAX_SEQUENCE_ID_CHARS} characters")
+    if x.offset < 0 or x.length < 0:
+        raise ValueError(f"{name}[{k}] has offset {x.offset} and length {x.length}; both must be >= 0")
+    cls = types.PromptProvenanceSpan if kind == "prompt_tokens" else types.SampledProvenanceSpan
+    return cls(sequence_id=x.sequence_id, offset=x.offset, length=x.length)
 
 
 def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
@@ -483,20 +560,30 @@ def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
     msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
     for k, v in out.metrics.items():
         msg.metrics[k] = float(v)
-    record = msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord",
-                                     num_datums=len(out.loss_fn_outputs))
-    names = list(out.loss_fn_outputs[0]) if out.loss_fn_outputs else []
-    for name in names:
-        arrays = [np.ascontiguousarray(o[name].to_numpy()) for o in out.loss_fn_outputs]
-        dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
-        arrays = [a.astype(dtype, copy=False) for a in arrays]
-        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([a.nbytes for a in arrays])
-        bt = record.fields[name]
-        bt.data = b"".join(a.tobytes() for a in arrays)
-        bt.offsets = offsets.tobytes()
-        bt.dtype = _OUT_DTYPES[dtype]
-        bt.trailing_shape.extend(arrays[0].shape[1:])
+    outputs = out.loss_fn_outputs
+    names = list(outputs[0]) if outputs else []
+    trailing = [tuple(tuple(o[name].to_numpy().shape[1:]) for name in names) for o in outputs]
+    start = 0
+    while start < len(outputs):  # one record per run of datums whose outputs share their trailing shapes
+        end = start + 1
+        while end < len(outputs) and trailing[end] == trailing[start]:
+            end += 1
+        record = msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord",
+                                         num_datums=end - start)
+        for name in names:
+            arrays = [np.ascontiguousarray(o[name].to_numpy()) for o in outputs[start:end]]
+            dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
+            arrays = [a.astype(dtype, copy=False) for a in arrays]
+            offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+            offsets[1:] = np.cumsum([a.nbytes for a in arrays])
+            bt = record.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = _OUT_DTYPES[dtype]
+            bt.trailing_shape.extend(arrays[0].shape[1:])
+        start = end
+    if not outputs:
+        msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord", num_datums=0)
     return msg.SerializeToString()
 
 
@@ -507,39 +594,4 @@ def forward_backward_output_json(out: types.ForwardBackwardOutput) -> dict:
                                  "shape": list(td.to_numpy().shape)} for k, td in o.items()}
                             for o in out.loss_fn_outputs],
         "metrics": dict(out.metrics),
-    }
-
-
-def _prompt_logprobs(resp: types.SampleResponse, last_n: int | None) -> np.ndarray | None:
-    plp = resp.prompt_logprobs_np
-    if plp is None:
-        return None
-    plp = np.asarray(plp, dtype=np.float32).copy()
-    if last_n is not None:
-        plp[: max(0, len(plp) - last_n)] = np.nan
-    return plp
-
-
-def encode_sample_response(resp: types.SampleResponse, prompt_logprobs_last_n: int | None = None) -> bytes:
-    msg = pb.SampleResponse()
-    for seq in resp.sequences:
-        s = msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH)
-        s.tokens = np.asarray(seq.tokens_np, dtype=np.int32).tobytes()
-        if seq.logprobs_np is not None:
-            s.logprobs = np.asarray(seq.logprobs_np, dtype=np.float32).tobytes()
-    plp = _prompt_logprobs(resp, prompt_logprobs_last_n)
-    if plp is not None:
-        msg.prompt_logprobs = plp.tobytes()
-    return msg.SerializeToString()
-
-
-def sample_response_json(resp: types.SampleResponse, sequence_ids: list[str],
-                         prompt_logprobs_last_n: int | None = None) -> dict:
-    plp = _prompt_logprobs(resp, prompt_logprobs_last_n)
-    return {
-        "type": "sample",
-        "sequences": [{"stop_reason": s.stop_reason, "sequence_id": sid, "tokens": np.asarray(s.tokens_np).tolist(),
-                       "logprobs": None if s.logprobs_np is None else np.asarray(s.logprobs_np).tolist()}
-                      for s, sid in zip(resp.sequences, sequence_ids)],
-        "prompt_logprobs": None if plp is None else [None if math.isnan(x) else float(x) for x in plp],
     }

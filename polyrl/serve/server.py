@@ -28,14 +28,18 @@ from polyrl.config import LocalEngineConfig
 from polyrl.local import losses
 from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
-from polyrl.local.service import check_sample_options, make_sample_job
+from polyrl.local.optim import check_kind, optimizer_type
+from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
+from polyrl.local.sampler import SampleJob
+from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import CheckpointLifecycle
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
+from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
 from polyrl.serve.state import (
-    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, error_body,
-    wait_done,
+    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, chain,
+    error_body, wait_done,
 )
 
 log = logging.getLogger("polyrl.serve")
@@ -73,6 +77,7 @@ class ServeConfig:
     max_tokens_in_flight: int = 1 << 22
     max_samples_in_flight: int = 8192
     max_checkpoints: int = 1000
+    max_recorded_tokens: int = DEFAULT_MAX_RECORDED_TOKENS  # per key, for stable_reinforce (LRU eviction)
     sweep_interval_s: float = 60.0  # how often expired checkpoints are removed from the store
     # A connection's request headers, then its body, must arrive within these (slow clients are closed).
     header_timeout_s: float = 30.0
@@ -98,6 +103,7 @@ class Server(CheckpointLifecycle):
         self.outstanding = Outstanding()
         self.usage = Usage()
         self.saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
+        self.records = SequenceRecords(config.max_recorded_tokens)  # sampled sequences, by key and session
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
                                       config.max_target_k, config.max_request_images, config.max_image_bytes,
                                       config.max_image_pixels)
@@ -200,6 +206,7 @@ class Server(CheckpointLifecycle):
         for sid in s.samplers:
             self.samplers.pop(sid, None)
         self.futures.drop_session(session_id)
+        self.records.drop_session(session_id)
         return {}
 
     def _release_model(self, rec: ModelRecord, reason: str) -> None:
@@ -237,9 +244,7 @@ class Server(CheckpointLifecycle):
         model_id = f"{session.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:  # a retried POST
             return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
-        opt_type = (req.optimizer_config or {}).get("type", "adamw")
-        if opt_type != "adamw":
-            raise RequestError(400, f"optimizer {opt_type!r} is not supported; this server trains with AdamW")
+        opt_type = self._optimizer(req.optimizer_config)
         base = self.base_model_name(req.base_model)
         lc = req.lora_config or types.LoraConfig(rank=32)
         if lc.rank < 1:
@@ -248,8 +253,16 @@ class Server(CheckpointLifecycle):
             raise RequestError(400, "at least one of train_mlp, train_attn, train_unembed must be true")
         spec = LoraSpec(lc.rank, lc.train_mlp, lc.train_attn, lc.train_unembed, lc.seed)
         rid = self._new_model(session, req.model_seq_id, base, spec.to_dict(), req.user_metadata,
-                              lambda: self.engine.create_trainer(model_id, base, spec))
+                              lambda: self.engine.create_trainer(model_id, base, spec, opt_type))
         return {"request_id": rid, "model_id": model_id}
+
+    @staticmethod
+    def _optimizer(config: dict | None) -> str:
+        """The optimizer a new training client is created with (Tinker fixes it for the client's life)."""
+        try:
+            return optimizer_type(config)
+        except ValueError as e:
+            raise RequestError(400, str(e)) from None
 
     def _model(self, model_id: str, owner: str) -> ModelRecord:
         rec = self.models.get(model_id)
@@ -273,7 +286,7 @@ class Server(CheckpointLifecycle):
             "is_lora": True,
             "lora_rank": st.spec.rank,
             "model_name": st.base.name,
-            "optimizer_config": {"type": "adamw"},
+            "optimizer_config": _optimizer_config(st.optimizer_type),
         }
 
     def _run_owner(self, run_id: str) -> str | None:
@@ -319,7 +332,7 @@ class Server(CheckpointLifecycle):
 
             def load() -> dict:
                 old: TrainerState = rec.ready.result()
-                new = self.engine.load_trainer(rec.model_id, path, req.optimizer)
+                new = self.engine.load_trainer(rec.model_id, path, req.optimizer, old.optimizer_type)
                 old.base.delete_adapter(old.adapter)
                 done: Future = Future()
                 done.set_result(new)
@@ -335,14 +348,28 @@ class Server(CheckpointLifecycle):
             return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
         source_run = path[len("tinker://"):].split("/")[0]
         user_metadata = req.user_metadata if req.user_metadata is not None else (self.runs.info(source_run) or {}).get("user_metadata")
+        opt_type = self._optimizer(req.optimizer_config)  # unless the checkpoint's optimizer state comes too
         rid = self._new_model(session, req.model_seq_id, meta["base_model"], meta["lora"], user_metadata,
-                              lambda: self.engine.load_trainer(model_id, path, req.optimizer))
+                              lambda: self.engine.load_trainer(model_id, path, req.optimizer, opt_type))
         self.futures.get(rid).to_json = lambda st: {"path": path, "model_id": st.model_id, "type": "load_weights"}
         return {"request_id": rid, "model_id": model_id}
 
     def forward_backward(self, fb: P.ForwardBackwardReq, owner: str) -> dict:
         rec = self._model(fb.model_id, owner)
         loss_fn, config, data, backward = fb.loss_fn, dict(fb.loss_fn_config), fb.data, not fb.forward_only
+
+        def provenance(datums: list[types.Datum]):
+            """The datums' provenance against the sequences this model's session recorded."""
+            return self.records.resolve(owner, rec.session_id, datums)
+
+        spec = losses.LOSSES.get(loss_fn)
+        if spec is not None and spec.provenance and rec.ops.accepts(fb.seq_id) and data:
+            try:  # named sequences that are unknown, expired or another session's: refused at once
+                provenance(data)
+            except ValueError as e:
+                error = RequestError(400, str(e))
+                rec.ops.refuse(fb.seq_id, error)
+                raise error from None
 
         def run() -> types.ForwardBackwardOutput:
             if loss_fn not in losses.LOSSES:
@@ -351,7 +378,8 @@ class Server(CheckpointLifecycle):
                                         f"{', '.join(sorted(losses.LOSSES))}")
             if not data:
                 raise ValueError("forward_backward got no data")
-            return self.engine.forward_backward(rec.ready.result(), data, loss_fn, config, backward)
+            return self.engine.forward_backward(rec.ready.result(), data, loss_fn, config, backward,
+                                                provenance)
 
         new, ahead = rec.ops.accepts(fb.seq_id), fb.seq_id > rec.ops.next_seq
         if new and ahead:
@@ -406,12 +434,16 @@ class Server(CheckpointLifecycle):
 
     def optim_step(self, req: P.OptimStepReq, owner: str) -> dict:
         rec = self._model(req.model_id, owner)
-        params = req.adam_params
-        if params is None:
-            kind = (req.optimizer_params or {}).get("type", "none given")
-            error = RequestError(400, f"optimizer params of type {kind!r} are not supported; pass tinker.types.AdamParams")
+        try:
+            params = P.optim_settings(req)
+            ready = rec.ready.done() and rec.ready.exception() is None
+            created = rec.ready.result() if ready and rec.ops.accepts(req.seq_id) else None
+            if created is not None:  # a step of another optimizer than the client's is refused at once
+                check_kind(created.optimizer_type, params)
+        except (RequestError, ValueError) as e:
+            error = e if isinstance(e, RequestError) else RequestError(400, str(e))
             rec.ops.refuse(req.seq_id, error)
-            raise error
+            raise error from None
 
         def run() -> types.OptimStepResponse:
             return self.engine.optim_step(rec.ready.result(), params)
@@ -530,11 +562,18 @@ class Server(CheckpointLifecycle):
         self._in_flight_room(owner, "samples", req.num_samples)
         self._in_flight_room(owner, "tokens", n_prompt)
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-        last_n = req.prompt_logprobs_last_n
         out: Future = Future()
         self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
-        rid = self.futures.add(out, lambda r: P.sample_response_json(r, ids, last_n),
-                               lambda r: P.encode_sample_response(r, last_n), owner=owner, session_id=rec.session_id)
+        rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
+                               owner=owner, session_id=rec.session_id)
+        done = out
+        if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
+            if any(c.type != "encoded_text" for c in req.prompt.chunks):
+                raise RequestError(400, "record_stability_info takes text prompts only: stable_reinforce does "
+                                        "not train on images")
+            done = Future()
+            prompt = req.prompt.to_ints()
+            chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
         if req.seq_id is not None:
             rec.seen[req.seq_id] = (rid, ids)
             if len(rec.seen) > 8192:  # retries only ever repeat recent requests
@@ -544,15 +583,15 @@ class Server(CheckpointLifecycle):
 
         loop = asyncio.get_running_loop()
 
-        def prepare(state: SamplerState):
-            check_sample_options(req.topk_prompt_logprobs, req.topk_sample_logprobs, req.prompt_alt_tokens_k,
-                                 req.target_prompt_logprobs)
-            n_prompt = req.prompt.length
-            if last_n is not None and not (1 <= last_n <= n_prompt - 1):
-                raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = "
-                                 f"{n_prompt - 1}")
+        def prepare(state: SamplerState) -> SampleJob:
+            target = None
+            if req.target_prompt_logprobs is not None:
+                target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
+                                            self.limits.max_values)
+            queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
+                                    req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
             return make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
-                                   bool(req.prompt_logprobs))
+                                   bool(req.prompt_logprobs), queries=queries, max_k=cfg.max_target_k)
 
         def start(state: SamplerState) -> None:
             if any(c.type == "image" for c in req.prompt.chunks):  # decoding images: off the event loop
@@ -560,7 +599,7 @@ class Server(CheckpointLifecycle):
                     if f.exception() is not None:
                         out.set_exception(f.exception())
                     else:
-                        loop_add(state, f.result(), out)
+                        loop_add(state, f.result(), done)
 
                 loop.run_in_executor(None, prepare, state).add_done_callback(prepared)
                 return
@@ -569,7 +608,7 @@ class Server(CheckpointLifecycle):
             except (ValueError, RequestError) as e:
                 out.set_exception(e)
                 return
-            loop_add(state, job, out)
+            loop_add(state, job, done)
 
         if rec.ready.done():
             if rec.ready.exception() is not None:
@@ -667,7 +706,8 @@ class Server(CheckpointLifecycle):
         lora = meta.get("lora", {})
         return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora.get("rank"),
                 "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
-                "train_attn": lora.get("train_attn"), "optimizer_config": {"type": "adamw"}}
+                "train_attn": lora.get("train_attn"),
+                "optimizer_config": _optimizer_config(meta.get("optimizer", "adamw"))}
 
     # ---- housekeeping --------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -677,9 +717,14 @@ class Server(CheckpointLifecycle):
             rec.ops.check_gap(self.config.gap_timeout_s, now)
             rec.ops.forget_old()
         self.futures.expire(self.config.result_ttl_s, now)
+        self.records.sweep()
         for s in list(self.sessions.values()):
             if now - s.last_seen > self.config.session_timeout_s:
                 log.warning("session %s sent no heartbeat for %.0f s; releasing its models", s.session_id,
                             now - s.last_seen)
                 self.finish_session(s.session_id, s.owner, "timed out")
 
+
+def _optimizer_config(kind: str) -> dict:
+    """The optimizer config a client is told (``get_info``, ``weights_info``), as the SDK's types write it."""
+    return {"type": "dimuon", "version": 1} if kind == "dimuon" else {"type": "adamw"}
