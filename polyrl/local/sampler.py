@@ -284,10 +284,6 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         prompt_out.update(_prompt_outputs(prompts[i], [jobs[j] for j in members], members,
                                           lambda lo, hi, i=i: row_logits(i, lo, hi), last_logits.shape[-1],
                                           generator))
-        for j in members:  # an image position is no token's prediction
-            for image in first[i].images:
-                if "prompt_logprobs_np" in prompt_out[j]:
-                    prompt_out[j]["prompt_logprobs_np"][image.start:image.end] = np.nan
 
     # ---- expand to one row per sample --------------------------------------------------------
     rows: list[_Row] = []
