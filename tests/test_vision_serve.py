@@ -165,3 +165,60 @@ def test_each_bad_image_is_one_clear_4xx_and_the_server_keeps_serving(served, vl
     r = http.post("/asample", json=_sample_body(session, 60, _image_chunk(picture((1, 2, 3)), "jpeg")))
     assert len(_retrieve(served, r.json()["request_id"])["sequences"]) == 1
     assert served.alive()
+
+
+# ---- tinker-cookbook's vlm_classifier recipe --------------------------------------------------------------
+CLASSES = {"red_square": (220, 30, 30), "blue_disc": (30, 70, 220), "green.bar": (30, 160, 60)}
+
+
+def hub_format_dataset(root) -> None:
+    """A small image-classification data set where the recipe's ``load_dataset("dpdl-benchmark/caltech101")``
+    finds it (a directory of that name under the working directory), in the hub data set's format: parquet
+    splits ``train`` and ``test`` with an ``image`` column and a ``label`` ClassLabel."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    folder = root / "dpdl-benchmark" / "caltech101" / "data"
+    folder.mkdir(parents=True)
+    for split, count in (("train", 6), ("test", 2)):
+        rows = {"image": [], "label": []}
+        for label, colour in enumerate(CLASSES.values()):
+            for k in range(count):
+                rows["image"].append(Image.open(io.BytesIO(picture(colour, (48 + 8 * k, 48)))))
+                rows["label"].append(label)
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(folder / f"{split}-00000-of-00001.parquet")
+
+
+@pytest.mark.slow
+def test_cookbook_vlm_classifier_recipe_trains_through_polyrl_serve(tiny_vl_dir, tmp_path):
+    """tinker-cookbook's ``vlm_classifier`` training recipe, unmodified, against ``polyrl serve``: images
+    go over HTTP in every forward_backward and in its NLL and sampling evaluators; the loss falls and every
+    metric it logs is finite."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    hub_format_dataset(tmp_path)
+    served = Served(tiny_vl_dir, tmp_path / "store")
+    try:
+        env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1"}
+        done = subprocess.run(
+            [sys.executable, "-m", "tinker_cookbook.recipes.vlm_classifier.train", f"base_url={served.url}",
+             f"experiment_dir={tmp_path / 'exp'}", f"model_name={tiny_vl_dir}", "renderer_name=qwen3_vl_instruct",
+             "behavior_if_log_dir_exists=delete", "batch_size=6", "num_epochs=3", "lora_rank=4",
+             "learning_rate=1e-2", "save_every=0", "eval_every=4", "n_eval=3", "max_tokens=12", "max_length=256"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert served.alive()
+    finally:
+        served.stop()
+    (log,) = (tmp_path / "exp").iterdir()
+    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
+    assert len(nll) == 9 and all(np.isfinite(nll)), nll
+    assert nll[-1] < 0.5 * nll[0], nll
+    evals = [r for r in rows if "test/nll" in r]
+    assert evals and all(np.isfinite(r["test/nll"]) and "accuracy" in r for r in evals), evals
+    assert evals[-1]["test/nll"] < evals[0]["test/nll"]
