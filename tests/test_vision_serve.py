@@ -11,19 +11,21 @@ import numpy as np
 import pytest
 import tinker
 from PIL import Image
+from test_serve import KEY, PROTO, Served, _fwdbwd_body, _retrieve, _session
+from test_vision import png_header
 from tinker import types
 
 from polyrl import images
 from polyrl.local import ServiceClient
-from test_serve import KEY, PROTO, Served, _fwdbwd_body, _retrieve, _session
-from test_vision import png_header
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 @pytest.fixture(scope="module")
 def served(tiny_vl_dir, tmp_path_factory):
-    s = Served(tiny_vl_dir, tmp_path_factory.mktemp("vl-serve-store"), "--long-poll", "1", "--max-body-mb", "2",
+    s = Served(tiny_vl_dir, tmp_path_factory.mktemp("vl-serve-store"), "--long-poll", "1",
+               "--max-body-mb", "2",
                "--max-request-images", "3", "--max-image-pixels", "250000", "--max-image-bytes", "400000")
     yield s
     s.stop()
@@ -46,7 +48,8 @@ def sequence(vl_tokenizer, colour, text: str, reply: str) -> tuple[list[int], li
     from polyrl.renderers import get_renderer
 
     renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
-    user = {"role": "user", "content": [{"type": "image", "image": picture(colour)}, {"type": "text", "text": text}]}
+    user = {"role": "user", "content": [{"type": "image", "image": picture(colour)},
+                                        {"type": "text", "text": text}]}
     rendered, _ = renderer.render_supervised([user, {"role": "assistant", "content": reply}])
     return rendered.tokens, rendered.images
 
@@ -172,12 +175,14 @@ CLASSES = {"red_square": (220, 30, 30), "blue_disc": (30, 70, 220), "green.bar":
 
 
 def hub_format_dataset(root) -> None:
-    """A small image-classification data set where the recipe's ``load_dataset("dpdl-benchmark/caltech101")``
-    finds it (a directory of that name under the working directory), in the hub data set's format: parquet
-    splits ``train`` and ``test`` with an ``image`` column and a ``label`` ClassLabel."""
+    """A small image-classification data set where the recipe's
+    ``load_dataset("dpdl-benchmark/caltech101")`` finds it (a directory of that name under the working
+    directory), in the hub data set's format: parquet splits ``train`` and ``test`` with an ``image``
+    column and a ``label`` ClassLabel."""
     import datasets
 
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=list(CLASSES))})
     folder = root / "dpdl-benchmark" / "caltech101" / "data"
     folder.mkdir(parents=True)
     for split, count in (("train", 6), ("test", 2)):
@@ -186,7 +191,8 @@ def hub_format_dataset(root) -> None:
             for k in range(count):
                 rows["image"].append(Image.open(io.BytesIO(picture(colour, (48 + 8 * k, 48)))))
                 rows["label"].append(label)
-        datasets.Dataset.from_dict(rows, features=features).to_parquet(folder / f"{split}-00000-of-00001.parquet")
+        parquet = folder / f"{split}-00000-of-00001.parquet"
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(parquet)
 
 
 @pytest.mark.slow
@@ -206,9 +212,11 @@ def test_cookbook_vlm_classifier_recipe_trains_through_polyrl_serve(tiny_vl_dir,
                "HF_DATASETS_OFFLINE": "1"}
         done = subprocess.run(
             [sys.executable, "-m", "tinker_cookbook.recipes.vlm_classifier.train", f"base_url={served.url}",
-             f"experiment_dir={tmp_path / 'exp'}", f"model_name={tiny_vl_dir}", "renderer_name=qwen3_vl_instruct",
+             f"experiment_dir={tmp_path / 'exp'}", f"model_name={tiny_vl_dir}",
+             "renderer_name=qwen3_vl_instruct",
              "behavior_if_log_dir_exists=delete", "batch_size=6", "num_epochs=3", "lora_rank=4",
-             "learning_rate=1e-2", "save_every=0", "eval_every=4", "n_eval=3", "max_tokens=12", "max_length=256"],
+             "learning_rate=1e-2", "save_every=0", "eval_every=4", "n_eval=3", "max_tokens=12",
+             "max_length=256"],
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         assert served.alive()
