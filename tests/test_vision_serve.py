@@ -164,6 +164,11 @@ def test_each_bad_image_is_one_clear_4xx_and_the_server_keeps_serving(served, vl
             loss_fn_inputs={"target_tokens": types.TensorData(data=[0] * 7, dtype="int64")})
         r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, [datum]), headers=PROTO)
         assert r.status_code == status and words in r.json()["error"], (what, r.status_code, r.text[:300])
+    # stable_reinforce's recording takes text prompts only: refused before anything is queued
+    body = _sample_body(session, 59, _image_chunk(picture((1, 2, 3)), "jpeg"))
+    body["record_stability_info"] = True
+    r = http.post("/asample", json=body)
+    assert r.status_code == 400 and "record_stability_info takes text prompts only" in r.json()["error"]
     # and it still serves: a good image samples
     r = http.post("/asample", json=_sample_body(session, 60, _image_chunk(picture((1, 2, 3)), "jpeg")))
     assert len(_retrieve(served, r.json()["request_id"])["sequences"]) == 1

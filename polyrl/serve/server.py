@@ -551,6 +551,9 @@ class Server(CheckpointLifecycle):
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
         P.check_prompt_images(req.prompt, self.limits)
+        if req.record_stability_info and any(c.type != "encoded_text" for c in req.prompt.chunks):
+            raise RequestError(400, "record_stability_info takes text prompts only: stable_reinforce does not "
+                                    "train on images")
         n_prompt, cfg = req.prompt.length, self.config
         if n_prompt > cfg.max_request_tokens:
             raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
@@ -568,9 +571,6 @@ class Server(CheckpointLifecycle):
                                owner=owner, session_id=rec.session_id)
         done = out
         if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
-            if any(c.type != "encoded_text" for c in req.prompt.chunks):
-                raise RequestError(400, "record_stability_info takes text prompts only: stable_reinforce does "
-                                        "not train on images")
             done = Future()
             prompt = req.prompt.to_ints()
             chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
