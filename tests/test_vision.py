@@ -333,6 +333,11 @@ def test_multi_turn_with_images_is_token_exact_and_never_re_renders_an_image(vl_
     assert datum.model_input.length == len(ep.tokens) - 1
     targets = datum.loss_fn_inputs["target_tokens"].tolist()
     assert all(targets[s.start - 1:s.end - 1] == [0] * s.length for s in ep.images)
+    # stable_reinforce (provenance spans against text-only records) refuses images in one line
+    from polyrl.errors import RunStoppedError
+
+    with pytest.raises(RunStoppedError, match="loss_fn stable_reinforce does not train on images"):
+        to_datum(ep, "stable_reinforce")
     # messages keep references to the stored images, no pixels and no base64
     refs = [p for p in images.image_parts(ep.messages)]
     assert [r["image"] for r in refs] == [s.name for s in ep.images] and refs[1]["width"] == 96
