@@ -30,10 +30,12 @@ def png_header(width: int, height: int, color_type: int = 2) -> bytes:
     """A PNG whose header declares ``width`` x ``height`` pixels and whose data is a few bytes: a
     decompression bomb's shape (a 16,384 x 16,384 RGBA one declares 1 GiB of pixels)."""
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        crc = struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return struct.pack(">I", len(data)) + kind + data + crc
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, color_type, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b""))
+            + chunk(b"IEND", b""))
 
 
 def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -47,7 +49,8 @@ def picture(colour=(200, 30, 30), size=(64, 64)) -> Image.Image:
 
 
 BAD_IMAGES = {  # name -> (value, what the one-line error says)
-    "1 GB PNG header": (png_header(16384, 16384, color_type=6), "16,384 x 16,384 pixels, more than max_image_pixels"),
+    "1 GB PNG header": (png_header(16384, 16384, color_type=6),
+                        "16,384 x 16,384 pixels, more than max_image_pixels"),
     "50,000 x 50,000": (png_header(50_000, 50_000), "50,000 x 50,000 pixels, more than max_image_pixels"),
     "0x0": (png_header(0, 0), "0 x 0 pixels: it has no pixels"),
     "truncated JPEG": (encoded(picture(size=(80, 60)), "JPEG")[:300], "corrupt or truncated"),
@@ -228,7 +231,8 @@ def test_a_hosted_request_is_byte_for_byte_the_cookbooks(tiny_vl_dir, vl_tokeniz
     image = Image.new("RGB", (77, 150), (40, 200, 90))
     ours = images.model_input(*astuple(vl_renderer(vl_tokenizer).render_prompt([user_with_image(image)])))
     theirs = reference.build_generation_prompt([cookbook.Message(role="user", content=[
-        cookbook.ImagePart(type="image", image=image), cookbook.TextPart(type="text", text="What colour is it?")])])
+        cookbook.ImagePart(type="image", image=image),
+        cookbook.TextPart(type="text", text="What colour is it?")])])
     params = types.SamplingParams(max_tokens=8, temperature=1.0, stop=[1])
     body = lambda prompt: types.SampleRequest(prompt=prompt, sampling_params=params, num_samples=1,  # noqa: E731
                                               base_model="Qwen/Qwen3-VL-8B-Instruct").model_dump_json()
@@ -387,8 +391,9 @@ def test_trajectories_store_each_image_once_and_refer_to_it(vl_tokenizer, tmp_pa
     episodes = []
     for _ in range(3):  # the same picture in three episodes
         sampler = ReplySampler(vl_tokenizer, ["blue"])
-        episodes.append(asyncio.run(run_episode(TwoPictures(pic, pic), Episode("two", "train", 0, 0), renderer,
-                                                sampler, settings())))
+        episode = Episode("two", "train", 0, 0)
+        played = run_episode(TwoPictures(pic, pic), episode, renderer, sampler, settings())
+        episodes.append(asyncio.run(played))
     files = RunFiles(tmp_path / "run")
     for ep in episodes:
         files.save_images(ep.image_files)

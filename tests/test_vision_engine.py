@@ -32,7 +32,8 @@ from test_local_engine import (
     with_inputs,
 )
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
@@ -279,7 +280,8 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
     for prompt, res in zip(prompts, results):
         for seq in res.sequences:
             full = prompt.copy().text(list(seq.tokens))
-            lp = out_logprobs(tc.forward([full.datum()], "cross_entropy").result())[0][len(prompt.tokens) - 1:]
+            forward = tc.forward([full.datum()], "cross_entropy").result()
+            lp = out_logprobs(forward)[0][len(prompt.tokens) - 1:]
             torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), lp, rtol=0, atol=1e-4)
     # the same seeds, another picture: other tokens (the model reads the pixels)
     assert [list(s.tokens) for s in results[0].sequences] != [list(s.tokens) for s in results[1].sequences]
@@ -292,7 +294,8 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
     image_positions = {k for s in full.spans for k in range(s.start, s.end)}
     assert got[0] is None and all(got[k] is not None and np.isfinite(got[k]) for k in image_positions)
     text = [k for k in range(1, len(got)) if k not in image_positions]
-    torch.testing.assert_close(torch.tensor([got[k] for k in text]), want[[k - 1 for k in text]], rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor([got[k] for k in text]), want[[k - 1 for k in text]], rtol=0,
+                               atol=1e-4)
     # seeded sampling repeats itself
     again = sampler.sample(images.model_input(prompts[0].tokens, prompts[0].spans), 3, params[0]).result()
     assert [list(s.tokens) for s in again.sequences] == [list(s.tokens) for s in results[0].sequences]
