@@ -11,8 +11,8 @@ and adds the per-token terms, if any (zero on prompt and environment tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from tinker import types
 
@@ -189,13 +189,14 @@ class MissingSequenceId(RunStoppedError):
 
 
 def provenance_spans(ep: Episode) -> tuple[list, int]:
-    """Where each token of ``ep`` up to its last sampled turn comes from: turn k's request prompt was
-    every token before the turn, so the tokens since the previous turn are positions of that prompt,
-    and the turn's own tokens are its sampled tokens. Returns the spans and the number of tokens they
-    cover (tokens after the last turn were in no request and carry no loss)."""
+    """Where each token of ``ep`` up to its last sampled sequence comes from: a sequence's request prompt
+    was every token before it, so the tokens since the previous sequence are positions of that prompt,
+    and the sequence's own tokens are its sampled tokens (a turn sampled in chunks is one sequence per
+    chunk). Returns the spans and the number of tokens they cover (tokens after the last sequence were
+    in no request and carry no loss)."""
     spans: list = []
     covered = 0
-    for (start, end), sequence_id in zip(ep.turn_spans, ep.turn_sequence_ids, strict=True):
+    for start, end, sequence_id in ep.sequence_runs:
         if sequence_id is None:
             raise MissingSequenceId(f"loss_fn stable_reinforce needs the sampler's sequence_id of every "
                                     f"sampled turn, and an episode of {ep.env_name} has a turn without one "

@@ -204,16 +204,23 @@ class OffPolicyConfig(BaseModel):
     model_config = _STRICT
 
     max_steps: int = Field(
-        0, ge=0, description="How many optimizer steps behind the policy being trained a group's sampler may "
-        "be. 0 = the synchronous loop (each step samples with the newest weights, then trains). With K >= 1 "
-        "up to K more batches of groups are sampled while a step trains, so sampling and environments never "
-        "wait for training; the loss's importance ratio against the sampler's logprobs corrects for the lag "
-        "(a clipped loss such as ppo or cispo suits stale data best).",
+        0, ge=0, description="How many optimizer steps behind the policy being trained the sampler of any "
+        "trained token may be. 0 = the synchronous loop (each step samples with the newest weights, then "
+        "trains). With K >= 1 up to K more batches of groups are sampled while a step trains, so sampling "
+        "and environments never wait for training; episodes in flight take the newest weights at each turn "
+        "(partial rollouts), and the loss's importance ratio against each token's sampler logprob corrects "
+        "for the lag (a clipped loss such as ppo or cispo suits stale data best).",
     )
     stale_groups: Literal["drop", "keep"] = Field(
-        "drop", description="With max_steps >= 1, a group whose sampler fell further behind (a slow group "
+        "drop", description="With max_steps >= 1, a group with a token sampled further behind (a slow group "
         "that finished after faster ones were trained) is dropped, counted in async/stale_dropped and "
         "replaced by a fresh one; 'keep' trains it anyway.",
+    )
+    partial_chunk_tokens: int | None = Field(
+        None, ge=1, description="With max_steps >= 1, a turn samples at most this many tokens with one "
+        "sampler, then continues (the turn so far re-encoded) with the newest weights, until a stop or "
+        "max_tokens; each token keeps the logprob of the sampler that produced it. Chunks are seeded apart, "
+        "so a turn's tokens differ from unchunked sampling. null = each turn with one sampler.",
     )
     stream_minibatches: int | None = Field(
         None, ge=1, description="Groups per forward_backward: training starts on each minibatch of this many "
@@ -223,10 +230,13 @@ class OffPolicyConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _stale_groups_need_a_lag(self) -> OffPolicyConfig:
-        if self.stale_groups != "drop" and self.max_steps == 0:
-            raise ConfigProblems([("stale_groups", "only used with off_policy.max_steps >= 1 (the "
-                                   "synchronous loop samples every group with the policy it trains)")])
+    def _async_options_need_a_lag(self) -> OffPolicyConfig:
+        used = [key for key, value in (("stale_groups", self.stale_groups != "drop"),
+                                       ("partial_chunk_tokens", self.partial_chunk_tokens is not None))
+                if value]
+        if used and self.max_steps == 0:
+            raise ConfigProblems([(key, "only used with off_policy.max_steps >= 1 (the synchronous loop "
+                                        "samples every group with the policy it trains)") for key in used])
         return self
 
 

@@ -182,7 +182,8 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
         partial(sample_group, runtimes, renderer, config.seed), sampler, state.step,
         capacity=config.batch_size * (ahead + 1),
         wanted=config.batch_size * (config.max_steps - state.step), start=state.draw_point(),
-        max_staleness=ahead if config.off_policy.stale_groups == "drop" else None)
+        max_staleness=ahead if config.off_policy.stale_groups == "drop" else None,
+        chunk_tokens=config.off_policy.partial_chunk_tokens)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)

@@ -115,12 +115,15 @@ def episode_metrics(episodes_G: list[list[Episode]], counts: dict[str, GroupCoun
 def step_row(config: TrainConfig, batch: StepBatch, update: StepUpdate, evaluation: dict[str, float],
              save_seconds: float, started: float) -> dict[str, Any]:
     """The step's row of ``metrics.jsonl``: the update's metrics, evaluation, episodes, staleness of the
-    batch's groups and where the time went."""
+    batch's groups (their oldest tokens) and of the tokens trained, and where the time went."""
     step = batch.step
     row = {"step": step, "progress/done_frac": (step + 1) / config.max_steps, **update.metrics, **evaluation}
     row.update(episode_metrics(batch.episodes_G, update.counts))
     staleness = batch.staleness or [0]
+    staleness_T = [step - s for ep in update.episodes_D for s in ep.sampled_steps()] or [0]
     row.update({"async/staleness_mean": _mean(staleness), "async/staleness_max": float(max(staleness)),
+                "async/token_staleness_mean": _mean(staleness_T),
+                "async/token_staleness_max": float(max(staleness_T)),
                 "async/stale_dropped": float(len(batch.stale))})
     row.update({"time/rollout": batch.seconds, "time/train": update.seconds, "time/save": save_seconds,
                 "time/total": time.monotonic() - started})
@@ -129,8 +132,8 @@ def step_row(config: TrainConfig, batch: StepBatch, update: StepUpdate, evaluati
 
 def episode_row(step: int, ep: Episode, tokenizer: Tokenizer, dropped: bool,
                 group: Group | None = None) -> dict:
-    """One line of ``trajectories/step_NNNNNN.jsonl``; ``group`` tells which policy sampled it and
-    where it was drawn."""
+    """One line of ``trajectories/step_NNNNNN.jsonl``; ``group`` tells the oldest policy that sampled
+    it and where it was drawn; ``sampler_steps`` the policy that sampled each token (-1: not sampled)."""
     return {
         "step": step,
         "sampler_step": step if group is None else group.sampler_step,
@@ -158,6 +161,7 @@ def episode_row(step: int, ep: Episode, tokenizer: Tokenizer, dropped: bool,
         "token_text": tokenizer.batch_decode([[t] for t in ep.tokens]) if ep.tokens else [],
         "logprobs": [round(x, 5) for x in ep.logprobs],
         "action_mask": ep.action_mask,
+        "sampler_steps": ep.sampler_steps,
         "turn_spans": ep.turn_spans,
     }
 

@@ -72,13 +72,15 @@ class Optimized:
 @dataclass
 class StepUpdate:
     """What a step trained on: the groups kept, their counts per environment, how many Datums, and the
-    optimizer's metrics; ``seconds`` is training time only (waiting for groups is the rollouts')."""
+    optimizer's metrics; ``seconds`` is training time only (waiting for groups is the rollouts'). The
+    episodes of the Datums (``episodes_D``) carry each token's sampler step."""
 
     kept_G: list[list[Episode]]
     counts: dict[str, GroupCounts]
     datums: int
     metrics: dict[str, float]
     seconds: float
+    episodes_D: list[Episode] = field(default_factory=list)
 
     @classmethod
     def of(cls, minibatches: list[Minibatch], metrics: dict[str, float], seconds: float) -> StepUpdate:
@@ -87,8 +89,8 @@ class StepUpdate:
             for name, part in minibatch.counts.items():
                 counts[name] = counts.get(name, GroupCounts()) + part
         kept_G = [group for minibatch in minibatches for group in minibatch.kept_G]
-        datums = sum(len(minibatch.episodes_D) for minibatch in minibatches)
-        return cls(kept_G, counts, datums, metrics, seconds)
+        episodes_D = [ep for minibatch in minibatches for ep in minibatch.episodes_D]
+        return cls(kept_G, counts, len(episodes_D), metrics, seconds, episodes_D)
 
 
 # ---- a minibatch --------------------------------------------------------------------------------

@@ -277,9 +277,9 @@ def test_train_datums_carry_the_same_provenance_as_the_cookbooks():
 
     ep = Episode("env", "train", 0, 0)
     ep.append([1, 2, 3])
-    ep.append([10, 11], [-0.1, -0.2], "seq-1")
+    ep.append([10, 11], [-0.1, -0.2], runs=[(2, "seq-1")])
     ep.append([4, 5])
-    ep.append([12, 13, 14], [-0.3, -0.4, -0.5], "seq-2")
+    ep.append([12, 13, 14], [-0.3, -0.4, -0.5], runs=[(3, "seq-2")])
     ep.turn_advantages = [0.5, 0.5]
     ours = to_datum(ep, "stable_reinforce")
     transitions = [

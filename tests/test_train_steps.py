@@ -544,13 +544,13 @@ def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tm
     assert calls[-1] == ("create_sampling_client", "tinker://run-a/sampler_weights/000002", record)
 
     ep = _episode(1.0)
-    ep.turn_sequence_ids = ["seq-a"]
+    ep.sequence_runs = [(s, e, "seq-a") for s, e in ep.turn_spans]
     datum = adv.to_datum(_record(ep, [0.5]), "stable_reinforce")
     assert datum.model_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", length=2),
                                        types.SampledProvenanceSpan(sequence_id="seq-a", length=2)]
     assert datum.loss_fn_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", offset=1, length=1),
                                          types.SampledProvenanceSpan(sequence_id="seq-a", length=3)]
-    ep.turn_sequence_ids = [None]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    ep.sequence_runs = [(s, e, None) for s, e in ep.turn_spans]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
     with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
         adv.to_datum(ep, "stable_reinforce")
     with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):

@@ -471,4 +471,4 @@ class ModuleBuilder(EnvBuilder):
 
     async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         env = self._env(ctx.split, ctx.task_index, ctx.sampler)
-        return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler, ctx.settings, ctx.seed)]
+        return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler_ref, ctx.settings, ctx.seed)]
