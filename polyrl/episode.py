@@ -42,7 +42,7 @@ from polyrl.config import (
     DEFAULT_MAX_OBSERVATION_TOKENS,
 )
 from polyrl.envs.base import Env, call_env
-from polyrl.errors import RunStoppedError, ServiceLostError
+from polyrl.errors import RunStoppedError, ServiceLostError, UserInputError
 from polyrl.images import ImageSpan
 from polyrl.renderers.base import Message, Rendered, Renderer
 
@@ -339,7 +339,7 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
         check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
         messages = await read_images(obs.messages, settings)
         episode.tools = list(obs.tools)
-        prompt = check_observation_tokens(renderer.render_prompt(messages, obs.tools or None), settings)
+        prompt = check_observation_tokens(render(renderer, messages, obs.tools or None), settings)
         episode.messages = episode.keep_images(messages, prompt.images)
         episode.append_rendered(prompt)
         for turn in range(settings.max_turns):
@@ -358,7 +358,7 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
             else:
                 finished = episode.stop_reasons[-1] == "stop"
                 rendered = check_observation_tokens(
-                    renderer.render_continuation(messages, assistant_finished=finished), settings)
+                    render(renderer, messages, finished=finished), settings)
                 episode.messages.extend(episode.keep_images(messages, rendered.images))
                 episode.append_rendered(rendered)
     finally:
@@ -366,6 +366,20 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
         episode.duration_s = time.monotonic() - start
     finalize_reward(episode, settings)
     return episode
+
+
+def render(renderer: Renderer, messages: list[Message], tools: list | None = None,
+           finished: bool | None = None) -> Rendered:
+    """The prompt (``finished`` None) or a continuation, images kept; a renderer with only the text methods
+    (``initial_prompt`` / ``continuation``, not a :class:`Renderer` subclass) renders text only."""
+    if hasattr(renderer, "render_prompt"):
+        return (renderer.render_prompt(messages, tools) if finished is None else
+                renderer.render_continuation(messages, assistant_finished=finished))
+    if images.has_images(messages):
+        raise UserInputError(f"renderer {type(renderer).__name__} has no image format; these messages hold "
+                             "images")
+    return Rendered(renderer.initial_prompt(messages, tools) if finished is None else
+                    renderer.continuation(messages, assistant_finished=finished))
 
 
 def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None:
