@@ -24,14 +24,15 @@ from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, Spl
 from polyrl.errors import UserInputError
 from polyrl.secrets import redact
 
+DEFAULT_CORRECTION_CAP = 2.0  # off_policy.correction tis: verl's and TRL's usual cap
+CORRECTION_BOUNDS = {"mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mis": (0.999, 1.001),
+                     "icepop": (0.5, 5.0)}  # off_policy.correction's [low, high] by default
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff", "max_ratio")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 # Bounds on what an environment hands the trainer (LimitsConfig.max_abs_reward, max_observation_*).
 DEFAULT_MAX_ABS_REWARD = 1e6
 DEFAULT_MAX_OBSERVATION_TOKENS = 32_768
 DEFAULT_MAX_OBSERVATION_BYTES = 1 << 20
-DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # polyrl.images.MAX_IMAGE_BYTES (config.py imports no polyrl module)
-DEFAULT_MAX_IMAGE_PIXELS = 36_000_000
 # Tokens (packed, padding included) per forward/backward pass of the local engine; a call's datums are
 # split into as many micro-batches as this needs and their gradients summed.
 DEFAULT_MICRO_BATCH_TOKENS = 4096
@@ -228,16 +229,47 @@ class OffPolicyConfig(BaseModel):
         "per batch (tinker-cookbook's stream_minibatch_config); the last minibatch takes what is left of "
         "batch_size. null = one forward_backward with the whole batch.",
     )
+    correction: Literal["none", "tis", "mis", "seq_mis", "geo_mis", "icepop"] = Field(
+        "none", description="Off-policy correction, with rho = p_learner / p_sampler per sampled token: "
+        "'tis' weights each token's advantage by min(rho, correction_cap); 'mis' masks tokens with rho "
+        "outside [correction_low, correction_high], 'seq_mis' sequences whose product of rho is, 'geo_mis' "
+        "those whose geometric mean is; 'icepop' weights by rho inside and masks outside. The loss's own "
+        "ratio is then taken against the learner (README: Off-policy correction). 'none': that ratio only.",
+    )
+    correction_cap: float = Field(DEFAULT_CORRECTION_CAP, ge=1, le=1e6,
+                                  description="correction 'tis': the largest importance weight (C).")
+    correction_low: float | None = Field(None, ge=0, description="The masks' lower bound on rho (below 1); "
+                                         "null = 0.5 (mis, seq_mis, icepop) or 0.999 (geo_mis).")
+    correction_high: float | None = Field(None, gt=1, le=1e6, description="The masks' upper bound on rho; "
+                                          "null = 2 (mis, seq_mis), 5 (icepop) or 1.001 (geo_mis).")
 
     @model_validator(mode="after")
-    def _async_options_need_a_lag(self) -> OffPolicyConfig:
+    def _check_combinations(self) -> OffPolicyConfig:
         used = [key for key, value in (("stale_groups", self.stale_groups != "drop"),
                                        ("partial_chunk_tokens", self.partial_chunk_tokens is not None))
                 if value]
-        if used and self.max_steps == 0:
-            raise ConfigProblems([(key, "only used with off_policy.max_steps >= 1 (the synchronous loop "
-                                        "samples every group with the policy it trains)") for key in used])
+        problems = [] if self.max_steps else [
+            (key, "only used with off_policy.max_steps >= 1 (the synchronous loop samples every group with "
+                  "the policy it trains)") for key in used]
+        masks = self.correction not in ("none", "tis")
+        for key in ("correction_low", "correction_high"):
+            if getattr(self, key) is not None and not masks:
+                problems.append((key, f"only used by the masks (correction mis, seq_mis, geo_mis or icepop), "
+                                      f"not correction {self.correction!r}"))
+        if self.correction_cap != DEFAULT_CORRECTION_CAP and self.correction != "tis":
+            problems.append(("correction_cap", f"only used by correction 'tis', not {self.correction!r}"))
+        if masks and not (bounds := self.bounds())[0] < 1 < bounds[1]:
+            problems.append(("correction_low", f"must be below 1 and correction_high above it (got "
+                                               f"{bounds})"))
+        if problems:
+            raise ConfigProblems(problems)
         return self
+
+    def bounds(self) -> tuple[float, float]:
+        """The masks' [low, high] on rho, with each correction's default where unset."""
+        low, high = CORRECTION_BOUNDS.get(self.correction, (0.5, 2.0))
+        return (low if self.correction_low is None else self.correction_low,
+                high if self.correction_high is None else self.correction_high)
 
 
 class LimitsConfig(BaseModel):
@@ -252,25 +284,17 @@ class LimitsConfig(BaseModel):
     )
     max_observation_tokens: int = Field(
         DEFAULT_MAX_OBSERVATION_TOKENS, ge=1, description="Most tokens one observation (an environment's "
-        "first or later messages, rendered) may add to an episode; an episode past it fails and is counted "
-        "against the failure budget.",
+        "first or later messages, rendered) may add to an episode; past it the episode fails (a failure).",
     )
     max_observation_bytes: int = Field(
         DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs included; "
-        "images are bounded by max_image_bytes and max_image_pixels) one observation may hold; checked "
-        "before it is tokenized, so an environment that answers with megabytes fails its episode instead of "
-        "exhausting memory.",
+        "images: max_image_*) one observation may hold; checked before it is tokenized, so an environment "
+        "that answers with megabytes fails its episode instead of exhausting memory.",
     )
-    max_image_bytes: int = Field(
-        DEFAULT_MAX_IMAGE_BYTES, ge=1, description="Most bytes one encoded image of an observation may "
-        "hold (PNG, JPEG, ...); checked before it is read. An episode with a bigger one fails, counted "
-        "against the failure budget.",
-    )
-    max_image_pixels: int = Field(
-        DEFAULT_MAX_IMAGE_PIXELS, ge=1, description="Most pixels (width x height) one image of an "
-        "observation may have; checked from its header before a pixel is decoded (a decompression bomb fails "
-        "its episode). The model's processor then resizes it to its own pixel budget.",
-    )
+    max_image_bytes: int = Field(20 << 20, ge=1, description="Most bytes of one encoded image of an "
+                                 "observation, checked before it is read; past it the episode fails.")
+    max_image_pixels: int = Field(36_000_000, ge=1, description="Most pixels (width x height) of one image, "
+                                  "read from its header before a pixel is decoded; past it the episode fails")
     nonfinite_steps: Literal["stop", "skip"] = Field(
         "stop", description="A step whose update is not finite (a loss, gradient or advantage that is NaN or "
         "inf; the trainer checks the loss before optim_step and the engine refuses such a step): 'stop' ends "
@@ -290,8 +314,7 @@ class LimitsConfig(BaseModel):
     )
     service_timeout: float = Field(
         120, gt=0, description="Seconds a remote training service (backend tinker, polyrl serve) may stay "
-        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume "
-        "from.",
+        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume.",
     )
     max_service_recoveries: int = Field(
         3, ge=0, description="How often a run reopens itself from its last checkpoint, in the same process, "
@@ -299,11 +322,6 @@ class LimitsConfig(BaseModel):
         "steps are neither repeated in the logs nor skipped, as on a relaunch. Each recovery is warned "
         "about; one more stops the run.",
     )
-
-
-# The limits that were top-level keys before ``limits:`` existed (later ones never were).
-FLAT_LIMITS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes", "nonfinite_steps",
-               "max_no_update_frac", "max_no_signal_frac", "service_timeout", "max_service_recoveries")
 
 
 class OutputsConfig(BaseModel):
@@ -410,7 +428,7 @@ class TrainConfig(PolicyConfig):
         "weight_decay": "optimizer.weight_decay", "grad_clip_norm": "optimizer.grad_clip_norm",
         "max_steps_off_policy": "off_policy.max_steps", "stale_groups": "off_policy.stale_groups",
         "stream_minibatches": "off_policy.stream_minibatches",
-        **{key: f"limits.{key}" for key in FLAT_LIMITS},
+        **{key: f"limits.{key}" for key in LimitsConfig.model_fields if "image" not in key},  # once flat
         "report": "outputs.report", "metrics_json": "outputs.metrics_json",
     }
 
@@ -529,6 +547,11 @@ class TrainConfig(PolicyConfig):
             elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling",
                                                                "stable_reinforce"):
                 problems.append((where, f"not used by loss_fn {self.loss_fn!r}"))
+        if self.off_policy.correction == "tis" and self.loss_fn == "stable_reinforce":
+            problems.append(("off_policy.correction", "stable_reinforce truncates its importance weight "
+                                                      "itself (loss_fn_config.max_ratio); 'tis' would "
+                                                      "truncate it twice (use a mask: mis, seq_mis, geo_mis "
+                                                      "or icepop)"))
         return problems
 
     def _batch_problems(self) -> list[tuple[str, str]]:

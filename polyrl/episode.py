@@ -36,8 +36,6 @@ from polyrl import images
 from polyrl.backend import service_lost
 from polyrl.config import (
     DEFAULT_MAX_ABS_REWARD,
-    DEFAULT_MAX_IMAGE_BYTES,
-    DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_OBSERVATION_BYTES,
     DEFAULT_MAX_OBSERVATION_TOKENS,
 )
@@ -319,8 +317,8 @@ class RolloutSettings:
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
     max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
     max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_bytes: int = images.MAX_IMAGE_BYTES
+    max_image_pixels: int = images.MAX_IMAGE_PIXELS
 
     @property
     def image_limits(self) -> images.ImageLimits:

@@ -18,16 +18,16 @@ from polyrl.update import GroupCounts, Minibatch, Optimized, StepUpdate
 if TYPE_CHECKING:
     from tinker import types
 
-    from polyrl.clients import Tokenizer
+    from polyrl.clients import OptimParams, Tokenizer
     from polyrl.config import TrainConfig
 
 
-def update_metrics(params: types.AdamParams | types.DimuonParams, minibatches: list[Minibatch],
+def update_metrics(params: OptimParams, minibatches: list[Minibatch],
                    optimized: Optimized | None) -> dict[str, float]:
     """The update's metrics: the learning rate, the per-token signals' (weighted by sampled tokens),
     then either the skipped step or the loss, clipping, sampler/learner KL and the optimizer's own,
     then what was trained on."""
-    metrics: dict[str, float] = {"optim/lr": params.learning_rate,
+    metrics: dict[str, float] = {"optim/lr": getattr(params, "learning_rate"),  # on every family
                                  **token_weighted([(m.episodes_D, m.metrics) for m in minibatches])}
     episodes_D = [ep for m in minibatches for ep in m.episodes_D]
     if optimized is not None and optimized.refused is not None:
@@ -41,12 +41,28 @@ def update_metrics(params: types.AdamParams | types.DimuonParams, minibatches: l
         if any("clipped_tokens:sum" in m for m in fwd_metrics):
             metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
                 1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
+        metrics.update(off_policy_metrics(fwd_metrics + [m.correction for m in minibatches]))
         for key, value in (optimized.optim.metrics or {}).items():
             metrics[f"optim/{key.split(':')[0]}"] = value
     metrics["optim/datums"] = float(len(episodes_D))
     metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes_D))
     metrics["tokens/total"] = float(sum(len(ep.tokens) - 1 for ep in episodes_D))
     return metrics
+
+
+def off_policy_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The off-policy correction's metrics (``off_policy.correction``), from the loss's (or the client-side
+    folding's) ``is_*`` sums, maxima and minima: the importance weight rho = p_learner / p_sampler over the
+    sampled tokens (mean, max, min) and the fractions of those tokens truncated and masked."""
+    parts = [p for p in parts if p.get("is_tokens:sum")]
+    tokens = sum(p["is_tokens:sum"] for p in parts)
+    if not tokens:
+        return {}
+    return {"off_policy/is_weight_mean": sum(p["is_weight:sum"] for p in parts) / tokens,
+            "off_policy/is_weight_max": max(p["is_weight:max"] for p in parts),
+            "off_policy/is_weight_min": min(p["is_weight:min"] for p in parts),
+            "off_policy/truncated_frac": sum(p["is_truncated:sum"] for p in parts) / tokens,
+            "off_policy/masked_frac": sum(p["is_masked:sum"] for p in parts) / tokens}
 
 
 def token_weighted(parts: list[tuple[list[Episode], dict[str, float]]]) -> dict[str, float]:

@@ -108,7 +108,7 @@ async def train_step(run: Run) -> dict[str, float]:
         minibatch = await prepare_minibatch(episodes_G, step, config, run.runtimes, run.signals, run.guard)
         minibatches.append(minibatch)
         if minibatch.data_D and first_problem(minibatches) is None:
-            pending.append(forward_backward(run.training, minibatch.data_D, config))
+            pending.append(await forward_backward(run.training, run.guard, minibatch, config))
 
     # One optimizer step, once every loss came back finite; an update that is not finite applies
     # nothing, and the run stops or skips the step (nonfinite_steps)

@@ -34,11 +34,11 @@ class Served:
     """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port; ``http`` speaks with ``KEY``,
     ``other`` with ``OTHER_KEY``."""
 
-    def __init__(self, model_dir: str, store: Path, *extra: str):
+    def __init__(self, model_dir: str, store: Path, *extra: str, cwd: Path | None = None):
         self.model_dir = model_dir
         cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
                "--api-key", OTHER_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         deadline = time.monotonic() + 120
         self.url = None
         while time.monotonic() < deadline:
@@ -1076,11 +1076,17 @@ def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_d
 
 
 # --------------------------------------------------------------------- tinker-cookbook, unmodified
-def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: str = "delete") -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
-    return subprocess.run([sys.executable, "-m", module, f"base_url={served.url}", f"log_path={tmp_path / 'log'}",
-                           f"behavior_if_log_dir_exists={log_dir}", *args],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: str = "delete",
+              cwd: Path | None = None, log_dir_arg: bool = True) -> subprocess.CompletedProcess:
+    """A tinker-cookbook module run as its users run it, logging to ``tmp_path / 'log'``; ``cwd`` (default
+    ``tmp_path``) is where relative model and data set names resolve; ``log_dir_arg=False`` for a recipe
+    without a ``behavior_if_log_dir_exists`` option."""
+    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets-cache")}
+    log_args = [f"behavior_if_log_dir_exists={log_dir}"] if log_dir_arg else []
+    cmd = [sys.executable, "-m", module, f"base_url={served.url}", f"log_path={tmp_path / 'log'}", *log_args,
+           *args]
+    return subprocess.run(cmd, env=env, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

@@ -277,12 +277,18 @@ def test_an_advantage_past_float32_builds_no_datum(tmp_path):
 def test_forward_backward_sends_a_minibatch_with_the_configured_loss(tmp_path):
     calls: list = []
     datum = adv.to_datum(_record(_episode(1.0), [1.0]))
-    future = forward_backward(RecordingTraining(calls), [datum, datum], _config(tmp_path))
+    guard = ServiceGuard(None, 5.0)
+
+    def send(data, config):
+        return asyncio.run(forward_backward(RecordingTraining(calls), guard, Minibatch([], {}, [], data), config))
+
+    future = send([datum, datum], _config(tmp_path))
     assert calls == [("forward_backward", 2, "importance_sampling", None)]
     assert future.result().metrics == {"loss:sum": 1.0}
-    forward_backward(RecordingTraining(calls), [datum], _config(tmp_path, loss_fn="ppo",
-                                                                loss_fn_config={"clip_low_threshold": 0.8}))
+    send([datum], _config(tmp_path, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8}))
     assert calls[-1] == ("forward_backward", 1, "ppo", {"clip_low_threshold": 0.8})
+    send([datum], _config(tmp_path, loss_fn="ppo", off_policy={"correction": "icepop"}))
+    assert calls[-1] == ("forward_backward", 1, "ppo", {"icepop_low": 0.5, "icepop_high": 5.0})
 
 
 def _record(ep: Episode, advantages: list[float]) -> Episode:

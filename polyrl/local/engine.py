@@ -289,10 +289,7 @@ class Engine:
         session recorded (for a loss that needs it, such as ``stable_reinforce``)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
-        unknown = sorted(set(config) - set(spec.config_keys))
-        if unknown:
-            raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {loss_fn!r} "
-                             f"(it takes: {list(spec.config_keys) or 'none'})")
+        losses.check_config_keys(spec, config)
         sampled: Sequence[SampledInputs | None] = [None] * len(data)
         if spec.provenance:
             if provenance is None:
