@@ -284,14 +284,17 @@ class LimitsConfig(BaseModel):
     )
     max_observation_tokens: int = Field(
         DEFAULT_MAX_OBSERVATION_TOKENS, ge=1, description="Most tokens one observation (an environment's "
-        "first or later messages, rendered) may add to an episode; an episode past it fails and is counted "
-        "against the failure budget.",
+        "first or later messages, rendered) may add to an episode; past it the episode fails (a failure).",
     )
     max_observation_bytes: int = Field(
-        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs and image "
-        "data included) one observation may hold; checked before it is tokenized, so an environment that "
-        "answers with megabytes fails its episode instead of exhausting memory.",
+        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs included; "
+        "images: max_image_*) one observation may hold; checked before it is tokenized, so an environment "
+        "that answers with megabytes fails its episode instead of exhausting memory.",
     )
+    max_image_bytes: int = Field(20 << 20, ge=1, description="Most bytes of one encoded image of an "
+                                 "observation, checked before it is read; past it the episode fails.")
+    max_image_pixels: int = Field(36_000_000, ge=1, description="Most pixels (width x height) of one image, "
+                                  "read from its header before a pixel is decoded; past it the episode fails")
     nonfinite_steps: Literal["stop", "skip"] = Field(
         "stop", description="A step whose update is not finite (a loss, gradient or advantage that is NaN or "
         "inf; the trainer checks the loss before optim_step and the engine refuses such a step): 'stop' ends "
@@ -311,8 +314,7 @@ class LimitsConfig(BaseModel):
     )
     service_timeout: float = Field(
         120, gt=0, description="Seconds a remote training service (backend tinker, polyrl serve) may stay "
-        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume "
-        "from.",
+        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume.",
     )
     max_service_recoveries: int = Field(
         3, ge=0, description="How often a run reopens itself from its last checkpoint, in the same process, "
@@ -426,7 +428,7 @@ class TrainConfig(PolicyConfig):
         "weight_decay": "optimizer.weight_decay", "grad_clip_norm": "optimizer.grad_clip_norm",
         "max_steps_off_policy": "off_policy.max_steps", "stale_groups": "off_policy.stale_groups",
         "stream_minibatches": "off_policy.stream_minibatches",
-        **{key: f"limits.{key}" for key in LimitsConfig.model_fields},
+        **{key: f"limits.{key}" for key in LimitsConfig.model_fields if "image" not in key},  # once flat
         "report": "outputs.report", "metrics_json": "outputs.metrics_json",
     }
 
