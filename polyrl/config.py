@@ -71,23 +71,17 @@ class LocalEngineConfig(BaseModel):
 
     device: str = Field("auto", description="Torch device ('auto', 'cpu', 'cuda', 'cuda:1', 'mps', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; 'auto' picks from the device."
-    )
+        "auto", description="Parameter dtype; 'auto' picks from the device.")
     sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Dtype the sampler computes in, apart from the learner's: a copy of the base "
-        "weights in this dtype, each sampled LoRA snapshot folded in; sampled logprobs are the copy's (the "
-        "learner/sampler KL shows the difference). 'auto': bfloat16 on GPUs that have it and on CPUs with "
-        "native bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.",
-    )
-    store_dir: str | None = Field(
-        None, description="Directory of the engine's checkpoint store; null = $POLYRL_STORE_DIR or "
-        "~/.cache/polyrl/store."
-    )
+        "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
+        "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "
+        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.")
+    store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
+                                  "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
     micro_batch_tokens: int = Field(
         DEFAULT_MICRO_BATCH_TOKENS, ge=1, description="Tokens per forward/backward pass (packed, padding "
         "included); a step's datums are split into as many passes as needed. Lower it if training runs out "
-        "of memory.",
-    )
+        "of memory.")
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",
@@ -290,14 +284,17 @@ class LimitsConfig(BaseModel):
     )
     max_observation_tokens: int = Field(
         DEFAULT_MAX_OBSERVATION_TOKENS, ge=1, description="Most tokens one observation (an environment's "
-        "first or later messages, rendered) may add to an episode; an episode past it fails and is counted "
-        "against the failure budget.",
+        "first or later messages, rendered) may add to an episode; past it the episode fails (a failure).",
     )
     max_observation_bytes: int = Field(
-        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs and image "
-        "data included) one observation may hold; checked before it is tokenized, so an environment that "
-        "answers with megabytes fails its episode instead of exhausting memory.",
+        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs included; "
+        "images: max_image_*) one observation may hold; checked before it is tokenized, so an environment "
+        "that answers with megabytes fails its episode instead of exhausting memory.",
     )
+    max_image_bytes: int = Field(20 << 20, ge=1, description="Most bytes of one encoded image of an "
+                                 "observation, checked before it is read; past it the episode fails.")
+    max_image_pixels: int = Field(36_000_000, ge=1, description="Most pixels (width x height) of one image, "
+                                  "read from its header before a pixel is decoded; past it the episode fails")
     nonfinite_steps: Literal["stop", "skip"] = Field(
         "stop", description="A step whose update is not finite (a loss, gradient or advantage that is NaN or "
         "inf; the trainer checks the loss before optim_step and the engine refuses such a step): 'stop' ends "
@@ -317,8 +314,7 @@ class LimitsConfig(BaseModel):
     )
     service_timeout: float = Field(
         120, gt=0, description="Seconds a remote training service (backend tinker, polyrl serve) may stay "
-        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume "
-        "from.",
+        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume.",
     )
     max_service_recoveries: int = Field(
         3, ge=0, description="How often a run reopens itself from its last checkpoint, in the same process, "
@@ -432,7 +428,7 @@ class TrainConfig(PolicyConfig):
         "weight_decay": "optimizer.weight_decay", "grad_clip_norm": "optimizer.grad_clip_norm",
         "max_steps_off_policy": "off_policy.max_steps", "stale_groups": "off_policy.stale_groups",
         "stream_minibatches": "off_policy.stream_minibatches",
-        **{key: f"limits.{key}" for key in LimitsConfig.model_fields},
+        **{key: f"limits.{key}" for key in LimitsConfig.model_fields if "image" not in key},  # once flat
         "report": "outputs.report", "metrics_json": "outputs.metrics_json",
     }
 

@@ -10,6 +10,13 @@ An episode samples through a :class:`SamplerRef`, asked for the newest sampler a
 chunk of a long turn): fixed in evaluation and in the synchronous loop, swapped for newer weights by the
 rollout queue while asynchronous training plays the episode (partial rollouts).
 
+Images are content like text: an observation's image parts are read and bounded (``max_image_bytes``,
+``max_image_pixels``), rendered into the sequence (their positions hold the model's image placeholder id,
+as many as its processor counts), and kept as :class:`~polyrl.images.ImageSpan` s in ``Episode.images``;
+:meth:`Episode.model_input` gives the ``ModelInput`` (text and ``ImageChunk`` s) the sampler and the
+Datums take. The episode's messages keep a reference instead of each image (``images/<hash>.jpeg``, the
+file the run stores it in once), so nothing downstream holds pixels or base64.
+
 This module sits just above the environment interface (:mod:`polyrl.envs.base`), so environments
 that drive their own rollouts (``EnvBuilder.rollout``) import what they need from it at the top:
 :class:`Episode`, the :class:`RolloutContext` they are given, :func:`run_episode` and
@@ -18,12 +25,14 @@ that drive their own rollouts (``EnvBuilder.rollout``) import what they need fro
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from polyrl import images
 from polyrl.backend import service_lost
 from polyrl.config import (
     DEFAULT_MAX_ABS_REWARD,
@@ -31,8 +40,9 @@ from polyrl.config import (
     DEFAULT_MAX_OBSERVATION_TOKENS,
 )
 from polyrl.envs.base import Env, call_env
-from polyrl.errors import RunStoppedError, ServiceLostError
-from polyrl.renderers.base import Message, Renderer
+from polyrl.errors import RunStoppedError, ServiceLostError, UserInputError
+from polyrl.images import ImageSpan
+from polyrl.renderers.base import Message, Rendered, Renderer
 
 if TYPE_CHECKING:
     from tinker import types
@@ -68,6 +78,8 @@ class Episode:
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    images: list[ImageSpan] = field(default_factory=list)  # where images sit in ``tokens``
+    image_files: dict[str, bytes] = field(default_factory=dict)  # every image of ``messages``, by reference
     logprobs: list[float] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     # per token: the optimizer steps the weights that sampled it had seen; -1 on prompt/environment tokens
@@ -101,6 +113,37 @@ class Episode:
     @property
     def action_tokens(self) -> int:
         return sum(self.action_mask)
+
+    def model_input(self, end: int | None = None):
+        """The ``ModelInput`` of ``tokens[:end]``: text chunks and each image's ``ImageChunk``."""
+        return images.model_input(self.tokens, self.images, end)
+
+    def keep_images(self, messages: list[Message], spans: list[ImageSpan] | None) -> list[Message]:
+        """``messages`` as the episode keeps them: each image part a reference to the file its encoded
+        bytes are stored in (``{"type": "image", "image": "images/<hash>.jpeg", "width", "height"}``, the
+        bytes in ``image_files``). ``spans``: the images as rendered, in order (None: the messages were not
+        rendered, and each image gets the canonical encoding)."""
+        if not images.has_images(messages):
+            return list(messages)
+        found = list(images.image_parts(messages))
+        if spans is not None and len(spans) != len(found):
+            raise ValueError(f"the renderer rendered {len(spans)} of the observation's {len(found)} images")
+        encoded = iter([(span.data, span.format) for span in spans] if spans is not None else
+                       [(images.encode(part["image"]), images.ENCODING) for part in found])
+
+        def reference(part: dict) -> dict:
+            data, fmt = next(encoded)
+            name = images.stored_name(data, fmt)
+            self.image_files[name] = data
+            width, height = part["image"].size
+            return {"type": "image", "image": name, "width": width, "height": height}
+
+        return images.map_images(messages, reference)
+
+    def append_rendered(self, rendered: Rendered) -> None:
+        """Append rendered prompt/environment tokens and the images among them."""
+        self.images.extend(span.shifted(len(self.tokens)) for span in rendered.images)
+        self.append(rendered.tokens)
 
     def append(self, tokens: list[int], logprobs: list[float] | None = None,
                sampler_steps: list[int] | None = None,
@@ -208,7 +251,7 @@ class RolloutContext:
             params = types.SamplingParams(max_tokens=wanted, temperature=self.settings.temperature,
                                           stop=stops, seed=self.chunk_seed(turn, chunk))
             new, new_logprobs, stop_reason, sequence_id = await sample_once(
-                sampler, episode.tokens + tokens, params)
+                sampler, images.model_input(episode.tokens + tokens, episode.images), params)
             start = len(tokens)
             tokens, logprobs, steps_T = tokens + new, logprobs + new_logprobs, steps_T + [step] * len(new)
             if chunk and (end := stop_across(tokens, start, stops, self.renderer.decode)) is not None:
@@ -227,13 +270,11 @@ class RolloutContext:
         return None if self.seed is None else (self.seed * 1009 + turn + 1_000_003 * chunk) % (2**31)
 
 
-async def sample_once(sampler: SamplingClient, prompt: list[int],
+async def sample_once(sampler: SamplingClient, prompt: types.ModelInput,
                       params: types.SamplingParams) -> tuple[list[int], list[float], str, str | None]:
     """One sequence from ``sampler``: its tokens, their logprobs, its stop reason and sequence_id."""
-    from tinker import types
-
     try:
-        response = await sampler.sample(types.ModelInput.from_ints(prompt), 1, params)
+        response = await sampler.sample(prompt, 1, params)
     except Exception as exc:
         if (lost := service_lost(exc)) is not None:  # not the environment's failure: the run reopens
             raise ServiceLostError(lost) from exc
@@ -276,6 +317,12 @@ class RolloutSettings:
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
     max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
     max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
+    max_image_bytes: int = images.MAX_IMAGE_BYTES
+    max_image_pixels: int = images.MAX_IMAGE_PIXELS
+
+    @property
+    def image_limits(self) -> images.ImageLimits:
+        return images.ImageLimits(self.max_image_bytes, self.max_image_pixels)
 
 
 async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: SamplingClient | SamplerRef,
@@ -288,29 +335,49 @@ async def run_episode(env: Env, episode: Episode, renderer: Renderer, sampler: S
     try:
         obs = await call_env(env.reset)
         check_observation_bytes([obs.messages, obs.tools], settings)  # before it is kept or tokenized
-        episode.messages = list(obs.messages)
+        messages = await read_images(obs.messages, settings)
         episode.tools = list(obs.tools)
-        prompt = renderer.initial_prompt(obs.messages, obs.tools or None)
-        episode.append(check_observation_tokens(prompt, settings))
+        prompt = check_observation_tokens(render(renderer, messages, obs.tools or None), settings)
+        episode.messages = episode.keep_images(messages, prompt.images)
+        episode.append_rendered(prompt)
         for turn in range(settings.max_turns):
             message = await ctx.sample(episode)
             result = await call_env(env.step, message)
             episode.step_rewards.append(float(result.reward))
             episode.metrics.update({k: float(v) for k, v in result.metrics.items()})
             check_observation_bytes(result.messages, settings)
-            episode.messages.extend(result.messages)
+            messages = await read_images(result.messages, settings)
             if result.done:
+                episode.messages.extend(episode.keep_images(messages, None))
                 episode.done_by_env = True
                 break
-            if turn + 1 < settings.max_turns:
+            if turn + 1 >= settings.max_turns:
+                episode.messages.extend(episode.keep_images(messages, None))
+            else:
                 finished = episode.stop_reasons[-1] == "stop"
-                episode.append(check_observation_tokens(
-                    renderer.continuation(result.messages, assistant_finished=finished), settings))
+                rendered = check_observation_tokens(
+                    render(renderer, messages, finished=finished), settings)
+                episode.messages.extend(episode.keep_images(messages, rendered.images))
+                episode.append_rendered(rendered)
     finally:
         await call_env(env.close)
         episode.duration_s = time.monotonic() - start
     finalize_reward(episode, settings)
     return episode
+
+
+def render(renderer: Renderer, messages: list[Message], tools: list | None = None,
+           finished: bool | None = None) -> Rendered:
+    """The prompt (``finished`` None) or a continuation, images kept; a renderer with only the text methods
+    (``initial_prompt`` / ``continuation``, not a :class:`Renderer` subclass) renders text only."""
+    if hasattr(renderer, "render_prompt"):
+        return (renderer.render_prompt(messages, tools) if finished is None else
+                renderer.render_continuation(messages, assistant_finished=finished))
+    if images.has_images(messages):
+        raise UserInputError(f"renderer {type(renderer).__name__} has no image format; these messages hold "
+                             "images")
+    return Rendered(renderer.initial_prompt(messages, tools) if finished is None else
+                    renderer.continuation(messages, assistant_finished=finished))
 
 
 def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None:
@@ -321,8 +388,16 @@ def check_observation_bytes(observation: Any, settings: RolloutSettings) -> None
                                   f"(max_observation_bytes)")
 
 
-def check_observation_tokens(tokens: list[int], settings: RolloutSettings) -> list[int]:
-    """``tokens``, unless an observation rendered to more than ``max_observation_tokens``."""
+async def read_images(messages: list[Message], settings: RolloutSettings) -> list[Message]:
+    """``messages`` with each image read, bounded and decoded (a thread: a big one takes a while)."""
+    if not images.has_images(messages):
+        return list(messages)
+    return await asyncio.to_thread(images.decoded_parts, messages, settings.image_limits)
+
+
+def check_observation_tokens(tokens: Any, settings: RolloutSettings) -> Any:
+    """``tokens`` (a list or a :class:`Rendered`), unless an observation rendered to more than
+    ``max_observation_tokens``."""
     if len(tokens) > settings.max_observation_tokens:
         raise ObservationTooLarge(f"the observation renders to {len(tokens):,} tokens, more than "
                                   f"max_observation_tokens={settings.max_observation_tokens:,}")
@@ -339,6 +414,8 @@ def _text_bytes(value: Any, limit: int) -> int:
             total += len(item) if len(item) > limit else len(item.encode("utf-8", "surrogatepass"))
         elif isinstance(item, (bytes, bytearray)):
             total += len(item)
+        elif images.is_image_part(item):  # bounded by max_image_bytes / max_image_pixels instead
+            continue
         elif isinstance(item, dict):
             stack += [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple)):

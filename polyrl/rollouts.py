@@ -97,7 +97,8 @@ def split_roles(episodes_G: list[list[Episode]]) -> list[list[Episode]]:
 
 
 # ---------------------------------------------------------------------------- configured environments
-BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes")
+BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes", "max_image_bytes",
+          "max_image_pixels")
 
 
 def rollout_bounds(config: Any) -> dict[str, Any]:

@@ -209,6 +209,8 @@ def log_step(run: Run, state: RunState, row: dict[str, float], batch: StepBatch,
     groups = batch.taken + batch.stale
     episodes = [ep for group in groups for ep in group.episodes]
     kept = {id(ep) for g in update.kept_G for ep in g}
+    for ep in episodes:
+        files.save_images(ep.image_files)  # before the rows that refer to them
     files.log_trajectories(step, [episode_row(step, ep, run.tokenizer, dropped=id(ep) not in kept, group=g)
                                   for g in groups for ep in g.episodes])
     if run.uploader:

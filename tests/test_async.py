@@ -288,7 +288,9 @@ def test_streamed_minibatches_make_the_same_update_as_one_batch(tiny_model_dir, 
                                  for r in rows)
     assert by_key(traj_a) == by_key(traj_b), "both sampled and weighed the same episodes"
     assert row_a["optim/datums"] == row_b["optim/datums"] > 0
-    assert row_b["optim/loss"] == pytest.approx(row_a["optim/loss"], rel=1e-5)
+    # the loss of group-normalized advantages is a sum of terms that cancel to ~0: its rounding under
+    # another summation order is absolute, not relative to the near-zero total
+    assert row_b["optim/loss"] == pytest.approx(row_a["optim/loss"], rel=1e-5, abs=1e-5)
     assert row_b["optim/grad_norm"] == pytest.approx(row_a["optim/grad_norm"], rel=1e-5)
     assert row_b["optim/kl_sample_train_v1"] == pytest.approx(row_a["optim/kl_sample_train_v1"], abs=1e-6)
     assert max(float(w_a[k].abs().max()) for k in w_a if "lora_B" in k) > 1e-5, "the step moved B off zero"

@@ -218,3 +218,49 @@ def test_package_directories_load_as_packages(tmp_path, monkeypatch):
         {"model_name": "m", "environments": {"e": {"type": "module:./environments/empty"}}}))
     with pytest.raises(ConfigError, match="environment directory ./environments/empty has no __init__.py"):
         load_config(tmp_path / "run.yaml")
+
+
+def test_dataset_rows_with_images_and_step_modules_with_image_parts(tmp_path, vl_tokenizer):
+    """A dataset row's ``image`` goes before its question as an image part; a step module's observation
+    may hold image parts (here a file path); both reach a vision-language renderer as images."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(tmp_path / "blue.png")
+    (tmp_path / "pictures.py").write_text(
+        "from PIL import Image\n"
+        "class E:\n"
+        "    dataset = [{'question': 'Colour?', 'image': Image.new('RGB', (64, 64), (255, 0, 0)), 'answer': 'red'}]\n"
+        "    rubric = [lambda completion, answer: float(answer in completion)]\n"
+        "def load_environment():\n    return E()\n")
+    (tmp_path / "steps.py").write_text(
+        "class E:\n"
+        f"    def initial_observation(self):\n"
+        f"        return {{'role': 'user', 'content': [{{'type': 'image', 'image': {str(tmp_path / 'blue.png')!r}}},\n"
+        "                                             {'type': 'text', 'text': 'Colour?'}]}\n"
+        "    def step(self, text):\n        return float('blue' in text)\n"
+        "def load_environment():\n    return E()\n")
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+    for name, reply in (("pictures.py", "red"), ("steps.py", "blue")):
+        builder = make_env_builder(f"module:{tmp_path / name}", {}, seed=0)
+        sampler = _VlSampler(vl_tokenizer, reply)
+        ep = asyncio.run(run_episode(builder.make("train", 0), Episode("m", "train", 0, 0), renderer, sampler,
+                                     _settings()))
+        assert ep.error is None and ep.reward == 1.0, (name, ep.error)
+        assert [[c.expected_tokens for c in i.chunks if c.type == "image"] for i in sampler.inputs] == [[4]]
+        assert ep.messages[0]["content"][0] == {"type": "image", "image": ep.images[0].name, "width": 64,
+                                                "height": 64}
+
+
+class _VlSampler:
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.reply, self.inputs = tokenizer, reply, []
+
+    async def sample(self, prompt, num_samples, params):
+        from tinker import types
+
+        self.inputs.append(prompt)
+        tokens = self.tokenizer.encode(self.reply, add_special_tokens=False)
+        tokens.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        return types.SampleResponse(sequences=[types.SampledSequence(
+            stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+            logprobs_np=np.zeros(len(tokens), np.float32))])

@@ -16,7 +16,9 @@ from scripted import ScriptedSampler
 
 openreward = pytest.importorskip("openreward")
 
-from openreward.environments import Environment, Server, TextBlock, ToolOutput, terminal, tool  # noqa: E402
+from openreward.environments import (  # noqa: E402
+    Environment, ImageBlock, Server, TextBlock, ToolOutput, terminal, tool,
+)
 from fastapi import FastAPI, Request  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
@@ -82,6 +84,52 @@ class LetterQuest(Environment):
                           finished=True)
 
 
+def _png_base64(colour: tuple[int, int, int], size: tuple[int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class PicturePuzzle(Environment):
+    """An environment with images: the prompt shows a picture (an ``ImageBlock``), the ``look`` tool
+    answers with another one beside its text, the terminal tool grades the colour named."""
+
+    def __init__(self, task_spec: dict = {}, secrets: dict = {}):  # noqa: B006 - the SDK's signature
+        super().__init__(task_spec, secrets)
+
+    @classmethod
+    def list_splits(cls):
+        return ["train"]
+
+    @classmethod
+    def list_tasks(cls, split: str):
+        return [{"id": 0}]
+
+    def get_prompt(self):
+        return [ImageBlock(data=_png_base64((220, 30, 30), (64, 64)), mimeType="image/png"),
+                TextBlock(text="What colour is the picture? Look closer with the look tool.")]
+
+    @tool
+    def look(self) -> ToolOutput:
+        """A closer look."""
+        return ToolOutput(blocks=[TextBlock(text="closer:"),
+                                  ImageBlock(data=_png_base64((200, 20, 20), (96, 96)), mimeType="image/png")],
+                          reward=0.0, finished=False)
+
+    @terminal
+    @tool
+    def answer(self, params: Answer) -> ToolOutput:
+        """Grade the final answer."""
+        ok = "red" in params.answer
+        return ToolOutput(blocks=[TextBlock(text="correct" if ok else "wrong")], reward=1.0 if ok else 0.0,
+                          finished=True)
+
+
 def _serve(app):
     import uvicorn
 
@@ -105,7 +153,7 @@ def ors():
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))  # quiet server logs
-    ors_server = Server([LetterQuest])
+    ors_server = Server([LetterQuest, PicturePuzzle])
     server, thread, url = _serve(ors_server.app)
     yield ors_server, url
     server.should_exit = True
@@ -324,3 +372,40 @@ def test_upload_needs_the_package_only_when_set(tmp_path):
     cfg = TrainConfig(model_name="m", environments={"arithmetic": {}}, openreward_run_name="x")
     assert cfg.openreward_run_name == "x"  # the package is installed here: accepted
     assert Path(openreward.__file__).exists()
+
+
+def test_images_from_ors_prompts_and_tool_outputs_reach_a_vision_language_model(ors, openreward_env,
+                                                                                 vl_tokenizer):
+    """ORS image blocks (in the prompt, and beside text in a tool's output) become image parts that the
+    Qwen3-VL format renders as ImageChunks; the episode keeps references, not base64."""
+    import numpy as np
+    from tinker import types
+
+    ors_server, url = ors
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+    builder = make_env_builder("openreward:Polyrl/PicturePuzzle", {"base_url": url, "variant": "picturepuzzle"},
+                               seed=0)
+    inputs = []
+    replies = ['<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>', "red"]
+
+    class Sampler:
+        async def sample(self, prompt, num_samples, params):
+            inputs.append(prompt)
+            tokens = vl_tokenizer.encode(replies.pop(0), add_special_tokens=False)
+            tokens.append(vl_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            return types.SampleResponse(sequences=[types.SampledSequence(
+                stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+                logprobs_np=np.zeros(len(tokens), np.float32))])
+
+    settings = RolloutSettings(max_turns=4, max_tokens=64, temperature=1.0, timeout=60)
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, Sampler(),
+                                 settings))
+    asyncio.run(builder.aclose())
+    assert ep.error is None and ep.reward == 1.0 and ep.num_turns == 2
+    assert [[c.expected_tokens for c in i.chunks if c.type == "image"] for i in inputs] == [[4], [4, 9]]
+    prompt_image = ep.messages[0]["content"][0]
+    assert prompt_image["type"] == "image" and prompt_image["image"] == ep.images[0].name
+    tool = next(m for m in ep.messages if m["role"] == "tool")
+    assert [p["type"] for p in tool["content"]] == ["text", "image"] and tool["content"][1]["width"] == 96
+    assert "base64" not in json.dumps(ep.messages)
+    assert _wait_closed(ors_server)

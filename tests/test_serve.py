@@ -35,6 +35,7 @@ class Served:
     ``other`` with ``OTHER_KEY``."""
 
     def __init__(self, model_dir: str, store: Path, *extra: str, cwd: Path | None = None):
+        self.model_dir = model_dir
         cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
                "--api-key", OTHER_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)

@@ -9,8 +9,9 @@ directory such as ``./environments/my_task`` holding an ``__init__.py`` -- or, i
 called once per episode (the object may keep the episode's state). ``initial_observation`` may take
 any of ``index``, ``split``, ``seed`` (the task; ``seed`` derives from the run seed, split and index)
 and returns a string (the user message), a message, a list of messages, or
-``{"messages": [...], "tools": [...]}``. ``step`` gets the assistant reply's text (or the whole
-message, if its parameter is named ``message``) and returns:
+``{"messages": [...], "tools": [...]}``; a message's content may hold image parts
+(``{"type": "image", "image": <PIL image, bytes or path>}``, see :mod:`polyrl.images`). ``step`` gets the
+assistant reply's text (or the whole message, if its parameter is named ``message``) and returns:
 
 - a number: the reward, and the episode ends;
 - a mapping with ``reward`` and optionally ``done`` (default: true unless an ``observation`` /
@@ -22,7 +23,8 @@ An optional ``num_tasks`` (an int, or a method taking the split) bounds the spli
 are unbounded (give ``splits.test.num_samples`` for evaluation).
 
 **Dataset + rubric**: a ``dataset`` of rows with ``prompt`` (a string or messages) or ``question``
-(and whatever else, e.g. ``answer``), optionally an ``eval_dataset`` for the test split and a
+(and whatever else, e.g. ``answer``; a row's ``image`` or ``images`` go before the question, as
+image parts of its user message), optionally an ``eval_dataset`` for the test split and a
 ``system_prompt``, and a ``rubric``: reward functions with weights -- a list of functions, of
 ``(function, weight)`` pairs, a ``{name: function | (function, weight)}`` mapping, or an object with
 ``funcs`` and ``weights`` (verifiers-style). Episodes are single-turn: the reply is scored by every
@@ -337,7 +339,12 @@ def row_messages(row: Any, system_prompt: str | None, where: str) -> tuple[list[
     if row.get("prompt") is not None:
         messages, tools = as_messages(row["prompt"], "row['prompt']")
     elif row.get("question") is not None:
-        messages, tools = [{"role": "user", "content": str(row["question"])}], []
+        pictures = row.get("images", row.get("image"))
+        pictures = [] if pictures is None else pictures if isinstance(pictures, (list, tuple)) else [pictures]
+        content: Any = str(row["question"])
+        if pictures:
+            content = [*({"type": "image", "image": p} for p in pictures), {"type": "text", "text": content}]
+        messages, tools = [{"role": "user", "content": content}], []
     else:
         raise ValueError(f"{where}: dataset rows need a 'prompt' or a 'question' (got keys {sorted(row)})")
     if system_prompt and not (messages and messages[0].get("role") == "system"):

@@ -20,6 +20,11 @@ converted to chat-completions function specs. Each tool call the renderer parsed
 (metric ``no_tool_call``). Malformed calls and ``ToolCallError`` (unknown tool, invalid input) go
 back to the model as tool errors; ``ToolFailed`` and terminated sessions make the rollout fail.
 
+Images: ORS carries them as ``ImageBlock`` s (base64 ``data`` and a ``mimeType``). In the prompt the SDK's
+``openai`` messages already hold them as ``image_url`` parts (``data:`` URIs); in a tool's output each
+becomes an image part of the tool message (``{"type": "image", "image": "data:<mime>;base64,..."}``)
+beside its text, so a vision-language model sees them (a text-only renderer refuses them).
+
 The SDK is synchronous (it runs its own event loop in a thread): every call runs in a worker thread
 (``asyncio.to_thread``), so episodes stay concurrent.
 """
@@ -64,6 +69,23 @@ def blocks_text(blocks: Any) -> str:
         text = getattr(block, "text", None)
         parts.append(text if isinstance(text, str) else f"[{getattr(block, 'type', 'block')}]")
     return "\n".join(parts)
+
+
+def blocks_content(blocks: Any) -> str | list[dict]:
+    """A tool output's blocks as message content: the text when there is no image, else content parts
+    (each ``ImageBlock`` an image part holding its ``data:`` URI, each text block a text part)."""
+    blocks = list(blocks or [])
+    if not any(getattr(b, "type", None) == "image" for b in blocks):
+        return blocks_text(blocks)
+    parts: list[dict] = []
+    for block in blocks:
+        if getattr(block, "type", None) == "image":
+            mime = str(getattr(block, "mimeType", "") or "image/png")
+            parts.append({"type": "image", "image": f"data:{mime};base64,{block.data}"})
+        else:
+            text = getattr(block, "text", None)
+            parts.append({"type": "text", "text": text if isinstance(text, str) else f"[{block.type}]"})
+    return parts
 
 
 def _sdk():
@@ -127,7 +149,7 @@ class OpenRewardEnv(Env):
                 out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": error})
                 continue
             out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
-                        "content": blocks_text(result.blocks)})
+                        "content": blocks_content(result.blocks)})
             reward += float(result.reward or 0.0)
             if result.finished:
                 done = True
@@ -137,7 +159,7 @@ class OpenRewardEnv(Env):
             done = True
             if self.terminal is not None:
                 result, error = await self._call(self.session.call_terminal_tool, message_text(action))
-                content = blocks_text(result.blocks) if result is not None else error
+                content = blocks_content(result.blocks) if result is not None else error
                 out.append({"role": "tool", "tool_call_id": "terminal", "name": self.terminal.name,
                             "content": content or ""})
                 reward += float(result.reward or 0.0) if result is not None else 0.0

@@ -42,7 +42,7 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
                     chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
     """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order), shaped
     like the datum's targets (``[n]`` or ``[n, K]``)."""
-    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend)
+    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
     gather, target, lengths = _requests(mb, targets)
     target = target.to(out.device)
     flat = out.reshape(-1, out.shape[-1])

@@ -43,6 +43,7 @@ from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
+from polyrl.local.vision import keyed
 
 log = logging.getLogger("polyrl.local")
 
@@ -263,8 +264,9 @@ class Engine:
                     self._generator.seed()
                 with base.use_for_sampling(adapter) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
-                                       logits_fn=base.sampler_logits if base.split_head else None,
-                                       decode_fn=base.sampler_decode_step)
+                                       logits_fn=(base.sampler_logits if base.split_head or base.vision
+                                                  else None),
+                                       vision=base.vision, decode_fn=base.sampler_decode_step)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001
@@ -308,7 +310,7 @@ class Engine:
                 raise ValueError(f"loss {loss_fn!r} needs sequences recorded by this session's samplers "
                                  "(record_stability_info=True)")
             sampled = provenance(data)
-        prepared = [prepare_datum(i, d, spec, st.base.vocab_size, s)
+        prepared = [prepare_datum(i, d, spec, st.base, s)
                     for i, (d, s) in enumerate(zip(data, sampled))]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
@@ -331,7 +333,7 @@ class Engine:
         )
 
     def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
-        prepared = [prepare_datum(i, d, None, st.base.vocab_size) for i, d in enumerate(data)]
+        prepared = [prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
             for mb in self._micro_batches(st.base, prepared):
@@ -351,7 +353,20 @@ class Engine:
         )
 
     def _micro_batches(self, base: BaseModel, prepared: list[PreparedDatum]) -> list[MicroBatch]:
-        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
+        if not any(p.images for p in prepared):
+            return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
+                                 base.device)
+        # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
+        keys: dict[tuple[str, int], int] = {}
+        sequences = [keyed(p.tokens, p.images, keys) for p in prepared]
+        by_key = {keys[(im.key, im.start)]: im for p in prepared for im in p.images}
+        mrope = [base.vision.rope(p.tokens, p.images)[0] for p in prepared]
+        batches = micro_batches(sequences, self.micro_batch_tokens, base.linear_per_pair, base.device, mrope,
+                                base.vision.image_token_id)
+        for mb in batches:
+            if mb.image_keys:
+                mb.vision = base.vision.inputs([by_key[k] for k in mb.image_keys], base.device)
+        return batches
 
     def optim_step(self, st: TrainerState,
                    params: types.AdamParams | DimuonSettings) -> types.OptimStepResponse:

@@ -4,6 +4,11 @@ One :class:`BaseModel` per base model per engine: training clients each own an a
 parameters and optimizer); sampling clients hold *snapshots* of adapter weights, which are copied
 into a shared sampling slot before a batch is generated. All methods run on the engine's worker
 thread, so switching the active adapter never races.
+
+Vision-language models (a config with a ``vision_config``) load with ``AutoModelForImageTextToText``;
+``BaseModel.vision`` then turns image chunks into what the model takes (:mod:`polyrl.local.vision`).
+LoRA adapts the language model (its attention, MLP and unembedding) and never the vision tower or its
+projector, which keep their pretrained weights, as Tinker's LoRA does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.local.sampler_copy import DTYPES, MergeTarget, SamplerCopy, describe, select_sampler_dtype
+from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
 LORA_ALPHA = 32
@@ -85,7 +91,7 @@ class BaseModel:
 
     def __init__(self, name: str, device: str = "auto", dtype: str = "auto",
                  gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.name = name
         self.path = resolve_model_path(name)
@@ -94,13 +100,16 @@ class BaseModel:
         try:
             with MODEL_LOAD_LOCK:
                 self.config = AutoConfig.from_pretrained(self.path)
-                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+                vision = is_vision_config(self.config)
+                loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+                model = loader.from_pretrained(self.path, dtype=self.dtype)
         except OSError as e:
             raise ValueError(f"model {name!r} could not be loaded: {e}") from None
         model.to(self.device)
         model.eval()  # no dropout: sampler and learner must compute the same logprobs
         model.requires_grad_(False)
         self.hf_model = model
+        self.vision = Vision(model, self.path, self.config) if is_vision_config(self.config) else None
         self.peft_model = None  # created with the first adapter
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._adapter_specs: dict[str, LoraSpec] = {}
@@ -113,6 +122,9 @@ class BaseModel:
         # the sampler's own copy of the weights when it samples in another dtype (before PEFT wraps the
         # model and the blocks are wrapped for checkpointing, neither of which the copy shares)
         self.sampler_dtype, self.sampler_reason = select_sampler_dtype(sampler_dtype, self.device, self.dtype)
+        if self.vision is not None and self.sampler_dtype != self.dtype:  # images go through the learner's
+            self.sampler_dtype = self.dtype
+            self.sampler_reason = "a vision-language model samples in the learner's dtype"
         self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES)
                              if self.sampler_dtype != self.dtype else None)
         if gradient_checkpointing == "auto":
@@ -135,8 +147,13 @@ class BaseModel:
         return (getattr(self.config, "architectures", None) or [type(self.hf_model).__name__])[0]
 
     @property
+    def text_config(self):
+        """The language model's config (a vision-language model's ``text_config``)."""
+        return getattr(self.config, "text_config", None) or self.config
+
+    @property
     def max_context_length(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
+        return getattr(self.text_config, "max_position_embeddings", None)
 
     # ---- training forward: decoder layers (checkpointed) and the unembedding apart ---------
     def _decoder_layers(self) -> torch.nn.ModuleList | None:
@@ -168,23 +185,30 @@ class BaseModel:
         see :mod:`polyrl.local.packing`): ``2 * params per block`` over ``4 * heads * head_dim``, halved
         because masked attention runs at about half the speed of the matrix multiplies."""
         layers = self._decoder_layers()
-        heads = getattr(self.config, "num_attention_heads", None)
-        hidden = getattr(self.config, "hidden_size", None)
-        head_dim = getattr(self.config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        heads = getattr(self.text_config, "num_attention_heads", None)
+        hidden = getattr(self.text_config, "hidden_size", None)
+        text = self.text_config
+        head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
         if not layers or not heads or not head_dim:
             return DEFAULT_LINEAR_PER_PAIR
         per_block = sum(p.numel() for p in layers[0].parameters())
         return 2 * per_block / (4 * heads * head_dim) / MASKED_ATTENTION_SLOWDOWN
 
     def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                       attend: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                       attend: torch.Tensor, **vision: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Packed rows through the model with the active adapter, under a boolean ``attend`` mask
         ``[rows, 1, width, width]`` (query attends to key): ``(last hidden states, True)`` when the
-        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``."""
+        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``. ``vision``:
+        the rows' images (``pixel_values``, ``image_grid_thw``) for a vision-language model, whose
+        ``position_ids`` are then ``[4, rows, width]``."""
         mask: torch.Tensor = attend
         if self.hf_model.config._attn_implementation == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(attend.shape, dtype=self.dtype, device=attend.device)
             mask.masked_fill_(~attend, torch.finfo(self.dtype).min)
+        if vision:  # the multimodal model: images encoded and placed, then the language model
+            out = self.vision.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                    use_cache=False, **vision)
+            return out.last_hidden_state, True
         if self.split_head:
             out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                                               use_cache=False)
@@ -228,6 +252,8 @@ class BaseModel:
         kinds = {}
         for name, module in self.hf_model.named_modules():
             lowered = name.lower()
+            if self.vision is not None and {"visual", "vision_tower"} & set(lowered.split(".")):
+                continue  # the vision tower and its projector keep their weights
             if isinstance(module, torch.nn.Linear):
                 if module is out_emb:
                     kinds[name] = ("unembed", "module")

@@ -20,6 +20,11 @@ Sampling is by inverse CDF: one uniform number per row per step, vectorised over
 seeded request's rows draw theirs from a counter-based hash of (row seed, step), so a sample never
 depends on its batch, and nothing loops over rows in Python (on a GPU, a per-row generator would
 be one kernel launch per row per step).
+
+Images (vision-language models, ``vision``): prompts are the same when their tokens and images are; a
+batch with images is prefilled through the multimodal model (vision tower, then the language model at
+each token's multimodal positions, ``[4, rows, width]``), and each row decodes at its text position plus
+its prompt's rope delta, on every axis, as the model's own generation does.
 """
 
 from __future__ import annotations
@@ -61,12 +66,20 @@ class SampleJob:
     target_prompt: torch.Tensor | None = None  # int64 [len(prompt) - 1, K], -1: nothing asked
     target_layout: types.TensorData | None = None  # a sparse request's layout, which the answer keeps
     alt_k: int = 0  # tokens drawn at each prompt position after the first
+    images: tuple = ()  # a vision-language model's images (polyrl.local.vision.ModelImage)
+    mrope: torch.Tensor | None = None  # [3, len(prompt)] multimodal positions, with images
+    rope_delta: int = 0  # how far decoding's positions run ahead of the token count
 
     @property
     def wants_prompt(self) -> bool:
         """Whether the prefill must unembed every prompt position for this job."""
         return (self.include_prompt_logprobs or self.prompt_only or self.topk_prompt > 0
                 or self.target_prompt is not None or self.alt_k > 0)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two prompts the same: tokens and images (content and place)."""
+        return (tuple(self.prompt), tuple((im.key, im.start) for im in self.images))
 
 
 @functools.cache
@@ -240,18 +253,20 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
-             logits_fn=None, decode_fn=None) -> list[types.SampleResponse]:
+             logits_fn=None, vision=None, decode_fn=None) -> list[types.SampleResponse]:
     """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
-    unembeds every position only of the prompts whose logprobs were asked for. ``decode_fn(tokens,
-    positions, mask, cache)``, if given, computes a one-token step's logits in the model's place (see
-    :class:`polyrl.local.cpu_decode.FastDecode`)."""
+    unembeds every position only of the prompts whose logprobs were asked for. ``vision``: a
+    vision-language model's :class:`polyrl.local.vision.Vision` (then ``logits_fn`` is required).
+    ``decode_fn(tokens, positions, mask, cache)``, if given, computes a one-token step's logits in the
+    model's place for rows without multimodal positions (:class:`polyrl.local.cpu_decode.FastDecode`)."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
-    unique: dict[tuple[int, ...], int] = {}
+    unique: dict[tuple, int] = {}
+    first: dict[int, SampleJob] = {}
     for job in jobs:
-        unique.setdefault(tuple(job.prompt), len(unique))
-    prompts = list(unique)
+        first.setdefault(unique.setdefault(job.key, len(unique)), job)
+    prompts = [first[i].prompt for i in range(len(unique))]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
     pad = 0
@@ -261,7 +276,9 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         ids[i, width - len(p) :] = torch.tensor(p, device=device)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lp_prompts = sorted({unique[tuple(j.prompt)] for j in jobs if j.wants_prompt})
+    lp_prompts = sorted({unique[j.key] for j in jobs if j.wants_prompt})
+    with_images = [first[i] for i in range(len(prompts)) if first[i].images]
+    deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
     capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
@@ -269,15 +286,24 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
         capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
     cache = new_cache(capacity, padded)
-    split = logits_fn is not None and bool(lp_prompts)
-    out = (model.get_decoder() if split else model)(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
-    )
+    split = logits_fn is not None and (bool(lp_prompts) or bool(with_images))
+    if with_images:  # the multimodal model: images encoded and placed, multimodal positions
+        multimodal = positions.unsqueeze(0).repeat(3, 1, 1)
+        for i in range(len(prompts)):
+            if first[i].mrope is not None:
+                multimodal[:, i, width - len(prompts[i]):] = first[i].mrope.to(device)
+        out = vision.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                           position_ids=torch.cat([positions.unsqueeze(0), multimodal]),
+                           **vision.inputs([im for job in with_images for im in job.images], device))
+    else:
+        out = (model.get_decoder() if split else model)(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
+        )
     if split:  # unembed the last position of every prompt, every position of the asked-for ones
         hidden = out.last_hidden_state
         last_logits = logits_fn(hidden[:, -1, :])
@@ -292,7 +318,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
             return logits[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi].float()
     prompt_out: dict[int, dict] = {}
     for i in lp_prompts:
-        members = [j for j, job in enumerate(jobs) if unique[tuple(job.prompt)] == i and job.wants_prompt]
+        members = [j for j, job in enumerate(jobs) if unique[job.key] == i and job.wants_prompt]
         prompt_out.update(_prompt_outputs(prompts[i], [jobs[j] for j in members], members,
                                           lambda lo, hi, i=i: row_logits(i, lo, hi), last_logits.shape[-1],
                                           generator))
@@ -312,13 +338,14 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
             seeds = torch.randint(0, 2**62, (job.num_samples,), generator=parent).tolist()
         for seed in seeds:
             rows.append(_Row(job=j))
-            row_prompt.append(unique[tuple(job.prompt)])
+            row_prompt.append(unique[job.key])
             row_seed.append(seed)
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
         _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
-                generator, decode_fn)
+                generator, deltas if bool(deltas.any()) else None,
+                decode_fn)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -445,11 +472,13 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 
 
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
-            tokenizer, device, generator, decode_fn=None):
+            tokenizer, device, generator, prompt_deltas=None,
+            decode_fn=None):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]
     next_pos = prompt_lengths[index]
+    delta = prompt_deltas[index] if prompt_deltas is not None else None  # multimodal positions run ahead
     logits = prompt_last_logits[index]
     temps = torch.tensor([jobs[r.job].params.temperature for r in rows], device=device, dtype=torch.float32)
     top_k = torch.tensor([jobs[r.job].params.top_k or -1 for r in rows], device=device)
@@ -504,17 +533,21 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
             keep = torch.tensor(alive, device=device)
             cache.batch_select_indices(keep)
             mask_buf, next_pos, tokens, sel = mask_buf[keep], next_pos[keep], tokens[keep], sel[keep]
+            delta = delta[keep] if delta is not None else None
             in_cache = [in_cache[pos] for pos in alive]
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
-        if decode_fn is not None:
+        if decode_fn is not None and delta is None:
             logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()
         else:
+            step_pos = next_pos.unsqueeze(1)
+            if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
+                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])
             out = model(
                 input_ids=tokens.unsqueeze(1),
                 attention_mask=mask_buf[:, :width],
-                position_ids=next_pos.unsqueeze(1),
+                position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
             )

@@ -23,6 +23,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurre
 from tinker.types.optimizer import OptimParamsBase
 
 from polyrl.local import losses
+from polyrl.local.datums import model_input_tokens
 from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, optimizer_type
@@ -133,8 +134,9 @@ def target_ids(td: types.TensorData, n: int, vocab: int, max_k: int) -> torch.Te
 def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
                     include_prompt_logprobs: bool = False, prompt_only: bool = False,
                     queries: PromptQueries = PromptQueries(), max_k: int = MAX_LOGPROBS_K) -> SampleJob:
-    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``)."""
-    tokens = prompt.to_ints()
+    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``); a
+    vision-language model's images are decoded and processed here, on the caller's thread."""
+    tokens, found = model_input_tokens(base, prompt, "prompt")
     if not tokens:
         raise ValueError("prompt is empty")
     if min(tokens) < 0 or max(tokens) >= base.vocab_size:
@@ -155,8 +157,9 @@ def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int,
     eos = base.hf_model.generation_config.eos_token_id if base.hf_model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
+    mrope, delta = base.vision.rope(tokens, found) if found else (None, 0)
     job = SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
-                    max_tokens, prompt_only)
+                    max_tokens, prompt_only, images=tuple(found), mrope=mrope, rope_delta=delta)
     return queries.apply(job, base.vocab_size, max_k)
 
 

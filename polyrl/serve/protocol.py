@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from polyrl import images
 from polyrl.local.optim import DimuonSettings
 
 
@@ -321,6 +322,9 @@ class RequestLimits:
     max_tokens: int = 1 << 20  # model_input tokens of all datums
     max_datums: int = 1024
     max_k: int = 128  # K of an (N, K) loss input, such as top-K targets
+    max_images: int = 64  # images of all datums (or of one prompt)
+    max_image_bytes: int = images.MAX_IMAGE_BYTES  # one encoded image
+    max_image_pixels: int = images.MAX_IMAGE_PIXELS  # one image's declared width x height
 
     @property
     def max_values(self) -> int:
@@ -358,13 +362,17 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     if len(msg.data) > limits.max_datums:
         raise RequestError(400, f"forward_backward request holds {len(msg.data)} datums; this server takes "
                                 f"at most {limits.max_datums} per request (--max-request-datums)")
-    tokens = values = 0
+    tokens = values = pictures = 0
     for i, d in enumerate(msg.data):
         try:
-            n, v = _datum_size(d, limits.max_k)
+            n, v, k = _datum_size(d, limits)
         except ValueError as e:
-            raise RequestError(400, f"data[{i}]: {e}") from None
-        tokens, values = tokens + n, values + v
+            raise RequestError(413 if isinstance(e, _TooLarge) else 400, f"data[{i}]: {e}") from None
+        tokens, values, pictures = tokens + n, values + v, pictures + k
+        if pictures > limits.max_images:
+            raise RequestError(400, f"forward_backward request holds more than {limits.max_images} images; "
+                                    f"this server takes at most {limits.max_images} per request "
+                                    "(--max-request-images)")
     if tokens > limits.max_tokens:
         raise RequestError(400, f"forward_backward request holds {tokens} tokens; this server takes at most "
                                 f"{limits.max_tokens} per request (--max-request-tokens)")
@@ -381,21 +389,65 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     return ForwardBackwardReq(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only, tokens)
 
 
-def _datum_size(d: pb.Datum, max_k: int) -> tuple[int, int]:
-    """(tokens, loss-input values) of a datum, from what its protobuf declares; a ValueError for a shape
-    that does not fit the datum. Nothing is decoded or allocated here."""
-    n = 0
-    for c in d.model_input:
+class _TooLarge(ValueError):
+    """An image past the server's bytes or pixels bound (413)."""
+
+
+def check_image(data: bytes, fmt: str, expected_tokens: int | None, limits: RequestLimits, where: str) -> int:
+    """An image chunk's token count, once its format, declared size and bytes are within ``limits``
+    (from the header alone: nothing is decoded); a ValueError naming the problem otherwise."""
+    if fmt not in ("png", "jpeg"):
+        raise ValueError(f"{where}: image format must be 'png' or 'jpeg', got {fmt!r}")
+    if not expected_tokens or expected_tokens < 1:
+        raise ValueError(f"{where}: an ImageChunk needs expected_tokens (the image's token count)")
+    try:
+        images.check_header(data, images.ImageLimits(limits.max_image_bytes, limits.max_image_pixels))
+    except images.ImageError as e:
+        too_large = "more than max_image" in str(e)
+        flag = " (--max-image-bytes / --max-image-pixels)" if too_large else ""
+        raise (_TooLarge if too_large else ValueError)(f"{where}: {e}{flag}") from None
+    return int(expected_tokens)
+
+
+def check_prompt_images(model_input: types.ModelInput, limits: RequestLimits, where: str = "prompt") -> None:
+    """The images of a JSON request's ``ModelInput`` within ``limits``: a RequestError (400, 413) naming
+    the first problem; an ``ImageAssetPointerChunk`` (an asset this server has no store for) is refused."""
+    found = [c for c in model_input.chunks if getattr(c, "type", None) != "encoded_text"]
+    if len(found) > limits.max_images:
+        raise RequestError(400, f"{where} holds {len(found)} images; this server takes at most "
+                                f"{limits.max_images} per request (--max-request-images)")
+    for k, chunk in enumerate(model_input.chunks):
+        if chunk.type == "image_asset_pointer":
+            raise RequestError(400, f"{where} chunk {k} is an image_asset_pointer; polyrl serve has no asset "
+                                    "store: send the image's bytes as an ImageChunk")
+        if chunk.type == "image":
+            try:
+                check_image(chunk.data, chunk.format, chunk.expected_tokens, limits, f"{where} chunk {k}")
+            except ValueError as e:
+                raise RequestError(413 if isinstance(e, _TooLarge) else 400, str(e)) from None
+
+
+def _datum_size(d: pb.Datum, limits: RequestLimits) -> tuple[int, int, int]:
+    """(tokens, loss-input values, images) of a datum, from what its protobuf declares; a ValueError for a
+    shape that does not fit the datum. Nothing is decoded or allocated here (an image's header is read)."""
+    n = pictures = 0
+    for k, c in enumerate(d.model_input):
         kind = c.WhichOneof("chunk")
+        if kind == "image":
+            image = c.image
+            n += check_image(image.data, image.format, image.expected_tokens, limits, f"model_input chunk {k}")
+            pictures += 1
+            continue
         if kind != "encoded_text":
-            raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text tokens only")
+            raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text and image "
+                             "chunks")
         size = len(c.encoded_text.tokens)
         if size % 4:
             raise ValueError(f"model_input tokens are {size} bytes, not a whole number of int32s")
         n += size // 4
     if n == 0:  # every datum costs at least a token, so the limits on tokens bound datums too
         raise ValueError("model_input is empty")
-    return n, sum(_tensor_size(name, t, n, max_k) for name, t in d.loss_fn_inputs.items())
+    return n, sum(_tensor_size(name, t, n, limits.max_k) for name, t in d.loss_fn_inputs.items()), pictures
 
 
 def _tensor_size(name: str, t: pb.Tensor, n: int, max_k: int) -> int:
@@ -438,10 +490,13 @@ def _valid_csr(crow: np.ndarray, col: np.ndarray, nnz: int, shape: list[int]) ->
 
 
 def _decode_datum(d: pb.Datum) -> types.Datum:
-    chunks = [types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
+    chunks = [types.ImageChunk(data=c.image.data, format=c.image.format,
+                               expected_tokens=c.image.expected_tokens)
+              if c.WhichOneof("chunk") == "image" else
+              types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
               for c in d.model_input]
     inputs = {name: _decode_tensor(name, t) for name, t in d.loss_fn_inputs.items()}
-    n = sum(len(c.tokens) for c in chunks)
+    n = sum(c.length for c in chunks)
     spans = {}
     for name in ("model_input_spans", "loss_fn_input_spans"):
         given = getattr(d, name)

@@ -30,6 +30,7 @@ from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.optim import check_kind, optimizer_type
 from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
+from polyrl.local.sampler import SampleJob
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import CheckpointLifecycle
@@ -64,6 +65,11 @@ class ServeConfig:
     max_request_tokens: int = 1 << 20
     max_request_datums: int = 1024
     max_target_k: int = 128
+    # Images of one request (400 past it), and one image's encoded bytes and declared pixels (413 past them:
+    # read from its header before anything is queued or decoded).
+    max_request_images: int = 64
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 36_000_000
     # What one API key may have at once, so that no key starves the others: tokens of forward_backward
     # data and sampling prompts accepted and not yet done, and samples likewise (429 with Retry-After past
     # them: the SDK waits and retries; 400 for data that would wait for an earlier seq_id, which a 429
@@ -100,7 +106,8 @@ class Server(CheckpointLifecycle):
         self.saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
         self.records = SequenceRecords(config.max_recorded_tokens)  # sampled sequences, by key and session
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
-                                      config.max_target_k)
+                                      config.max_target_k, config.max_request_images, config.max_image_bytes,
+                                      config.max_image_pixels)
         quiet = config.sample_quiet_ms / 1000
         self.gate = SampleGate(self._submit_sample, self.outstanding.__bool__, quiet, 3 * quiet, 100 * quiet)
         self.served: dict[str, str] = {}  # any spelling of a served model -> its canonical name
@@ -544,6 +551,10 @@ class Server(CheckpointLifecycle):
         if req.seq_id is not None and req.seq_id in rec.seen:
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
+        P.check_prompt_images(req.prompt, self.limits)
+        if req.record_stability_info and any(c.type != "encoded_text" for c in req.prompt.chunks):
+            raise RequestError(400, "record_stability_info takes text prompts only: stable_reinforce does not "
+                                    "train on images")
         n_prompt, cfg = req.prompt.length, self.config
         if n_prompt > cfg.max_request_tokens:
             raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
@@ -571,18 +582,30 @@ class Server(CheckpointLifecycle):
                     del rec.seen[seq]
         loop_add = self.gate.add
 
+        loop = asyncio.get_running_loop()
+
+        def prepare(state: SamplerState) -> SampleJob:
+            target = None
+            if req.target_prompt_logprobs is not None:
+                target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
+                                            self.limits.max_values)
+            queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
+                                    req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
+            return make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
+                                   bool(req.prompt_logprobs), queries=queries, max_k=cfg.max_target_k)
+
         def start(state: SamplerState) -> None:
+            if any(c.type == "image" for c in req.prompt.chunks):  # decoding images: off the event loop
+                def prepared(f: asyncio.Future) -> None:
+                    if f.exception() is not None:
+                        out.set_exception(f.exception())
+                    else:
+                        loop_add(state, f.result(), done)
+
+                loop.run_in_executor(None, prepare, state).add_done_callback(prepared)
+                return
             try:
-                if any(getattr(c, "type", None) != "encoded_text" for c in req.prompt.chunks):
-                    raise ValueError("prompt has non-text chunks; this server takes text tokens only")
-                target = None
-                if req.target_prompt_logprobs is not None:
-                    target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
-                                                self.limits.max_values)
-                queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
-                                        req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
-                job = make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
-                                      bool(req.prompt_logprobs), queries=queries, max_k=cfg.max_target_k)
+                job = prepare(state)
             except (ValueError, RequestError) as e:
                 out.set_exception(e)
                 return
@@ -594,8 +617,6 @@ class Server(CheckpointLifecycle):
             else:
                 start(rec.ready.result())
         else:
-            loop = asyncio.get_running_loop()
-
             def when_ready(f: Future) -> None:
                 if f.exception() is not None:
                     out.set_exception(f.exception())
