@@ -102,11 +102,12 @@ class OptimStepReq(_Req):
         if p is not None:
             for name in ("learning_rate", "eps", "weight_decay"):
                 value = getattr(p, name)
-                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0", value)
+                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0",
+                       value)
             for name in ("beta1", "beta2"):
                 _check(0 <= getattr(p, name) < 1, f"adam_params.{name}", "in [0, 1)", getattr(p, name))
-            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm", "finite (<= 0: no clipping)",
-                   p.grad_clip_norm)
+            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm",
+                   "finite (<= 0: no clipping)", p.grad_clip_norm)
         return self
 
 
@@ -158,10 +159,12 @@ class SampleReq(_Req):
         _check(math.isfinite(p.temperature) and p.temperature >= 0, "sampling_params.temperature",
                "a finite number >= 0", p.temperature)
         _check(0 < p.top_p <= 1, "sampling_params.top_p", "in (0, 1]", p.top_p)
-        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count", p.top_k)
-        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens", "a positive count",
-               p.max_tokens)
-        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer", p.seed)
+        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count",
+               p.top_k)
+        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens",
+               "a positive count", p.max_tokens)
+        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer",
+               p.seed)
         return self
 
 
@@ -235,13 +238,15 @@ def peek_json_ids(body: bytes) -> tuple[str, int] | None:
         model_id, seq_id = data["model_id"], data["seq_id"]
     except Exception:  # noqa: BLE001
         return None
-    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+    ok = (isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool)
+          and seq_id >= 1)
     return (model_id, seq_id) if ok else None
 
 
 def _summarize(e: ValidationError, limit: int = 3) -> str:
     errors = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}" for err in errors[:limit]]
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}"
+             for err in errors[:limit]]
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
@@ -347,13 +352,15 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     try:
         msg.ParseFromString(body)
     except DecodeError as e:
-        raise RequestError(400, f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf: {e}") from None
+        raise RequestError(400, "forward_backward body is not a tinker_public.ForwardBackwardRequest "
+                                f"protobuf: {e}") from None
     if not msg.model_id:
         raise RequestError(400, "forward_backward request has no model_id")
     if msg.seq_id < 1:
         raise RequestError(400, f"forward_backward request needs a seq_id >= 1, got {msg.seq_id}")
     if msg.loss_fn_config_v2:
-        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
+                  for k, v in msg.loss_fn_config_v2.items()}
     else:
         config = dict(msg.loss_fn_config)
     for k, v in config.items():
@@ -435,7 +442,8 @@ def _datum_size(d: pb.Datum, limits: RequestLimits) -> tuple[int, int, int]:
         kind = c.WhichOneof("chunk")
         if kind == "image":
             image = c.image
-            n += check_image(image.data, image.format, image.expected_tokens, limits, f"model_input chunk {k}")
+            n += check_image(image.data, image.format, image.expected_tokens, limits,
+                             f"model_input chunk {k}")
             pictures += 1
             continue
         if kind != "encoded_text":
