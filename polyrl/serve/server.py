@@ -33,6 +33,7 @@ from polyrl.local.optim import check_kind, optimizer_type
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import CheckpointLifecycle
+from polyrl.serve.output_wire import encode_forward_backward_output, forward_backward_output_json
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.quotas import Quotas
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
@@ -398,7 +399,7 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
             self.waiting_room(rec, fb.seq_id, fb.tokens)
         elif new and not rec.ops.waiting:  # one that others wait for is always let in
             self.in_flight_room(owner, "tokens", fb.tokens)
-        rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
+        rid = rec.ops.submit(fb.seq_id, run, forward_backward_output_json, encode_forward_backward_output)
         if new:
             self.usage.hold(owner, self.futures.get(rid).future, tokens=fb.tokens)
             if ahead:
