@@ -86,9 +86,11 @@ def test_multi_turn_episode_with_per_step_rewards(tokenizer):
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [_guess(wrong[0]), _guess(wrong[1]), _guess(secret)])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
-    ep = asyncio.run(run_episode(builder.make("train", 5), Episode("guess", "train", 5, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("train", 5), Episode("guess", "train", 5, 0), renderer, policy,
+                                 settings))
     assert ep.step_rewards == [0.0, 0.0, 1.0] and ep.reward == 1.0 and ep.success and ep.done_by_env
-    assert [m["role"] for m in ep.messages] == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in ep.messages] == ["user", "assistant", "user", "assistant", "user", "assistant",
+                                                "user"]
     assert "Guess The Number" in ep.messages[0]["content"]
     feedback = ep.messages[2]["content"]
     assert "the target number is" in feedback and feedback.endswith("Enter your next guess.")
@@ -104,7 +106,8 @@ def test_gem_plain_template_renderer(tokenizer):
     renderer = get_renderer("qwen3_game", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "no idea"}])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
-    ep = asyncio.run(run_episode(builder.make("test", 0), Episode("guess", "test", 0, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("test", 0), Episode("guess", "test", 0, 0), renderer, policy,
+                                 settings))
     text = tokenizer.decode(ep.tokens)
     assert text.startswith("<|im_start|>user\nYou are playing language games. Make valid actions to win.\n"
                            "Observation: You are playing Guess The Number.")
@@ -170,9 +173,9 @@ def test_gem_trains_two_steps(tiny_model_dir, tmp_path):
     from polyrl.tracking.console import ConsoleLog
     from polyrl.train import train
 
-    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
-                      renderer="qwen3_game",
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")}, renderer="qwen3_game",
                       environments={"guess": {"type": GUESS, "num_rollouts": 3, "max_turns": 4,
                                               "args": {"wrappers": ["episode_tracking"]}}})
     train(cfg, ConsoleLog(enabled=False))

@@ -68,7 +68,8 @@ class LetterQuest(Environment):
     @tool
     async def count(self, params: Text) -> ToolOutput:
         """Count the task's letter in a text."""
-        return ToolOutput(blocks=[TextBlock(text=str(params.text.count(self.letter)))], reward=0.0, finished=False)
+        return ToolOutput(blocks=[TextBlock(text=str(params.text.count(self.letter)))], reward=0.0,
+                          finished=False)
 
     @tool
     def explode(self) -> ToolOutput:
@@ -118,7 +119,8 @@ class PicturePuzzle(Environment):
     def look(self) -> ToolOutput:
         """A closer look."""
         return ToolOutput(blocks=[TextBlock(text="closer:"),
-                                  ImageBlock(data=_png_base64((200, 20, 20), (96, 96)), mimeType="image/png")],
+                                  ImageBlock(data=_png_base64((200, 20, 20), (96, 96)),
+                                             mimeType="image/png")],
                           reward=0.0, finished=False)
 
     @terminal
@@ -152,7 +154,8 @@ def ors():
 
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))  # quiet server logs
+    # quiet server logs
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     ors_server = Server([LetterQuest, PicturePuzzle])
     server, thread, url = _serve(ors_server.app)
     yield ors_server, url
@@ -211,20 +214,22 @@ def _wait_closed(ors_server, timeout=10.0):
 
 def _call(name, args, i=0):
     return {"role": "assistant", "content": "",
-            "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}]}
+            "tool_calls": [{"id": f"call_{i}", "type": "function",
+                            "function": {"name": name, "arguments": args}}]}
 
 
 # ---------------------------------------------------------------------------- unit checks
 def test_names_resolve_and_flat_tool_specs_are_nested():
     assert get_env_builder("Org/EnvName") is OpenRewardBuilder
     assert get_env_builder("openreward:Org/EnvName") is OpenRewardBuilder
-    cfg = TrainConfig(model_name="m", environments={"Org/EnvName": {"args": {"base_url": "http://127.0.0.1:9"}}})
+    cfg = TrainConfig(model_name="m",
+                      environments={"Org/EnvName": {"args": {"base_url": "http://127.0.0.1:9"}}})
     assert cfg.environments["Org/EnvName"].type == "Org/EnvName"  # validated without contacting anything
     flat = {"type": "function", "name": "count", "description": "d", "parameters": {"type": "object"}}
     assert chat_tool_spec(flat) == {"type": "function", "function": {"name": "count", "description": "d",
                                                                       "parameters": {"type": "object"}}}
-    assert chat_tool_spec({"type": "function", "name": "x", "parameters": None})["function"]["parameters"] == {
-        "type": "object", "properties": {}}
+    assert chat_tool_spec({"type": "function", "name": "x", "parameters": None})["function"]["parameters"] \
+        == {"type": "object", "properties": {}}
 
 
 @pytest.mark.parametrize("entry,needle", [
@@ -256,7 +261,8 @@ def test_tool_calls_errors_and_terminal_answer_through_the_sdk(ors, openreward_e
     ]
     policy = ScriptedSampler(renderer, replies)
     settings = RolloutSettings(max_turns=8, max_tokens=64, temperature=1.0, timeout=60)
-    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, policy,
+                                 settings))
     asyncio.run(builder.aclose())
 
     assert ep.done_by_env and ep.num_turns == 5
@@ -270,7 +276,8 @@ def test_tool_calls_errors_and_terminal_answer_through_the_sdk(ors, openreward_e
     assert tool_msgs[1]["content"].startswith("Error (input_validation)")
     assert tool_msgs[2]["content"].startswith("Error (not_found)")
     assert tool_msgs[3]["content"].startswith("Error: <tool_call> block 0: invalid JSON")
-    assert tool_msgs[4] == {"role": "tool", "tool_call_id": "terminal", "name": "answer", "content": "correct"}
+    assert tool_msgs[4] == {"role": "tool", "tool_call_id": "terminal", "name": "answer",
+                            "content": "correct"}
     assert ep.metrics["tool_calls"] == 3.0 and ep.metrics["tool_errors"] == 3.0
     # the model saw the tools in the chat template's format, and each turn continued the last
     assert policy.prompts[0] == renderer.initial_prompt(ep.messages[:1], ep.tools)
@@ -304,9 +311,9 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     ors_server, url = ors
     capture = openreward_env
     cfg = TrainConfig(
-        model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0, eval_every=2,
-        learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
-        seed=1, outputs={"report": False},
+        model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
+        eval_every=2, learning_rate=1e-3, log_path=str(tmp_path / "run"),
+        local={"store_dir": str(tmp_path / "store")}, seed=1, outputs={"report": False},
         openreward_run_name="polyrl-test-run",
         environments={"letters": {"type": "openreward:Polyrl/LetterQuest", "num_rollouts": 3, "max_turns": 2,
                                   "args": {"base_url": url}}})
@@ -319,7 +326,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     assert "test/letters/pass@1" in rows[-1]
     trajectories = []
     for step in range(2):
-        trajectories += [json.loads(x) for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        trajectories += [json.loads(x)
+                         for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
     assert len(trajectories) == 12
     for t in trajectories:
         letter = LetterQuest.LETTERS[t["task_index"]]
@@ -344,7 +352,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     assert info["model_name"] == tiny_model_dir and info["peft_rank"] == 4
     assert info["rl_algorithm"] == "grpo/importance_sampling" and info["framework"] == "polyrl"
     losses = {r["step"]: r.get("optim/loss") for r in rows}
-    uploaded = sorted((s["metadata"]["step"], s["metadata"]["task_index"], s["metadata"]["reward"]) for s in starts)
+    uploaded = sorted((s["metadata"]["step"], s["metadata"]["task_index"], s["metadata"]["reward"])
+                      for s in starts)
     assert uploaded == sorted((t["step"], t["task_index"], t["reward"]) for t in trajectories)
     for s in starts:
         assert s["metadata"]["loss"] == losses[s["metadata"]["step"]]
@@ -383,8 +392,8 @@ def test_images_from_ors_prompts_and_tool_outputs_reach_a_vision_language_model(
 
     ors_server, url = ors
     renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
-    builder = make_env_builder("openreward:Polyrl/PicturePuzzle", {"base_url": url, "variant": "picturepuzzle"},
-                               seed=0)
+    builder = make_env_builder("openreward:Polyrl/PicturePuzzle",
+                               {"base_url": url, "variant": "picturepuzzle"}, seed=0)
     inputs = []
     replies = ['<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>', "red"]
 

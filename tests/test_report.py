@@ -102,7 +102,8 @@ def test_chart_specs_per_env_lines_eval_points_and_only_charts_with_data():
     success = {s["key"]: s for s in charts["success"]["series"]}
     assert success["test/calc/pass@1"]["style"] == success["test/calc/pass@4"]["style"] == "points"
     assert success["test/calc/pass@4"]["label"] == "calc pass@4" and "test/pass@1" in success
-    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens", "staleness"} <= set(charts)
+    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens",
+            "staleness"} <= set(charts)
     assert [s["label"] for s in charts["staleness"]["series"]] == ["mean", "max"]
     assert [s["label"] for s in charts["time"]["series"]] == ["waiting for rollouts", "total"]
     assert [s["key"] for s in charts["env-calc"]["series"]] == ["env/calc/tool_calls"]
@@ -575,7 +576,8 @@ def test_the_trajectory_browser_shows_images_in_place(tmp_path, vl_tokenizer):
         roles = _open_episode(driver, 1, "visual")
         assert roles == ["user", "assistant"], roles
         loaded = _wait(driver, "const i = document.querySelector('#episode .msg-user figure.image img');"
-                               "return i && i.complete && i.naturalWidth ? [i.naturalWidth, i.naturalHeight] : null")
+                               "return i && i.complete && i.naturalWidth "
+                               "? [i.naturalWidth, i.naturalHeight] : null")
         assert loaded == [64, 64]
         caption = driver.find_element("css selector", "#episode .msg-user figure.image figcaption").text
         assert caption == "64 × 64"

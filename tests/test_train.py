@@ -459,8 +459,8 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
 
     async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
         minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
-        pending = [await forward_backward(run.training, run.guard, minibatch, run.config)] if minibatch.data_D \
-            else []
+        pending = [await forward_backward(run.training, run.guard, minibatch, run.config)] \
+            if minibatch.data_D else []
         adam, optimized = optim_params(run.config, 0), None
         if minibatch.episodes_D:
             optimized = await optimizer_step(run.training, run.guard, pending, minibatch.problem, adam, 0)

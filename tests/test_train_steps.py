@@ -254,7 +254,8 @@ def test_prepare_minibatch_keeps_groups_within_budget_and_builds_datums_for_the_
     assert minibatch.data_D[0].loss_fn_inputs["advantages"].tolist() == [0.0, 0.5, 0.5, 0.5]
 
     dropped = asyncio.run(prepare_minibatch([[_episode(1.0), _episode(1.0)]], 0,
-                                            _config(tmp_path, advantages={"remove_constant_reward_groups": True}),
+                                            _config(tmp_path,
+                                                    advantages={"remove_constant_reward_groups": True}),
                                             runtimes,
                                             TokenSignals(), ServiceGuard(None, 5.0)))
     assert dropped.kept_G == [] and dropped.episodes_D == [] and dropped.counts["word"].constant_groups == 1
@@ -280,7 +281,8 @@ def test_forward_backward_sends_a_minibatch_with_the_configured_loss(tmp_path):
     guard = ServiceGuard(None, 5.0)
 
     def send(data, config):
-        return asyncio.run(forward_backward(RecordingTraining(calls), guard, Minibatch([], {}, [], data), config))
+        return asyncio.run(forward_backward(RecordingTraining(calls), guard, Minibatch([], {}, [], data),
+                                            config))
 
     future = send([datum, datum], _config(tmp_path))
     assert calls == [("forward_backward", 2, "importance_sampling", None)]
@@ -556,7 +558,8 @@ def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tm
                                        types.SampledProvenanceSpan(sequence_id="seq-a", length=2)]
     assert datum.loss_fn_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", offset=1, length=1),
                                          types.SampledProvenanceSpan(sequence_id="seq-a", length=3)]
-    ep.sequence_runs = [(s, e, None) for s, e in ep.turn_spans]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    ep.sequence_runs = [(s, e, None) for s, e in ep.turn_spans]
     with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
         adv.to_datum(ep, "stable_reinforce")
     with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):

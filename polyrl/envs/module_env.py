@@ -188,7 +188,8 @@ class RewardCoercion:
         self.count = 0
 
     def __call__(self, value: Any, metrics: dict[str, float], what: str = "reward") -> float:
-        if isinstance(value, (bool, int, float)) or (hasattr(value, "__float__") and not isinstance(value, (str, bytes))):
+        if isinstance(value, (bool, int, float)) or (hasattr(value, "__float__")
+                                                     and not isinstance(value, (str, bytes))):
             try:
                 number = float(value)
             except (TypeError, ValueError):
@@ -264,7 +265,8 @@ class StepEnv(Env):
         if callable(build) and self.sampler is not None:
             await call_env(build, self.sampler)
         start = self.obj.initial_observation
-        obs = await call_env(start, **accepted(start, {"index": self.index, "split": self.split, "seed": self.seed}))
+        obs = await call_env(start, **accepted(start, {"index": self.index, "split": self.split,
+                                                       "seed": self.seed}))
         messages, tools = as_messages(obs, "initial_observation()")
         return Observation(messages, tools)
 
@@ -316,8 +318,10 @@ def parse_rubric(rubric: Any, where: str) -> list[tuple[str, Callable, float]]:
     else:
         funcs = getattr(rubric, "funcs", None) or getattr(rubric, "reward_funcs", None)
         if funcs is None:
-            raise ValueError(f"{where}: rubric must be reward functions with weights, not {type(rubric).__name__}")
-        weights = getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None) or [1.0] * len(funcs)
+            raise ValueError(f"{where}: rubric must be reward functions with weights, "
+                             f"not {type(rubric).__name__}")
+        weights = (getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None)
+                   or [1.0] * len(funcs))
         if len(weights) != len(funcs):
             raise ValueError(f"{where}: rubric has {len(funcs)} functions but {len(weights)} weights")
         items = [(named(fn, i), fn, w) for i, (fn, w) in enumerate(zip(funcs, weights))]
@@ -371,8 +375,8 @@ class RubricEnv(Env):
         metrics: dict[str, float] = {}
         total = 0.0
         kwargs = dict(completion=text, prompt=self.messages, messages=[*self.messages, action],
-                      answer=self.row.get("answer"), row=self.row, info=self.row.get("info"), index=self.index,
-                      split=self.split, sampling_client=self.sampler)
+                      answer=self.row.get("answer"), row=self.row, info=self.row.get("info"),
+                      index=self.index, split=self.split, sampling_client=self.sampler)
         for name, fn, weight in self.builder.rubric:
             value = self.builder.coerce(await call_env(fn, **accepted(fn, kwargs)), metrics,
                                         f"reward function {name!r} returned")

@@ -59,7 +59,8 @@ def chat_tool_spec(tool: dict) -> dict:
     if isinstance(tool.get("function"), dict):
         return tool
     params = tool.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
+    return {"type": "function", "function": {"name": tool["name"],
+                                             "description": tool.get("description") or "",
                                              "parameters": params}}
 
 
@@ -122,7 +123,8 @@ class OpenRewardEnv(Env):
         try:
             return await asyncio.to_thread(fn, *args), None
         except ToolCallError as exc:
-            return None, exc.reason if exc.reason == "episode_finished" else f"Error ({exc.reason}): {exc.detail}"
+            return None, (exc.reason if exc.reason == "episode_finished"
+                          else f"Error ({exc.reason}): {exc.detail}")
 
     async def step(self, action: Message) -> StepResult:
         out: list[Message] = []
@@ -146,7 +148,8 @@ class OpenRewardEnv(Env):
                 break
             if error is not None:
                 self.counts["tool_errors"] += 1
-                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": error})
+                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
+                            "content": error})
                 continue
             out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
                         "content": blocks_content(result.blocks)})
@@ -184,15 +187,16 @@ class OpenRewardBuilder(EnvBuilder):
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         name = environment_name(type_name)
         if not name or not _NAME.match(name):
-            raise ValueError(f"OpenReward environments are named 'Org/EnvName' (or 'openreward:Org/EnvName'), "
-                             f"not {name!r}")
+            raise ValueError("OpenReward environments are named 'Org/EnvName' "
+                             f"(or 'openreward:Org/EnvName'), not {name!r}")
         unknown = sorted(set(args) - set(ALLOWED_ARGS))
         if unknown:
             raise ValueError(f"unknown OpenReward args {unknown} (allowed: {', '.join(ALLOWED_ARGS)})")
         splits = args.get("splits", {})
         if not isinstance(splits, dict) or not all(k in ("train", "test") and isinstance(v, str) and v
                                                    for k, v in splits.items()):
-            raise ValueError("args.splits maps 'train' / 'test' to OpenReward split names, e.g. {test: validation}")
+            raise ValueError("args.splits maps 'train' / 'test' to OpenReward split names, "
+                             "e.g. {test: validation}")
         if args.get("variant") is not None and not isinstance(args["variant"], str):
             raise ValueError("args.variant must be a string")
         base_url = args.get("base_url")
@@ -224,7 +228,8 @@ class OpenRewardBuilder(EnvBuilder):
                             "test": wanted.get("test") or ("test" if "test" in available else "validation")}
         if self.split_names["train"] not in available:
             raise ValueError(f"OpenReward environment {self.openreward_environment} has no split "
-                             f"{self.split_names['train']!r} (it has {', '.join(available)}); set args.splits.train")
+                             f"{self.split_names['train']!r} (it has {', '.join(available)}); "
+                             "set args.splits.train")
         self.available_splits = available
         self._num: dict[str, int] = {}
 

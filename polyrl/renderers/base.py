@@ -93,7 +93,8 @@ class Renderer(ABC):
         (messages for malformed calls). Never raises on model output."""
 
     @abstractmethod
-    def supervised(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> tuple[list[int], list[float]]:
+    def supervised(self, messages: list[Message],
+                   tools: list[ToolSpec] | None = None) -> tuple[list[int], list[float]]:
         """Tokens of a whole conversation and per-token weights: 1 on assistant-produced tokens
         (including their end-of-turn token), 0 elsewhere. Built turn by turn from
         ``initial_prompt``/``continuation`` so supervised data matches what sampling sees."""
@@ -137,7 +138,8 @@ class Renderer(ABC):
 
     def decode(self, tokens: list[int]) -> str:
         """Ids -> text keeping special tokens and spacing exactly (parsing needs the markers)."""
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def single_token_id(self, text: str) -> int | None:
         """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None."""

@@ -1,8 +1,8 @@
-"""Tinker's wire formats: JSON request bodies in, protobuf and JSON results out.
+"""Tinker's wire formats in: JSON request bodies and protobuf ``forward_backward`` requests.
 
-Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the encodings mirror the
-SDK's ``request_conv`` (what it sends) and ``response_conv`` (what it decodes); a ``SampleResponse``'s
-are :mod:`polyrl.serve.sample_wire`'s. JSON bodies are
+Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the decodings mirror the
+SDK's ``request_conv`` (what it sends); results go out through :mod:`polyrl.serve.output_wire`
+(``forward_backward``) and :mod:`polyrl.serve.sample_wire` (``SampleResponse``). JSON bodies are
 validated with small models that ignore unknown keys (a newer SDK may send more) and reuse the
 SDK's own types for the nested parts (``ModelInput``, ``SamplingParams``, ``AdamParams``, ``LoraConfig``).
 """
@@ -102,11 +102,12 @@ class OptimStepReq(_Req):
         if p is not None:
             for name in ("learning_rate", "eps", "weight_decay"):
                 value = getattr(p, name)
-                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0", value)
+                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0",
+                       value)
             for name in ("beta1", "beta2"):
                 _check(0 <= getattr(p, name) < 1, f"adam_params.{name}", "in [0, 1)", getattr(p, name))
-            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm", "finite (<= 0: no clipping)",
-                   p.grad_clip_norm)
+            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm",
+                   "finite (<= 0: no clipping)", p.grad_clip_norm)
         return self
 
 
@@ -158,10 +159,12 @@ class SampleReq(_Req):
         _check(math.isfinite(p.temperature) and p.temperature >= 0, "sampling_params.temperature",
                "a finite number >= 0", p.temperature)
         _check(0 < p.top_p <= 1, "sampling_params.top_p", "in (0, 1]", p.top_p)
-        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count", p.top_k)
-        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens", "a positive count",
-               p.max_tokens)
-        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer", p.seed)
+        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count",
+               p.top_k)
+        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens",
+               "a positive count", p.max_tokens)
+        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer",
+               p.seed)
         return self
 
 
@@ -235,13 +238,15 @@ def peek_json_ids(body: bytes) -> tuple[str, int] | None:
         model_id, seq_id = data["model_id"], data["seq_id"]
     except Exception:  # noqa: BLE001
         return None
-    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+    ok = (isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool)
+          and seq_id >= 1)
     return (model_id, seq_id) if ok else None
 
 
 def _summarize(e: ValidationError, limit: int = 3) -> str:
     errors = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}" for err in errors[:limit]]
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}"
+             for err in errors[:limit]]
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
@@ -347,13 +352,15 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     try:
         msg.ParseFromString(body)
     except DecodeError as e:
-        raise RequestError(400, f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf: {e}") from None
+        raise RequestError(400, "forward_backward body is not a tinker_public.ForwardBackwardRequest "
+                                f"protobuf: {e}") from None
     if not msg.model_id:
         raise RequestError(400, "forward_backward request has no model_id")
     if msg.seq_id < 1:
         raise RequestError(400, f"forward_backward request needs a seq_id >= 1, got {msg.seq_id}")
     if msg.loss_fn_config_v2:
-        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
+                  for k, v in msg.loss_fn_config_v2.items()}
     else:
         config = dict(msg.loss_fn_config)
     for k, v in config.items():
@@ -435,7 +442,8 @@ def _datum_size(d: pb.Datum, limits: RequestLimits) -> tuple[int, int, int]:
         kind = c.WhichOneof("chunk")
         if kind == "image":
             image = c.image
-            n += check_image(image.data, image.format, image.expected_tokens, limits, f"model_input chunk {k}")
+            n += check_image(image.data, image.format, image.expected_tokens, limits,
+                             f"model_input chunk {k}")
             pictures += 1
             continue
         if kind != "encoded_text":
@@ -549,49 +557,3 @@ def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # one NaN would poison the adapter's weights
         raise ValueError(f"{field} holds values that are not finite (NaN or infinity)")
     return types.TensorData(data=arr, dtype=dtype, shape=shape)
-
-
-# ---- results ----------------------------------------------------------------------------------------
-_OUT_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
-
-
-def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
-    """``ForwardBackwardOutput`` as one ``ArrayRecord`` of per-datum arrays (what the SDK decodes)."""
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
-    for k, v in out.metrics.items():
-        msg.metrics[k] = float(v)
-    outputs = out.loss_fn_outputs
-    names = list(outputs[0]) if outputs else []
-    trailing = [tuple(tuple(o[name].to_numpy().shape[1:]) for name in names) for o in outputs]
-    start = 0
-    while start < len(outputs):  # one record per run of datums whose outputs share their trailing shapes
-        end = start + 1
-        while end < len(outputs) and trailing[end] == trailing[start]:
-            end += 1
-        record = msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord",
-                                         num_datums=end - start)
-        for name in names:
-            arrays = [np.ascontiguousarray(o[name].to_numpy()) for o in outputs[start:end]]
-            dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
-            arrays = [a.astype(dtype, copy=False) for a in arrays]
-            offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-            offsets[1:] = np.cumsum([a.nbytes for a in arrays])
-            bt = record.fields[name]
-            bt.data = b"".join(a.tobytes() for a in arrays)
-            bt.offsets = offsets.tobytes()
-            bt.dtype = _OUT_DTYPES[dtype]
-            bt.trailing_shape.extend(arrays[0].shape[1:])
-        start = end
-    if not outputs:
-        msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord", num_datums=0)
-    return msg.SerializeToString()
-
-
-def forward_backward_output_json(out: types.ForwardBackwardOutput) -> dict:
-    return {
-        "loss_fn_output_type": out.loss_fn_output_type,
-        "loss_fn_outputs": [{k: {"data": td.to_numpy().reshape(-1).tolist(), "dtype": td.dtype,
-                                 "shape": list(td.to_numpy().shape)} for k, td in o.items()}
-                            for o in out.loss_fn_outputs],
-        "metrics": dict(out.metrics),
-    }
