@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--polyrl-schedule", choices=["linear", "constant"], default="linear",
                     help="polyrl's lr_schedule (default: linear decay to 0, as GRPOTrainer's default schedule)")
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="polyrl's local.sampler_dtype (auto: bfloat16 on a CPU with AVX-512 BF16 or AMX)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL training, write JSON here
@@ -135,7 +137,7 @@ def run_polyrl(args, model: str, work: Path) -> dict:
         "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "lr_schedule": args.polyrl_schedule,
         "batch_size": args.batch,
         "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed,
-        "local": {"store_dir": str(work / "store")},
+        "local": {"store_dir": str(work / "store"), "sampler_dtype": args.sampler_dtype},
         "log_path": str(log), "save_every": 0, "eval_every": 0, "outputs": {"report": False},
         "environments": {args.env: {"args": json.loads(args.env_args), "num_rollouts": args.group,
                                     "splits": {"test": None}}},
@@ -147,6 +149,10 @@ def run_polyrl(args, model: str, work: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"polyrl train failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    attempt = json.loads((log / "attempts.jsonl").read_text().splitlines()[0])
+    for entry in attempt.get("sampler", []):
+        print(f"polyrl sampler {entry['sampler_dtype']}, learner {entry['learner_dtype']} "
+              f"(sampler_dtype {args.sampler_dtype}; copy {entry['copy_bytes'] / 2**20:.0f} MiB)", flush=True)
     return {"lr": args.lr, "reward": [r["reward/mean"] for r in rows], "step_s": [r["time/total"] for r in rows]}
 
 

@@ -71,17 +71,17 @@ class LocalEngineConfig(BaseModel):
 
     device: str = Field("auto", description="Torch device ('auto', 'cpu', 'cuda', 'cuda:1', 'mps', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; 'auto' picks from the device."
-    )
-    store_dir: str | None = Field(
-        None, description="Directory of the engine's checkpoint store; null = $POLYRL_STORE_DIR or "
-        "~/.cache/polyrl/store."
-    )
+        "auto", description="Parameter dtype; 'auto' picks from the device.")
+    sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
+        "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "
+        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.")
+    store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
+                                  "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
     micro_batch_tokens: int = Field(
         DEFAULT_MICRO_BATCH_TOKENS, ge=1, description="Tokens per forward/backward pass (packed, padding "
         "included); a step's datums are split into as many passes as needed. Lower it if training runs out "
-        "of memory.",
-    )
+        "of memory.")
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",

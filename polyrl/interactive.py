@@ -328,6 +328,10 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--sampler-dtype", "--sampler_dtype", dest="sampler_dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype sampling computes in (auto: bfloat16 on GPUs and on CPUs with native bfloat16 "
+                        "arithmetic, else --dtype's)")
 
 
 def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
@@ -337,7 +341,7 @@ def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
     screen = screen or Screen()
     policy = resolve_policy(args.checkpoint, args.store_dir)
     screen.text(f"loading {policy.label} ...", style="dim")
-    opened = open_trained(policy, args.device, args.dtype, args.renderer)
+    opened = open_trained(policy, args.device, args.dtype, args.renderer, args.sampler_dtype)
     sampler, renderer = opened.client, opened.renderer
     screen.text(f"chat with {policy.label} (renderer {renderer.name}); /reset starts over, /quit ends",
                 style="bold")
@@ -449,7 +453,7 @@ def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Epi
         store_dir = args.store_dir or (config.local.store_dir if config else None)
         policy = resolve_policy(args.checkpoint, store_dir)
         screen.text(f"loading {policy.label} ...", style="dim")
-        opened = open_trained(policy, args.device, args.dtype, renderer_name)
+        opened = open_trained(policy, args.device, args.dtype, renderer_name, args.sampler_dtype)
         sampler, renderer = opened.client, opened.renderer
         who = policy.label
     else:

@@ -42,8 +42,9 @@ def update_metrics(params: OptimParams, minibatches: list[Minibatch],
             metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
                 1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
         metrics.update(off_policy_metrics(fwd_metrics + [m.correction for m in minibatches]))
-        for key, value in (optimized.optim.metrics or {}).items():
-            metrics[f"optim/{key.split(':')[0]}"] = value
+        for key, value in (optimized.optim.metrics or {}).items():  # "sampler/..." keep their names
+            name = key.split(":")[0]
+            metrics[name if "/" in name else f"optim/{name}"] = value
     metrics["optim/datums"] = float(len(episodes_D))
     metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes_D))
     metrics["tokens/total"] = float(sum(len(ep.tokens) - 1 for ep in episodes_D))

@@ -10,6 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# The suite's exact sampler/learner agreements are float32's; tests/test_sampler_precision.py covers the
+# low-precision sampler that ``local.sampler_dtype: auto`` picks on CPUs with bfloat16 arithmetic.
+os.environ.setdefault("POLYRL_SAMPLER_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

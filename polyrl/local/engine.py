@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import io
 import itertools
+import logging
 import math
 import queue
 import sys
@@ -40,8 +41,11 @@ from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
 from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
+from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
 from polyrl.local.vision import keyed
+
+log = logging.getLogger("polyrl.local")
 
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
@@ -108,7 +112,7 @@ def _return_large_blocks_to_the_os() -> None:
 
 
 class Engine:
-    """Owns base models, adapters and the worker thread. One per (store, device, dtype)."""
+    """Owns base models, adapters and the worker thread. One per (store, device, dtype, ...)."""
 
     _shared: dict[tuple, "Engine"] = {}
     _shared_lock = threading.RLock()  # also taken in __init__, which shared() calls holding it
@@ -117,28 +121,34 @@ class Engine:
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-               gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None) -> "Engine":
+               gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+               sampler_dtype: str = "auto") -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
-               max_store_bytes)
+               max_store_bytes, sampler_dtype)
         with cls._shared_lock:
             if key not in cls._shared:
                 cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                       max_store_bytes)
+                                       max_store_bytes, sampler_dtype)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None):
+                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+                 sampler_dtype: str = "auto"):
         if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
         if gradient_checkpointing not in ("auto", True, False):
             raise ValueError(f"gradient_checkpointing must be 'auto', true or false, got {gradient_checkpointing!r}")
         if max_store_bytes is not None and (type(max_store_bytes) is not int or max_store_bytes < 1):
             raise ValueError(f"max_store_bytes must be a positive integer or None, got {max_store_bytes!r}")
+        if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
+            raise ValueError(f"sampler_dtype must be 'auto' or one of {sorted(DTYPES)}, "
+                             f"got {sampler_dtype!r}")
         _return_large_blocks_to_the_os()
         self.store = Store(store_dir, max_store_bytes)
         self.device_name = device
         self.dtype_name = dtype
+        self.sampler_dtype_name = sampler_dtype
         self.micro_batch_tokens = micro_batch_tokens
         self.gradient_checkpointing = gradient_checkpointing
         self._bases: dict[str, BaseModel] = {}
@@ -252,10 +262,11 @@ class Engine:
                 if self._generator is None:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
-                with base.use_for_sampling(adapter) if adapter else base.use(None) as model:
+                with base.use_for_sampling(adapter) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
-                                       logits_fn=base.logits if base.split_head or base.vision else None,
-                                       vision=base.vision)
+                                       logits_fn=(base.sampler_logits if base.split_head or base.vision
+                                                  else None),
+                                       vision=base.vision, decode_fn=base.sampler_decode_step)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001
@@ -266,7 +277,10 @@ class Engine:
     # ---- models (worker thread only) ---------------------------------------------------------
     def base(self, name: str) -> BaseModel:
         if name not in self._bases:
-            self._bases[name] = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing)
+            base = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing,
+                             self.sampler_dtype_name)
+            log.info("%s: %s", name, base.sampler_note)
+            self._bases[name] = base
         return self._bases[name]
 
     def loaded_models(self) -> list[BaseModel]:
@@ -377,7 +391,9 @@ class Engine:
         st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
         st.steps += 1
-        return types.OptimStepResponse(metrics={"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate})
+        return types.OptimStepResponse(metrics={"grad_norm:mean": norm,
+                                                "learning_rate:mean": params.learning_rate,
+                                                **sampler_metrics(st.base)})
 
     # ---- checkpoints (worker thread only) ---------------------------------------------------
     def _meta(self, st: TrainerState, user_metadata: dict | None = None) -> dict:
@@ -532,3 +548,10 @@ def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
         if sum(_count_not_finite(moments)):
             raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; "
                                        "nothing was written")
+
+
+def sampler_metrics(base: BaseModel) -> dict[str, float]:
+    """The sampler's precision (bits per number) and the memory its own copy of the weights holds (MiB;
+    0 when it samples from the learner's weights), as the engine reports them with each optimizer step."""
+    return {"sampler/dtype_bits:mean": float(torch.finfo(base.sampler_dtype).bits),
+            "sampler/copy_mib:mean": base.sampler_bytes / 2**20}

@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
+from polyrl.local.sampler_copy import DTYPES, MergeTarget, SamplerCopy, describe, select_sampler_dtype
 from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
@@ -33,7 +34,8 @@ CHECKPOINTING_AUTO_PARAMS = 300_000_000
 MASKED_ATTENTION_SLOWDOWN = 2.0
 # Sampling from a LoRA snapshot uses the adapter folded into a copy of the weights it adapts (no side
 # branch per layer: ~8% fewer FLOPs and ~800 fewer ops per decode step on a 30-layer model) when that
-# copy takes at most this much memory; bigger models sample through PEFT's side branches.
+# copy takes at most this much memory; bigger models sample through PEFT's side branches (or, with a
+# sampler copy in another dtype, fold the snapshot over the copy's own weights).
 MERGED_SAMPLING_MAX_BYTES = 2 << 30
 #: Held while a Hugging Face model loads: loading is not thread-safe (a module built on one thread can
 #: land on another load's meta device: "Cannot copy out of meta tensor"). A script that loads models
@@ -55,7 +57,7 @@ def select_device(device: str = "auto") -> torch.device:
 def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on GPUs that support it, float32 elsewhere (CPU math is float32)."""
     if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        return DTYPES[dtype]
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -88,7 +90,7 @@ class BaseModel:
     """A Hugging Face causal LM wrapped by PEFT, holding named LoRA adapters."""
 
     def __init__(self, name: str, device: str = "auto", dtype: str = "auto",
-                 gradient_checkpointing: bool | str = "auto"):
+                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.name = name
@@ -117,6 +119,14 @@ class BaseModel:
         self._tokenizer = None
         self._linears = self._linear_layers()
         self.num_parameters = sum(p.numel() for p in model.parameters())
+        # the sampler's own copy of the weights when it samples in another dtype (before PEFT wraps the
+        # model and the blocks are wrapped for checkpointing, neither of which the copy shares)
+        self.sampler_dtype, self.sampler_reason = select_sampler_dtype(sampler_dtype, self.device, self.dtype)
+        if self.vision is not None and self.sampler_dtype != self.dtype:  # images go through the learner's
+            self.sampler_dtype = self.dtype
+            self.sampler_reason = "a vision-language model samples in the learner's dtype"
+        self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES)
+                             if self.sampler_dtype != self.dtype else None)
         if gradient_checkpointing == "auto":
             gradient_checkpointing = self.num_parameters >= CHECKPOINTING_AUTO_PARAMS
         self.gradient_checkpointing = bool(gradient_checkpointing)
@@ -348,11 +358,43 @@ class BaseModel:
             self._slot_owner[slot] = owner
         return slot
 
+    # ---- sampling ---------------------------------------------------------------------------
+    @property
+    def sampler_note(self) -> str:
+        """One line: the sampler's dtype, why, and the memory of its copy of the weights."""
+        return describe(self.sampler_dtype, self.sampler_reason, self.dtype, self.sampler_bytes)
+
+    @property
+    def sampler_bytes(self) -> int:
+        """Memory the sampler holds beside the learner's weights: its copy, with the snapshots folded in."""
+        return self.sampler_copy.nbytes if self.sampler_copy is not None else 0
+
+    @property
+    def sampler_decode_step(self):
+        """A one-token decode step for the sampling model, faster than its forward where there is one."""
+        return self.sampler_copy.fast_step if self.sampler_copy is not None else None
+
+    def sampler_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states of the model :meth:`use_for_sampling` gives."""
+        return self.sampler_copy.logits(hidden) if self.sampler_copy is not None else self.logits(hidden)
+
     @contextlib.contextmanager
-    def use_for_sampling(self, slot: str) -> Iterator[torch.nn.Module]:
-        """The model with sampling slot ``slot``'s adapter, folded into the weights when affordable
-        (:data:`MERGED_SAMPLING_MAX_BYTES`): each adapted layer's base weight is swapped for
-        ``W + scale * B @ A`` (computed once per snapshot) while the adapters are disabled."""
+    def use_for_sampling(self, slot: str | None) -> Iterator[torch.nn.Module]:
+        """The model to sample from, with sampling slot ``slot``'s adapter (``None``: the bare base model).
+
+        With a sampler copy in its own dtype, the copy with the snapshot folded in. Otherwise the learner's
+        model, the adapter folded into its weights when affordable (:data:`MERGED_SAMPLING_MAX_BYTES`): each
+        adapted layer's base weight is swapped for ``W + scale * B @ A`` (computed once per snapshot) while
+        the adapters are disabled."""
+        if self.sampler_copy is not None:
+            owner = self._slot_owner.get(slot) if slot is not None else None
+            with self.sampler_copy.use(slot, owner, lambda: self._merge_targets(slot)) as model:
+                yield model
+            return
+        if slot is None:
+            with self.use(None) as model:
+                yield model
+            return
         merged = self._merged_weights(slot)
         if merged is None:
             with self.use(slot) as model:
@@ -367,6 +409,25 @@ class BaseModel:
         finally:
             for base_layer, weight in originals:
                 base_layer._parameters["weight"] = weight
+
+    def _merge_targets(self, slot: str) -> list[MergeTarget]:
+        """Every weight sampling slot ``slot``'s adapter changes, named as in the bare model."""
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora.layer import ParamWrapper
+
+        targets = []
+        for name, m in self.peft_model.named_modules():
+            if not (hasattr(m, "lora_A") and slot in m.lora_A):
+                continue
+            path = ".".join(p for p in name.removeprefix("base_model.model.").split(".") if p != "base_layer")
+            if isinstance(m, ParamWrapper):  # fused expert weights; wrappers of one module nest
+                targets.append(MergeTarget(path, m.parameter_name, lambda m=m: m.get_delta_weight(slot)))
+            elif isinstance(m, LoraLinear):
+                targets.append(MergeTarget(path, "weight", lambda m=m: m.get_delta_weight(slot)))
+            else:
+                raise ValueError(f"cannot fold the LoRA of {name} ({type(m).__name__}) into the sampler's "
+                                 "weights")
+        return targets
 
     def _merged_weights(self, slot: str) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
         from peft.tuners.lora import Linear as LoraLinear

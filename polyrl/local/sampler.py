@@ -38,11 +38,14 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
+from polyrl.local.cpu_decode import DECODE_ATTENTION
+
 MAX_LOGPROBS_K = 128  # widest top-K / target / alternative-token request (also bounded by the vocabulary)
 TOPK_MASK_LOGPROB = -99999.0  # Tinker's filler for a top-K row with nothing in it (token 0)
 PROMPT_CHUNK_BYTES = 64 << 20  # float32 logits of prompt positions alive at once
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
+PADDED_DECODE_CAPACITY = 64  # the same for a padded cache (see _BufferLayer)
 
 
 @dataclass
@@ -86,33 +89,57 @@ def _buffer_layer_class():
 
     class _BufferLayer(DynamicLayer):
         """A ``DynamicLayer`` that appends into a preallocated buffer (grown by doubling) and returns
-        views of it, instead of concatenating the whole cache on every decode step."""
+        views of it, instead of concatenating the whole cache on every decode step.
 
-        def __init__(self, capacity: int):
+        ``padded``: a one-token step gets the whole buffer instead (zeros past the cached positions, which
+        the attention mask then masks, as for Hugging Face's static cache): a contiguous tensor, which the
+        batched products of :func:`polyrl.local.cpu_decode.decode_attention` need to run at speed in
+        bfloat16 (a view of part of the buffer is copied on every call). The buffer then grows by a quarter,
+        not by doubling, as attention runs over all of it."""
+
+        def __init__(self, capacity: int, padded: bool = False):
             super().__init__()
             self.capacity = capacity
+            self.padded = padded
             self.length = 0
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
             cap = max(self.capacity, key_states.shape[-2])
-            self._k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            new = key_states.new_zeros if self.padded else key_states.new_empty
+            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            self._v = new((*value_states.shape[:-2], cap, value_states.shape[-1]))
             self.is_initialized = True
+
+        def _reserve(self, end: int) -> None:
+            if end > self._k.shape[-2]:
+                cap = self._k.shape[-2]
+                cap = max(end, cap + max(64, cap // 4) if self.padded else 2 * cap)
+
+                def grow(b: torch.Tensor) -> torch.Tensor:
+                    more = b.new_zeros((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))
+                    return torch.cat([b, more], dim=-2)
+
+                self._k, self._v = grow(self._k), grow(self._v)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.length + key_states.shape[-2]
-            if end > self._k.shape[-2]:
-                cap = max(end, 2 * self._k.shape[-2])
-                grow = lambda b: torch.cat([b, b.new_empty((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))], dim=-2)  # noqa: E731
-                self._k, self._v = grow(self._k), grow(self._v)
+            self._reserve(end)
             self._k[..., self.length : end, :] = key_states
             self._v[..., self.length : end, :] = value_states
             self.length = end
             self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+            if self.padded and key_states.shape[-2] == 1:
+                return self._k, self._v
             return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            if self.padded and query_length == 1 and self.is_initialized:
+                self._reserve(self.length + 1)  # here, so that the mask has the length update returns
+                return self._k.shape[-2], 0
+            return super().get_mask_sizes(query_length)
 
         def get_seq_length(self) -> int:
             return self.length
@@ -123,6 +150,16 @@ def _buffer_layer_class():
                 self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
 
     return _BufferLayer
+
+
+def new_cache(capacity: int, padded: bool = False):
+    """A Hugging Face ``DynamicCache`` whose layers are ``_BufferLayer`` objects of ``capacity`` positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    layer_class = _buffer_layer_class()
+    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
+    return cache
 
 
 @dataclass
@@ -216,12 +253,14 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
-             logits_fn=None, vision=None) -> list[types.SampleResponse]:
+             logits_fn=None, vision=None, decode_fn=None) -> list[types.SampleResponse]:
     """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
     unembeds every position only of the prompts whose logprobs were asked for. ``vision``: a
-    vision-language model's :class:`polyrl.local.vision.Vision` (then ``logits_fn`` is required)."""
+    vision-language model's :class:`polyrl.local.vision.Vision` (then ``logits_fn`` is required).
+    ``decode_fn(tokens, positions, mask, cache)``, if given, computes a one-token step's logits in the
+    model's place for rows without multimodal positions (:class:`polyrl.local.cpu_decode.FastDecode`)."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
     unique: dict[tuple, int] = {}
     first: dict[int, SampleJob] = {}
@@ -240,14 +279,13 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     lp_prompts = sorted({unique[j.key] for j in jobs if j.wants_prompt})
     with_images = [first[i] for i in range(len(prompts)) if first[i].images]
     deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
     capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
-    layer_class = _buffer_layer_class()
-    cache.layer_class_to_replicate = lambda: layer_class(capacity)
+    padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
+    if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
+        capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
+    cache = new_cache(capacity, padded)
     split = logits_fn is not None and (bool(lp_prompts) or bool(with_images))
     if with_images:  # the multimodal model: images encoded and placed, multimodal positions
         multimodal = positions.unsqueeze(0).repeat(3, 1, 1)
@@ -306,7 +344,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
         _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
-                generator, deltas if bool(deltas.any()) else None)
+                generator, deltas if bool(deltas.any()) else None,
+                decode_fn)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -433,7 +472,8 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 
 
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
-            tokenizer, device, generator, prompt_deltas=None):
+            tokenizer, device, generator, prompt_deltas=None,
+            decode_fn=None):
     index = torch.tensor(row_prompt, device=device)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]
@@ -498,18 +538,21 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
-        step_pos = next_pos.unsqueeze(1)
-        if delta is not None:  # [text index, then time/height/width: the index plus the prompt's delta]
-            step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])
-        out = model(
-            input_ids=tokens.unsqueeze(1),
-            attention_mask=mask_buf[:, :width],
-            position_ids=step_pos,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        if decode_fn is not None and delta is None:
+            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()
+        else:
+            step_pos = next_pos.unsqueeze(1)
+            if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
+                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])
+            out = model(
+                input_ids=tokens.unsqueeze(1),
+                attention_mask=mask_buf[:, :width],
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :].float()
         next_pos = next_pos + 1
-        logits = out.logits[:, -1, :].float()
 
 
 def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], max_chars: int, tokenizer) -> bool:

@@ -173,7 +173,9 @@ class ServiceClient:
     tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
     300M parameters and more) trades recomputation for activation memory. ``max_store_bytes`` caps
     the store (a save past it is refused); ``project_id`` (or ``$TINKER_PROJECT_ID``) is where
-    ``copy_weights`` puts copies, as in the SDK.
+    ``copy_weights`` puts copies, as in the SDK. ``sampler_dtype`` is the dtype sampling computes in
+    (``auto``: bfloat16 where the device runs it fast; see
+    :func:`polyrl.local.sampler_copy.select_sampler_dtype`).
 
     The client is the session: the sequences its samplers record (``record_stability_info=True``) are
     what its training clients' ``stable_reinforce`` datums may name (:mod:`polyrl.local.stability`).
@@ -182,9 +184,9 @@ class ServiceClient:
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-                 project_id: str | None = None, **_ignored: Any):
+                 project_id: str | None = None, sampler_dtype: str = "auto", **_ignored: Any):
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                    max_store_bytes)
+                                    max_store_bytes, sampler_dtype)
         self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self.records = SequenceRecords()
@@ -259,6 +261,16 @@ class ServiceClient:
                 for n in names
             ]
         )
+
+    def sampler_precision(self) -> list[dict[str, Any]]:
+        """For each base model loaded: the sampler's dtype and the learner's, why (``note``: one line), and
+        the memory of the sampler's own copy of the weights (0 when it samples from the learner's)."""
+        def read() -> list[dict[str, Any]]:
+            return [{"model": b.name, "sampler_dtype": str(b.sampler_dtype).removeprefix("torch."),
+                     "learner_dtype": str(b.dtype).removeprefix("torch."), "copy_bytes": b.sampler_bytes,
+                     "note": b.sampler_note} for b in self.engine.loaded_models()]
+
+        return self.engine.call(read)
 
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)

@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype sampling computes in, apart from training (a copy of the weights); auto: "
+                        "bfloat16 on GPUs and on CPUs with native bfloat16 arithmetic, else --dtype's")
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per forward/backward pass (default {DEFAULT_MICRO_BATCH_TOKENS}); lower it "
                         "if training runs out of memory")
@@ -124,6 +127,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                              f"{args.micro_batch_tokens}")
     checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
     local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
+                              sampler_dtype=args.sampler_dtype,
                               micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
                               gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes)
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,

@@ -95,7 +95,8 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         self.config = config
         local = config.local
         self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
-                                       local.gradient_checkpointing, local.max_store_bytes)
+                                       local.gradient_checkpointing, local.max_store_bytes,
+                                       local.sampler_dtype)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
