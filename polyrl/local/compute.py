@@ -20,7 +20,8 @@ from polyrl.local.packing import MicroBatch
 LOGITS_CHUNK_BYTES = 64 << 20
 
 
-def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor,
+                    targets: torch.Tensor) -> torch.Tensor:
     """``log p(targets[j] | hidden[local[j]])`` for each request ``j`` of one chunk."""
     logits = base.logits(hidden)
     return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]
@@ -63,11 +64,13 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
     pieces = []
     for start in range(0, len(positions), per_chunk):
         end = min(start + per_chunk, len(positions))
-        lo, hi = torch.searchsorted(inverse_sorted, torch.tensor([start, end], device=inverse_sorted.device)).tolist()
+        lo, hi = torch.searchsorted(inverse_sorted,
+                                    torch.tensor([start, end], device=inverse_sorted.device)).tolist()
         hidden = flat[positions[start:end]]
         local = inverse_sorted[lo:hi] - start
         if recompute:
-            pieces.append(checkpoint(_chunk_logprobs, base, hidden, local, target_sorted[lo:hi], use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, base, hidden, local, target_sorted[lo:hi],
+                                     use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(base, hidden, local, target_sorted[lo:hi]))
     lp = torch.cat(pieces)[torch.argsort(order)]

@@ -191,7 +191,8 @@ def resolve_stops(stop, tokenizer, eos_ids: list[int]) -> tuple[frozenset[int], 
     return frozenset(ids), tuple(strings)
 
 
-def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k and top-p masking, row by row (vectorised)."""
     x = logits / temps.clamp(min=1e-5).unsqueeze(1)
     needs_k = top_k > 0
@@ -281,7 +282,8 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
-    capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
+    capacity = width + min(INITIAL_DECODE_CAPACITY,
+                           max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
     padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
     if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
         capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
@@ -490,7 +492,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     any_greedy = bool((temps <= 0).any())
     plain = bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
     # the attention mask of every step is a view of one buffer (no per-step concatenation)
-    mask_buf = torch.ones((len(rows), mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
+    mask_buf = torch.ones((len(rows),
+                           mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
                           dtype=mask.dtype, device=device)
     mask_buf[:, : mask.shape[1]] = mask
     width = mask.shape[1]
@@ -505,7 +508,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
             sampled = _inverse_cdf(logp.exp(), u)
         else:
-            sampled = _inverse_cdf(torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
+            sampled = _inverse_cdf(
+                torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
         tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
         step += 1
         token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -522,7 +526,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
             if tok in job.stop_ids:
                 row.stop_reason = "stop"
-            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars, tokenizer):
+            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars,
+                                                        tokenizer):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.stop_reason = "length"
