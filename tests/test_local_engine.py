@@ -1104,3 +1104,27 @@ print(tc.save_weights_for_sampler("fresh-process").result().path)
     there_path = out.stdout.strip().splitlines()[-1]
     there = load_file(checkpoint_dir(store, there_path) / "adapter_model.safetensors")
     assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+
+
+def test_a_stopping_engine_ends_sampling_at_the_next_decode_step(tiny_model_dir, tokenizer):
+    """A decode loop asks ``stopping()`` before each step: once the engine stops (Ctrl-C, interpreter
+    exit), the running sample ends within one step instead of running to ``max_tokens`` (a worker still
+    in torch code at shutdown aborts the process)."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.local.sampler import SampleJob, SamplingStopped, generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=3)
+    job = SampleJob([1, 2, 3], 2, params, max_tokens=64)
+    asked: list[int] = []
+
+    def stopping() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    with pytest.raises(SamplingStopped, match="stopping"):
+        generate(model, [job], tokenizer, torch.device("cpu"), None, stopping=stopping)
+    assert len(asked) == 6  # five decode steps ran, the sixth was never taken
+    whole = generate(model, [job], tokenizer, torch.device("cpu"), None, stopping=lambda: False)
+    assert len(whole[0].sequences) == 2  # never stopping: the jobs run as without the check

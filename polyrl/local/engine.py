@@ -180,8 +180,9 @@ class Engine:
 
     # ---- stopping ------------------------------------------------------------------------------
     def stop(self, timeout: float | None = STOP_TIMEOUT_S) -> bool:
-        """Stop the worker: operations still queued are cancelled, the one running finishes. Whether
-        the worker ended within ``timeout`` seconds. The engine takes no more work."""
+        """Stop the worker: operations still queued are cancelled, the one running finishes (sampling
+        ends at its next decode step, failing with ``SamplingStopped``). Whether the worker ended within
+        ``timeout`` seconds. The engine takes no more work."""
         self._stopped = True
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
@@ -269,7 +270,8 @@ class Engine:
                                        self._generator,
                                        logits_fn=(base.sampler_logits if base.split_head or base.vision
                                                   else None),
-                                       vision=base.vision, decode_fn=base.sampler_decode_step)
+                                       vision=base.vision, decode_fn=base.sampler_decode_step,
+                                       stopping=lambda: self._stopped)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001

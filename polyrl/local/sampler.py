@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,16 +253,23 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [B]
 
 
+class SamplingStopped(RuntimeError):
+    """The engine is stopping (Ctrl-C, interpreter exit): a decode loop ends at its next step instead of
+    running its jobs to the end, so the worker stops within one step."""
+
+
 @torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
-             logits_fn=None, vision=None, decode_fn=None) -> list[types.SampleResponse]:
+             logits_fn=None, vision=None, decode_fn=None,
+             stopping: Callable[[], bool] | None = None) -> list[types.SampleResponse]:
     """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
     unembeds every position only of the prompts whose logprobs were asked for. ``vision``: a
     vision-language model's :class:`polyrl.local.vision.Vision` (then ``logits_fn`` is required).
     ``decode_fn(tokens, positions, mask, cache)``, if given, computes a one-token step's logits in the
-    model's place for rows without multimodal positions (:class:`polyrl.local.cpu_decode.FastDecode`)."""
+    model's place for rows without multimodal positions (:class:`polyrl.local.cpu_decode.FastDecode`).
+    ``stopping()``, asked before each decode step, ends the loop with :class:`SamplingStopped`."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
     unique: dict[tuple, int] = {}
     first: dict[int, SampleJob] = {}
@@ -347,7 +355,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
         _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
                 generator, deltas if bool(deltas.any()) else None,
-                decode_fn)
+                decode_fn, stopping)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -475,7 +483,7 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
             tokenizer, device, generator, prompt_deltas=None,
-            decode_fn=None):
+            decode_fn=None, stopping=None):
     index = torch.tensor(row_prompt, device=device)  # [B]: each sample row's prompt (B is now the samples)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]  # [B, T]
@@ -503,6 +511,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
 
     while True:
+        if stopping is not None and stopping():
+            raise SamplingStopped("the local engine is stopping: sampling ended early")
         u = _row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
         logp = torch.log_softmax(logits, dim=-1)  # [B, V]
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
