@@ -43,8 +43,9 @@ def local_service(threads: int, **local):
 
 
 def add_model_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="a model directory (e.g. SmolLM2-135M-Instruct from `polyrl tiny-model OUT "
-                                    "--size smollm2-135m-instruct`) instead of the tiny model")
+    ap.add_argument("--model", help="a model directory (e.g. SmolLM2-135M-Instruct from "
+                                    "`polyrl tiny-model OUT --size smollm2-135m-instruct`) "
+                                    "instead of the tiny model")
 
 
 def build_model(root: Path, model: str | None = None) -> Path:

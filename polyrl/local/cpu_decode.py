@@ -220,33 +220,34 @@ class FastDecode:
         ``positions`` ``[B]``, ``mask`` ``[B, W]`` (1: attend) over the ``W`` positions so far, ``cache`` a
         Hugging Face cache of padded buffer layers (their ``update`` returns the whole buffer)."""
         batch, heads, kv_heads, dim = tokens.shape[0], self.heads, self.kv_heads, self.dim
-        x = self.decoder.embed_tokens(tokens)
+        x = self.decoder.embed_tokens(tokens)  # [B, hidden]
         cos, sin = self.decoder.rotary_emb(x, positions.unsqueeze(1))
-        cos, sin = cos.reshape(batch, 1, dim), sin.reshape(batch, 1, dim)
+        cos, sin = cos.reshape(batch, 1, dim), sin.reshape(batch, 1, dim)  # [B, 1, D]
         half = dim // 2
         bias = None
         for index, layer in enumerate(self.decoder.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            qkv = attention.q_proj.group(layer.input_layernorm(x))
+            qkv = attention.q_proj.group(layer.input_layernorm(x))  # [B, (H + 2 * KV) * D]
             q, k, v = qkv.split(attention.q_proj.group.sizes, dim=-1)
-            if hasattr(attention, "q_norm"):
+            if hasattr(attention, "q_norm"):  # qk: [B, H + KV, D], the queries then the keys
                 qk = torch.cat([attention.q_norm(q.reshape(batch, heads, dim)),
                                 attention.k_norm(k.reshape(batch, kv_heads, dim))], dim=1)
             else:
                 qk = qkv[:, : (heads + kv_heads) * dim].reshape(batch, heads + kv_heads, dim)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2),
+            keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2),  # [B, KV, L, D]
                                                       v.reshape(batch, kv_heads, 1, dim))
             if bias is None:
-                attend = torch.zeros((batch, keys.shape[2]), dtype=torch.bool, device=mask.device)
+                attend = torch.zeros((batch, keys.shape[2]), dtype=torch.bool, device=mask.device)  # [B, L]
                 attend[:, : mask.shape[1]] = mask.bool()
                 bias = mask_bias(attend)
+            # [B, KV, group, D]: the query heads grouped by the key/value head they share
             out = one_token_attention(qk[:, :heads], keys, values, attention.scaling, bias)
-            x = x + attention.o_proj(out.reshape(batch, heads * dim))
+            x = x + attention.o_proj(out.reshape(batch, heads * dim))  # [B, hidden]
             gate, up = mlp.gate_proj.group(layer.post_attention_layernorm(x)).split(mlp.gate_proj.group.sizes,
                                                                                     dim=-1)
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        return self.head(self.decoder.norm(x))
+        return self.head(self.decoder.norm(x))  # [B, V]
 
 
 def _fused(parent: torch.nn.Module, names: tuple[str, ...]) -> bool:

@@ -138,7 +138,8 @@ class Engine:
         if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
         if gradient_checkpointing not in ("auto", True, False):
-            raise ValueError(f"gradient_checkpointing must be 'auto', true or false, got {gradient_checkpointing!r}")
+            raise ValueError("gradient_checkpointing must be 'auto', true or false, "
+                             f"got {gradient_checkpointing!r}")
         if max_store_bytes is not None and (type(max_store_bytes) is not int or max_store_bytes < 1):
             raise ValueError(f"max_store_bytes must be a positive integer or None, got {max_store_bytes!r}")
         if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
@@ -200,7 +201,8 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         stopped = True
         for engine in engines:  # each gets what is left of the time
-            stopped = engine.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) and stopped
+            stopped = engine.stop(None if deadline is None
+                                  else max(0.0, deadline - time.monotonic())) and stopped
         return stopped
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -264,7 +266,8 @@ class Engine:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
                 with base.use_for_sampling(adapter) as model:
-                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
+                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device,
+                                       self._generator,
                                        logits_fn=(base.sampler_logits if base.split_head or base.vision
                                                   else None),
                                        vision=base.vision, decode_fn=base.sampler_decode_step,
@@ -316,7 +319,8 @@ class Engine:
                     for i, (d, s) in enumerate(zip(data, sampled))]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
-        with _all_or_nothing(st.params), st.base.use(st.adapter, train=backward), torch.set_grad_enabled(backward):
+        with (_all_or_nothing(st.params), st.base.use(st.adapter, train=backward),
+              torch.set_grad_enabled(backward)):
             for mb in self._micro_batches(st.base, prepared):
                 lps = packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])
                 members = [prepared[i] for i in mb.datums]
@@ -334,12 +338,14 @@ class Engine:
             metrics=reduce_metrics(parts),
         )
 
-    def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
+    def forward_backward_custom(self, st: TrainerState, data: list[types.Datum],
+                                fn) -> types.ForwardBackwardOutput:
         prepared = [prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
             for mb in self._micro_batches(st.base, prepared):
-                for i, lp in zip(mb.datums, packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
+                for i, lp in zip(mb.datums,
+                                 packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
                     lps[i] = lp
             loss, user_metrics = fn(data, lps)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -350,7 +356,8 @@ class Engine:
         metrics.update({k if ":" in k else f"{k}:sum": float(v) for k, v in (user_metrics or {}).items()})
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
-            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())} for lp in lps],
+            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())}
+                             for lp in lps],
             metrics=metrics,
         )
 

@@ -210,10 +210,11 @@ class BaseModel:
                                     use_cache=False, **vision)
             return out.last_hidden_state, True
         if self.split_head:
-            out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                              use_cache=False)
+            out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                              attention_mask=mask, use_cache=False)
             return out.last_hidden_state, True
-        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            use_cache=False)
         return out.logits.float(), False
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -276,8 +277,9 @@ class BaseModel:
         for kind in (k for k, on in wanted.items() if on):
             if not any(k == kind for k, _ in self._linears.values()):
                 raise UserInputError(
-                    f"train_{kind}: model {self.name!r} ({type(self.hf_model).__name__}) has no {kind} layers "
-                    f"that LoRA can train (linear layers or fused expert weights); set train_{kind} to false"
+                    f"train_{kind}: model {self.name!r} ({type(self.hf_model).__name__}) has no {kind} "
+                    f"layers that LoRA can train (linear layers or fused expert weights); "
+                    f"set train_{kind} to false"
                 )
         chosen = [(name, how) for name, (kind, how) in self._linears.items() if wanted[kind]]
         if not chosen:
@@ -328,7 +330,8 @@ class BaseModel:
                 yield self.hf_model
                 return
             if self.peft_model.active_adapter not in self._adapter_specs:
-                # once the last adapter is deleted PEFT keeps naming it active, and disable_adapter() looks it up
+                # once the last adapter is deleted PEFT keeps naming it active, and disable_adapter()
+                # looks it up
                 self.peft_model.set_adapter(next(iter(self._adapter_specs)))
             with self.peft_model.disable_adapter():
                 yield self.peft_model
@@ -349,7 +352,8 @@ class BaseModel:
         slot = self._sampling_slots.get(key)
         if slot is None:
             slot = f"sampler_{len(self._sampling_slots)}"
-            self.add_adapter(slot, LoraSpec(spec.rank, spec.train_mlp, spec.train_attn, spec.train_unembed, seed=0))
+            self.add_adapter(slot, LoraSpec(spec.rank, spec.train_mlp, spec.train_attn, spec.train_unembed,
+                                            seed=0))
             self._sampling_slots[key] = slot
         if self._slot_owner.get(slot) is not owner:
             with torch.no_grad():

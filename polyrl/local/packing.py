@@ -70,7 +70,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def pack_rows(sequences: list[list[int]], max_row: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
+def pack_rows(sequences: list[list[int]], max_row: int,
+              linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
     """Rows holding every sequence, sharing common prefixes of sequences adjacent in sorted order.
 
     Cost of a row of length ``L`` with ``T`` packed tokens: ``linear_per_pair * T + L**2``. A sequence

@@ -108,7 +108,7 @@ def _buffer_layer_class():
             self.dtype, self.device = key_states.dtype, key_states.device
             cap = max(self.capacity, key_states.shape[-2])
             new = key_states.new_zeros if self.padded else key_states.new_empty
-            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))
+            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))  # [B, KV, cap, D]
             self._v = new((*value_states.shape[:-2], cap, value_states.shape[-1]))
             self.is_initialized = True
 
@@ -192,17 +192,18 @@ def resolve_stops(stop, tokenizer, eos_ids: list[int]) -> tuple[frozenset[int], 
     return frozenset(ids), tuple(strings)
 
 
-def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k and top-p masking, row by row (vectorised)."""
-    x = logits / temps.clamp(min=1e-5).unsqueeze(1)
+    x = logits / temps.clamp(min=1e-5).unsqueeze(1)  # [B, V] / [B, 1]
     needs_k = top_k > 0
     needs_p = top_p < 1.0
     if bool(needs_k.any()) or bool(needs_p.any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [B, V] each, best first
         vocab = x.shape[-1]
-        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
-        k = torch.where(needs_k, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-        drop = ranks >= k
+        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)  # [1, V]
+        k = torch.where(needs_k, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)  # [B, 1]
+        drop = ranks >= k  # [B, V], in sorted order
         probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(-1) - probs  # mass of strictly better tokens
         drop |= before >= top_p.unsqueeze(1)
@@ -247,9 +248,9 @@ def _row_uniforms(seeds: torch.Tensor, seeded: torch.Tensor, step: int, generato
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row ``i``'s token: the first whose cumulative probability reaches ``u[i]`` of the row's total."""
-    cdf = probs.cumsum(-1)
-    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)
-    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    cdf = probs.cumsum(-1)  # [B, V]
+    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)  # [B, 1]
+    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [B]
 
 
 class SamplingStopped(RuntimeError):
@@ -277,7 +278,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     prompts = [first[i].prompt for i in range(len(unique))]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    pad = 0
+    pad = 0  # ids and mask: [B, T], B the unique prompts, left-padded to T = width
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
@@ -289,19 +290,20 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
-    capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
+    capacity = width + min(INITIAL_DECODE_CAPACITY,
+                           max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
     padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
     if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
         capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
     cache = new_cache(capacity, padded)
     split = logits_fn is not None and (bool(lp_prompts) or bool(with_images))
     if with_images:  # the multimodal model: images encoded and placed, multimodal positions
-        multimodal = positions.unsqueeze(0).repeat(3, 1, 1)
+        multimodal = positions.unsqueeze(0).repeat(3, 1, 1)  # [3, B, T]: time, height, width
         for i in range(len(prompts)):
             if first[i].mrope is not None:
                 multimodal[:, i, width - len(prompts[i]):] = first[i].mrope.to(device)
         out = vision.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
-                           position_ids=torch.cat([positions.unsqueeze(0), multimodal]),
+                           position_ids=torch.cat([positions.unsqueeze(0), multimodal]),  # [4, B, T]
                            **vision.inputs([im for job in with_images for im in job.images], device))
     else:
         out = (model.get_decoder() if split else model)(
@@ -313,14 +315,14 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
             **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
         )
     if split:  # unembed the last position of every prompt, every position of the asked-for ones
-        hidden = out.last_hidden_state
-        last_logits = logits_fn(hidden[:, -1, :])
+        hidden = out.last_hidden_state  # [B, T, D]
+        last_logits = logits_fn(hidden[:, -1, :])  # [B, V]
 
         def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
             return logits_fn(hidden[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi])
     else:
-        logits = out.logits
-        last_logits = logits[:, -1, :].float()
+        logits = out.logits  # [B, T, V], or [B, 1, V] when only the last position is kept
+        last_logits = logits[:, -1, :].float()  # [B, V]
 
         def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
             return logits[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi].float()
@@ -394,7 +396,7 @@ def _prompt_outputs(prompt: list[int], jobs: list[SampleJob], ids: list[int], ro
     chunk = max(1, PROMPT_CHUNK_BYTES // (4 * vocab))
     for p in range(start, n, chunk):
         hi = min(n, p + chunk)
-        logits = row_logits(p - 1, hi - 1)  # predicts prompt[p:hi]
+        logits = row_logits(p - 1, hi - 1)  # [C, V]: predicts prompt[p:hi]
         logp = torch.log_softmax(logits, dim=-1)
         picked = logp.gather(-1, torch.tensor(prompt[p:hi], device=logp.device).unsqueeze(-1)).squeeze(-1)
         for out in outs:
@@ -472,7 +474,7 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
     likely token at temperature 0), with the model's logprobs (temperature 1) of them."""
     k, temperature = job.alt_k, job.params.temperature
     if temperature <= 0:
-        tokens = logits.argmax(-1, keepdim=True).expand(-1, k)
+        tokens = logits.argmax(-1, keepdim=True).expand(-1, k)  # [C, K]
     else:
         probs = torch.softmax(logits / temperature, dim=-1)
         tokens = torch.multinomial(probs, k, replacement=True, generator=generator)
@@ -482,12 +484,12 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
             tokenizer, device, generator, prompt_deltas=None,
             decode_fn=None, stopping=None):
-    index = torch.tensor(row_prompt, device=device)
+    index = torch.tensor(row_prompt, device=device)  # [B]: each sample row's prompt (B is now the samples)
     cache.batch_select_indices(index)
-    mask = prompt_mask[index]
+    mask = prompt_mask[index]  # [B, T]
     next_pos = prompt_lengths[index]
     delta = prompt_deltas[index] if prompt_deltas is not None else None  # multimodal positions run ahead
-    logits = prompt_last_logits[index]
+    logits = prompt_last_logits[index]  # [B, V]
     temps = torch.tensor([jobs[r.job].params.temperature for r in rows], device=device, dtype=torch.float32)
     top_k = torch.tensor([jobs[r.job].params.top_k or -1 for r in rows], device=device)
     top_p = torch.tensor([jobs[r.job].params.top_p for r in rows], device=device, dtype=torch.float32)
@@ -497,8 +499,9 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     in_cache = list(range(len(rows)))
     any_greedy = bool((temps <= 0).any())
     plain = bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
-    # the attention mask of every step is a view of one buffer (no per-step concatenation)
-    mask_buf = torch.ones((len(rows), mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
+    # the attention mask of every step is a view of one buffer (no per-step concatenation): [B, T + room]
+    mask_buf = torch.ones((len(rows),
+                           mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
                           dtype=mask.dtype, device=device)
     mask_buf[:, : mask.shape[1]] = mask
     width = mask.shape[1]
@@ -510,16 +513,17 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     while True:
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
-        u = _row_uniforms(seeds[sel], seeded[sel], step, generator)
-        logp = torch.log_softmax(logits, dim=-1)
+        u = _row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
+        logp = torch.log_softmax(logits, dim=-1)  # [B, V]
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
             sampled = _inverse_cdf(logp.exp(), u)
         else:
-            sampled = _inverse_cdf(torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
+            sampled = _inverse_cdf(
+                torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
         tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
         step += 1
-        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if topk_width:
+        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
+        if topk_width:  # [B, K] each
             top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
         for pos, (row_i, tok, lp) in enumerate(zip(in_cache, tokens.tolist(), token_lp.tolist())):
             row = rows[row_i]
@@ -532,7 +536,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
             if tok in job.stop_ids:
                 row.stop_reason = "stop"
-            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars, tokenizer):
+            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars,
+                                                        tokenizer):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.stop_reason = "length"
@@ -549,19 +554,19 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
         if decode_fn is not None and delta is None:
-            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()
+            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()  # [B, V]
         else:
-            step_pos = next_pos.unsqueeze(1)
+            step_pos = next_pos.unsqueeze(1)  # [B, 1]
             if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
-                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])
+                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, B, 1]
             out = model(
-                input_ids=tokens.unsqueeze(1),
+                input_ids=tokens.unsqueeze(1),  # [B, 1]
                 attention_mask=mask_buf[:, :width],
                 position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
             )
-            logits = out.logits[:, -1, :].float()
+            logits = out.logits[:, -1, :].float()  # [B, 1, V] -> [B, V]
         next_pos = next_pos + 1
 
 

@@ -206,8 +206,9 @@ class ServiceClient:
         return f"{self.session_id}:train:{next(self._counter)}"
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict[str, str] | None = None, optimizer: Any = None) -> ClientFuture:
+                                    train_mlp: bool = True, train_attn: bool = True,
+                                    train_unembed: bool = True, user_metadata: dict[str, str] | None = None,
+                                    optimizer: Any = None) -> ClientFuture:
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
         if not (train_mlp or train_attn or train_unembed):
@@ -223,12 +224,14 @@ class ServiceClient:
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
-                                          weights_access_token: str | None = None, optimizer: Any = None) -> ClientFuture:
+                                          weights_access_token: str | None = None,
+                                          optimizer: Any = None) -> ClientFuture:
         return self._from_state(path, with_optimizer=False, optimizer=optimizer_type(optimizer))
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
-                                                         weights_access_token: str | None = None) -> ClientFuture:
+                                                         weights_access_token: str | None = None
+                                                         ) -> ClientFuture:
         return self._from_state(path, with_optimizer=True)
 
     def _from_state(self, path: str, with_optimizer: bool, optimizer: str = "adamw") -> ClientFuture:
@@ -291,7 +294,8 @@ class ServiceClient:
     async def create_training_client_from_state_async(self, *args, **kwargs) -> "TrainingClient":
         return await self.create_training_client_from_state(*args, **kwargs)
 
-    async def create_training_client_from_state_with_optimizer_async(self, *args, **kwargs) -> "TrainingClient":
+    async def create_training_client_from_state_with_optimizer_async(self, *args,
+                                                                     **kwargs) -> "TrainingClient":
         return await self.create_training_client_from_state_with_optimizer(*args, **kwargs)
 
     async def create_sampling_client_async(self, *args, **kwargs) -> "SamplingClient":
@@ -322,17 +326,20 @@ class TrainingClient:
     def _submit(self, fn) -> APIFuture:
         return AwaitableConcurrentFuture(self._engine.submit(fn))
 
-    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward(self, data: list[types.Datum], loss_fn: str,
+                loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
         return self._submit(lambda: self._engine.forward_backward(
             self._state, data, loss_fn, loss_fn_config, backward=False, provenance=self._provenance))
 
-    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward_backward(self, data: list[types.Datum], loss_fn: str,
+                         loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
         return self._submit(lambda: self._engine.forward_backward(
             self._state, data, loss_fn, loss_fn_config, backward=True, provenance=self._provenance))
 
-    def forward_backward_custom(self, data: list[types.Datum], loss_fn, *, loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: list[types.Datum], loss_fn, *,
+                                loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         return self._submit(lambda: self._engine.forward_backward_custom(self._state, data, loss_fn))
 
     def optim_step(self, optim_params: Any = None, *,
@@ -355,7 +362,8 @@ class TrainingClient:
             path=self._engine.save_state(self._state, name, overwrite, user_metadata, ttl_seconds)))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
-                                 user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         return self._submit(lambda: types.SaveWeightsForSamplerResponse(
             path=self._engine.save_for_sampler(self._state, name, user_metadata, ttl_seconds)))
 
@@ -366,7 +374,8 @@ class TrainingClient:
             path=self._engine.save_external(self._state, name, ttl_seconds, age_encryption_recipients)))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
-                                             record_stability_info: bool = False, kind: str = "snapshot") -> ClientFuture:
+                                             record_stability_info: bool = False,
+                                             kind: str = "snapshot") -> ClientFuture:
         def op() -> SamplerState:
             path = self._engine.save_for_sampler(self._state, name) if name else None
             return self._engine.snapshot_sampler(self._state, path)
@@ -379,10 +388,13 @@ class TrainingClient:
         fut = self._engine.submit(lambda: self._engine.load_sampler(model_path))
         return ClientFuture(_chain(fut, lambda s: self._sampling_client(s, record_stability_info)))
 
-    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state(self, path: str,
+                   weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
         return self._load(path, with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state_with_optimizer(self, path: str,
+                                  weights_access_token: str | None = None
+                                  ) -> APIFuture[types.LoadWeightsResponse]:
         return self._load(path, with_optimizer=True)
 
     def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
@@ -458,8 +470,9 @@ class SamplingClient:
         self.model_path = state.model_path
 
     def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               target_prompt_logprobs: types.TensorData | None = None, prompt_alt_tokens_k: int = 0,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+               topk_sample_logprobs: int = 0, target_prompt_logprobs: types.TensorData | None = None,
+               prompt_alt_tokens_k: int = 0,
                prompt_logprobs_last_n: int | None = None) -> APIFuture[types.SampleResponse]:
         queries = PromptQueries(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
                                 prompt_alt_tokens_k, prompt_logprobs_last_n)
@@ -471,7 +484,8 @@ class SamplingClient:
             fut = _chain(fut, lambda r: record_sequences(records, LOCAL_OWNER, session, job.prompt, r))
         return AwaitableConcurrentFuture(fut)
 
-    def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+    def compute_logprobs(self, prompt: types.ModelInput,
+                         prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
         queries = PromptQueries(prompt_logprobs_last_n=prompt_logprobs_last_n)
         job = make_sample_job(self._state.base, prompt, 1, types.SamplingParams(max_tokens=1),
                               prompt_only=True, queries=queries)
