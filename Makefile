@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.polyrl-installed
 
-.PHONY: test test-fast quickstart quickstart-real install bench clean
+.PHONY: test test-fast lint quickstart quickstart-real install bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check polyrl tests benchmarks examples
+	$(PY) -m mypy
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -26,15 +26,16 @@ def add_rollout_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
 
 
-def local_service(threads: int):
-    """A fresh temporary directory and a ``polyrl.local.ServiceClient`` storing under it; ``threads``
-    (0: torch's default) applies to this thread and the engine's."""
+def local_service(threads: int, **local):
+    """A fresh temporary directory and a ``polyrl.local.ServiceClient`` storing under it (``local``: its
+    other settings, e.g. ``sampler_dtype``); ``threads`` (0: torch's default) applies to this thread and
+    the engine's."""
     import torch
 
     from polyrl.local import ServiceClient
 
     root = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
-    service = ServiceClient(store_dir=root / "store")
+    service = ServiceClient(store_dir=root / "store", **local)
     if threads:
         torch.set_num_threads(threads)
         service.engine.call(lambda: torch.set_num_threads(threads))
@@ -42,8 +43,9 @@ def local_service(threads: int):
 
 
 def add_model_arg(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="a model directory (e.g. SmolLM2-135M-Instruct from `polyrl tiny-model OUT "
-                                    "--size smollm2-135m-instruct`) instead of the tiny model")
+    ap.add_argument("--model", help="a model directory (e.g. SmolLM2-135M-Instruct from "
+                                    "`polyrl tiny-model OUT --size smollm2-135m-instruct`) "
+                                    "instead of the tiny model")
 
 
 def build_model(root: Path, model: str | None = None) -> Path:

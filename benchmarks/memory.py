@@ -11,7 +11,8 @@ logits, ``torch.optim.AdamW``) keeps every activation and several float32 copies
 8 x 1024 tokens it needs ~31 GB, so it runs at ``--naive-datums`` x ``--naive-tokens`` instead and the
 comparison is per token.
 
-Run: ``.venv/bin/python benchmarks/memory.py [--model DIR] [--datums 8 --tokens 1024] [--naive-datums 1 --naive-tokens 512]``.
+Run: ``.venv/bin/python benchmarks/memory.py [--model DIR] [--datums 8 --tokens 1024]
+[--naive-datums 1 --naive-tokens 512]``.
 The last line is ``memory_per_token_vs_naive: X.XXx`` (naive MB per token / polyrl MB per token).
 """
 
@@ -66,7 +67,8 @@ def run_polyrl(args) -> dict:
     from polyrl.local import ServiceClient
 
     service = ServiceClient(store_dir=tempfile.mkdtemp(prefix="polyrl-bench-"),
-                            micro_batch_tokens=args.micro_batch_tokens, gradient_checkpointing=args.checkpointing)
+                            micro_batch_tokens=args.micro_batch_tokens,
+                            gradient_checkpointing=args.checkpointing)
     tc = service.create_lora_training_client(args.model, rank=32, seed=0).result()
     data = batch(tc._state.base.vocab_size, args.datums, args.tokens)
     setup = rss_mb()
@@ -85,7 +87,8 @@ def run_naive(args) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.eval()
-    targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, torch.nn.Linear)})
     model = get_peft_model(model, LoraConfig(r=32, lora_alpha=32, target_modules=targets))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
@@ -113,7 +116,8 @@ def main() -> None:
     ap.add_argument("--naive-tokens", type=int, default=512)
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "true", "false"])
-    ap.add_argument("--case", choices=["polyrl", "naive"], help=argparse.SUPPRESS)  # one case, in a subprocess
+    # one case, in a subprocess
+    ap.add_argument("--case", choices=["polyrl", "naive"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.checkpointing = {"auto": "auto", "true": True, "false": False}[args.checkpointing]
 
@@ -143,8 +147,9 @@ def main() -> None:
 
     polyrl = case("polyrl", args.datums, args.tokens)
     naive = case("naive", args.naive_datums, args.naive_tokens)
-    print(f"model: {args.model} ({polyrl['params'] / 1e6:.0f}M parameters), LoRA rank 32 on every linear layer, "
-          f"float32 on CPU; polyrl: micro_batch_tokens {args.micro_batch_tokens}, gradient checkpointing "
+    print(f"model: {args.model} ({polyrl['params'] / 1e6:.0f}M parameters), "
+          f"LoRA rank 32 on every linear layer, float32 on CPU; "
+          f"polyrl: micro_batch_tokens {args.micro_batch_tokens}, gradient checkpointing "
           f"{'on' if polyrl['checkpointing'] else 'off'} ({args.checkpointing})")
     print(f"{'case':<34} {'tokens':>7} {'set-up MB':>10} {'peak MB':>9} {'MB/token':>9} {'step s':>7}")
     for name, r, shape in (("polyrl forward_backward+optim_step", polyrl, f"{args.datums}x{args.tokens}"),
@@ -154,7 +159,8 @@ def main() -> None:
     naive_at_full = naive["setup_mb"] + naive["mb_per_token"] * polyrl["tokens"]
     print(f"naive at {args.datums}x{args.tokens} tokens would peak near {naive_at_full / 1024:.1f} GB")
     ok = polyrl["peak_mb"] <= BAR_GB * 1024
-    print(f"polyrl peak {polyrl['peak_mb'] / 1024:.2f} GB: {'within' if ok else 'OVER'} the {BAR_GB:g} GB bar")
+    print(f"polyrl peak {polyrl['peak_mb'] / 1024:.2f} GB: "
+          f"{'within' if ok else 'OVER'} the {BAR_GB:g} GB bar")
     print(f"memory_per_token_vs_naive: {naive['mb_per_token'] / polyrl['mb_per_token']:.2f}x")
 
 

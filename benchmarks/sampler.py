@@ -27,7 +27,8 @@ interleaved with the others; the table shows the median and the best wall-clock 
 median CPU time (all threads). Ratios use the best run, the estimate least disturbed by other
 load; on a shared machine ``--threads 1`` gives the steadiest figures.
 
-Run: ``.venv/bin/python benchmarks/sampler.py [--model DIR] [--repeats 5] [--threads 1] [--prompts 8 --group 8 --new-tokens 64]``.
+Run: ``.venv/bin/python benchmarks/sampler.py [--model DIR] [--repeats 5] [--threads 1]
+[--prompts 8 --group 8 --new-tokens 64]``.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def main() -> None:
     n_params = sum(p.numel() for p in hf.parameters())
 
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, hf.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [torch.randint(0, hf.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+               for _ in range(args.prompts)]
     rows = args.prompts * args.group
     total_new = rows * args.new_tokens
     params = types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0)
 
     def polyrl_n1(sampler) -> int:
-        futs = [sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in prompts for _ in range(args.group)]
+        futs = [sampler.sample(types.ModelInput.from_ints(p), 1, params)
+                for p in prompts for _ in range(args.group)]
         return sum(len(s.tokens) for f in futs for s in f.result().sequences)
 
     def polyrl_group(sampler) -> int:
@@ -96,9 +99,9 @@ def main() -> None:
     def hf_generate(model) -> int:
         def run() -> int:
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                     pad_token_id=0, eos_token_id=None)
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                     top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
+                                     min_new_tokens=args.new_tokens, pad_token_id=0, eos_token_id=None)
             return int((out.shape[1] - ids.shape[1]) * out.shape[0])
 
         return engine.call(run)  # on the engine's thread, like polyrl's sampling (see the module docstring)
@@ -125,8 +128,9 @@ def main() -> None:
 
     print(f"model: {args.model or 'tiny base'} ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
           f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
-    print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, prompt {args.prompt_tokens} tokens, "
-          f"{args.new_tokens} new tokens each ({total_new} tokens), temperature 1, {args.repeats} interleaved runs")
+    print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, "
+          f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens each ({total_new} tokens), "
+          f"temperature 1, {args.repeats} interleaved runs")
     print(f"{'case':<28} {'median s':>9} {'tokens/s':>9} {'best s':>8} {'tokens/s':>9} {'CPU s':>7}")
     rate = {}
     for key, ts in times.items():

@@ -3,17 +3,18 @@
 The step is what an RL loop does each iteration: ``--prompts`` x ``--group`` concurrent
 ``sample(num_samples=1)`` calls (a rollout), ``forward_backward`` with ``importance_sampling`` on
 the sampled tokens, ``optim_step``, and ``save_weights_and_get_sampling_client`` for the next step.
-Both sides use the ``base`` tiny model (built in a temporary directory) or ``--model DIR`` (its end-of-sequence id
-removed so every sample runs to ``--new-tokens``), the same LoRA seed, seeded sampling and the same
-advantages, so they do the same work. The server runs in a subprocess on 127.0.0.1; the in-process
-side is ``polyrl.local.ServiceClient``. Steps alternate between the two sides (after warm-up); the
+Both sides use the ``base`` tiny model (built in a temporary directory) or ``--model DIR`` (its
+end-of-sequence id removed so every sample runs to ``--new-tokens``), the same LoRA seed, seeded sampling
+and the same advantages, so they do the same work. The server runs in a subprocess on 127.0.0.1; the
+in-process side is ``polyrl.local.ServiceClient``. Steps alternate between the two sides (after warm-up); the
 ratio is the median over steps of served / in-process time for the two runs of the same step, which
 ran back to back (so a neighbour's load hits both alike). The machine is small and may be shared:
 expect noise of several percent, and compare runs only on a quiet machine.
 
 Both sides run torch with ``--threads`` threads (1 by default, see its help).
 
-Run: ``.venv/bin/python benchmarks/serve_overhead.py [--steps 6] [--prompts 8 --group 8 --new-tokens 64] [--threads 1]``.
+Run: ``.venv/bin/python benchmarks/serve_overhead.py [--steps 6] [--prompts 8 --group 8 --new-tokens 64]
+[--threads 1]``.
 The last line is ``serve_vs_inprocess: X.XXx`` (target: at most 1.15).
 """
 
@@ -64,7 +65,8 @@ class Side:
         self.times: dict[str, list[float]] = {"sample": [], "train": [], "save": [], "step": []}
 
     async def setup(self) -> None:
-        self.training = await self.service.create_lora_training_client(base_model=str(self.model), rank=self.args.rank, seed=0)
+        self.training = await self.service.create_lora_training_client(base_model=str(self.model),
+                                                                       rank=self.args.rank, seed=0)
         self.sampler = await self.training.save_weights_and_get_sampling_client()
 
     async def step(self, step: int, prompts: list[list[int]], record: bool) -> list[list[int]]:
@@ -74,7 +76,8 @@ class Side:
         t0 = time.perf_counter()
 
         async def one(p: int, g: int):
-            params = types.SamplingParams(max_tokens=a.new_tokens, temperature=1.0, seed=step * 100003 + p * 101 + g)
+            params = types.SamplingParams(max_tokens=a.new_tokens, temperature=1.0,
+                                          seed=step * 100003 + p * 101 + g)
             return await self.sampler.sample(types.ModelInput.from_ints(prompts[p]), 1, params)
 
         results = await asyncio.gather(*(one(p, g) for p in range(a.prompts) for g in range(a.group)))
@@ -90,8 +93,10 @@ class Side:
                 model_input=types.ModelInput.from_ints(tokens[:-1]),
                 loss_fn_inputs={
                     "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[n]),
-                    "logprobs": types.TensorData(data=[0.0] * (n_p - 1) + list(seq.logprobs), dtype="float32", shape=[n]),
-                    "advantages": types.TensorData(data=[0.0] * (n_p - 1) + [adv] * len(seq.tokens), dtype="float32", shape=[n]),
+                    "logprobs": types.TensorData(data=[0.0] * (n_p - 1) + list(seq.logprobs),
+                                                 dtype="float32", shape=[n]),
+                    "advantages": types.TensorData(data=[0.0] * (n_p - 1) + [adv] * len(seq.tokens),
+                                                   dtype="float32", shape=[n]),
                 },
             ))
             completions.append(list(seq.tokens))
@@ -126,7 +131,8 @@ async def run(args) -> None:
         try:
             rng = random.Random(0)
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-            prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+            prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_tokens)]
+                       for _ in range(args.prompts)]
             inproc = Side("in-process", LocalServiceClient(store_dir=root / "store-inproc"), args, model)
             served = Side("served", tinker.ServiceClient(base_url=url, api_key=API_KEY), args, model)
             for side in (inproc, served):
@@ -140,15 +146,18 @@ async def run(args) -> None:
                     outs[side.name] = await side.step(step, prompts, record)
                 same = same and outs["in-process"] == outs["served"]
             print(f"RL step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new tokens, "
-                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, model {args.model or 'tiny base'}, "
+                  f"prompt {args.prompt_tokens} tokens, LoRA rank {args.rank}, "
+                  f"model {args.model or 'tiny base'}, "
                   f"torch threads {args.threads or torch.get_num_threads()}; "
                   f"{args.steps} steps each, alternating (after {args.warmup} warm-up)")
             print(f"same samples on both sides: {same}")
             for side in (inproc, served):
                 parts = "  ".join(f"{k} {statistics.median(v) * 1000:7.1f} ms" for k, v in side.times.items())
-                print(f"{side.name:>11}: {parts}   (steps: {', '.join(f'{t * 1000:.0f}' for t in side.times['step'])} ms)")
+                print(f"{side.name:>11}: {parts}   "
+                      f"(steps: {', '.join(f'{t * 1000:.0f}' for t in side.times['step'])} ms)")
             pairs = [b / a for a, b in zip(inproc.times["step"], served.times["step"])]
-            print(f"ratio of medians: {statistics.median(served.times['step']) / statistics.median(inproc.times['step']):.2f}x; "
+            medians = statistics.median(served.times["step"]) / statistics.median(inproc.times["step"])
+            print(f"ratio of medians: {medians:.2f}x; "
                   f"per step pair: {', '.join(f'{r:.2f}' for r in pairs)}")
             print(f"serve_vs_inprocess: {statistics.median(pairs):.2f}x")
         finally:
@@ -167,9 +176,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads on both sides (0: torch's default). 1 by default: on a small shared machine, "
-                         "multi-threaded torch stalls whenever a neighbour preempts one of its threads, which swamps "
-                         "the overhead being measured")
+                    help="torch threads on both sides (0: torch's default). 1 by default: on a small shared "
+                         "machine, multi-threaded torch stalls whenever a neighbour preempts one of its "
+                         "threads, which swamps the overhead being measured")
     asyncio.run(run(ap.parse_args()))
 
 

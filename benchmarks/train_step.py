@@ -27,7 +27,8 @@ The shared-prefix case (``--groups`` x ``--group`` datums, ``--prompt-len``-toke
 within a group, ``--completion-len``-token completions) times polyrl on that batch and on a batch of
 the same lengths whose prompts all differ; the engine computes each shared prompt once.
 
-Run: ``.venv/bin/python benchmarks/train_step.py [--model DIR] [--repeats 5] [--threads 1] [--datums 64 --min-len 32 --max-len 256]``.
+Run: ``.venv/bin/python benchmarks/train_step.py [--model DIR] [--repeats 5] [--threads 1]
+[--datums 64 --min-len 32 --max-len 256]``.
 The last two lines are ``shared_prefix_vs_distinct: X.XXx`` (distinct-prompt step time / shared-prompt
 step time) and ``train_step_vs_naive: X.XXx`` (polyrl tokens/s / naive tokens/s).
 """
@@ -103,7 +104,8 @@ def main() -> None:
     naive_padded = max(lengths) * len(lengths)
     n_params = sum(p.numel() for n, p in tc._state.base.hf_model.named_parameters() if "lora_" not in n)
     model_name = args.model or f"tiny {args.size!r}"
-    print(f"model: {model_name} ({n_params / 1e6:.2f}M params), LoRA rank {args.rank}, torch {torch.__version__}, "
+    print(f"model: {model_name} ({n_params / 1e6:.2f}M params), LoRA rank {args.rank}, "
+          f"torch {torch.__version__}, "
           f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
 
     def polyrl_step(batch) -> float:
@@ -141,7 +143,8 @@ def main() -> None:
                     out.append(types.Datum(
                         model_input=types.ModelInput.from_ints(ids[:-1].tolist()),
                         loss_fn_inputs={"target_tokens": types.TensorData.from_torch(ids[1:]),
-                                        "logprobs": types.TensorData.from_torch(-torch.rand(n - 1, generator=gen) * 8),
+                                        "logprobs": types.TensorData.from_torch(
+                                            -torch.rand(n - 1, generator=gen) * 8),
                                         "advantages": types.TensorData.from_torch(adv)}))
             return out
 
@@ -151,9 +154,10 @@ def main() -> None:
         _, times, cpu = interleaved({"shared prompts": lambda: polyrl_step(shared_batch),
                                      "distinct prompts": lambda: polyrl_step(distinct_batch)})
         tokens = sum(d.model_input.length for d in shared_batch)
-        print(f"shared-prefix batch: {args.groups} groups x {args.group} samples, {args.prompt_len}-token prompts, "
-              f"{args.completion_len}-token completions = {tokens} datum tokens; packed into {packed} positions "
-              f"({tokens / packed:.2f}x fewer), {args.repeats} interleaved runs")
+        print(f"shared-prefix batch: {args.groups} groups x {args.group} samples, "
+              f"{args.prompt_len}-token prompts, {args.completion_len}-token completions = {tokens} datum "
+              f"tokens; packed into {packed} positions ({tokens / packed:.2f}x fewer), "
+              f"{args.repeats} interleaved runs")
         print(f"{'case':<36} {'median s':>9} {'best s':>8} {'CPU s':>7}")
         for key, ts in times.items():
             print(f"{key:<36} {statistics.median(ts):9.3f} {min(ts):8.3f} {statistics.median(cpu[key]):7.3f}")
@@ -214,7 +218,8 @@ def main() -> None:
               f"{statistics.median(cpu[key]):7.3f}")
     if shared_ratio is not None:
         print(f"shared_prefix_vs_distinct: {shared_ratio:.2f}x")
-    print(f"train_step_vs_naive: {rate['polyrl forward_backward+optim_step'] / rate['naive padded HF+PEFT step']:.2f}x")
+    print(f"train_step_vs_naive: "
+          f"{rate['polyrl forward_backward+optim_step'] / rate['naive padded HF+PEFT step']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--trl-lrs", help="comma-separated TRL learning rates (default: lr/4, lr, lr*4)")
     ap.add_argument("--polyrl-schedule", choices=["linear", "constant"], default="linear",
-                    help="polyrl's lr_schedule (default: linear decay to 0, as GRPOTrainer's default schedule)")
+                    help="polyrl's lr_schedule (default: linear decay to 0, "
+                         "as GRPOTrainer's default schedule)")
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="polyrl's local.sampler_dtype (auto: bfloat16 on a CPU with AVX-512 BF16 or AMX)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL training, write JSON here
@@ -67,7 +70,8 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(args)
     model = args.model or default_model()
-    trl_lrs = [float(x) for x in args.trl_lrs.split(",")] if args.trl_lrs else [args.lr / 4, args.lr, args.lr * 4]
+    trl_lrs = ([float(x) for x in args.trl_lrs.split(",")] if args.trl_lrs
+               else [args.lr / 4, args.lr, args.lr * 4])
     work = Path(tempfile.mkdtemp(prefix="polyrl-vs-trl-"))
     print(f"model {model}; {args.env} {args.env_args}; {args.steps} steps of {args.batch} x {args.group} "
           f"completions, max {args.max_tokens} tokens, LoRA rank {args.rank}", flush=True)
@@ -78,7 +82,8 @@ def main() -> None:
     for lr in trl_lrs:
         out = work / f"trl-{lr:g}.json"
         cmd = [sys.executable, __file__, "--trl-worker", str(out), "--model", model, *passthrough(args, lr)]
-        subprocess.run(cmd, check=True, env=child_env(args), stdout=subprocess.DEVNULL)  # TRL prints every log row
+        # TRL prints every log row
+        subprocess.run(cmd, check=True, env=child_env(args), stdout=subprocess.DEVNULL)
         run = json.loads(out.read_text())
         theirs.append(run)
         print(f"TRL lr {lr:g}: median step {median_step(run['step_s']):.1f} s", flush=True)
@@ -106,9 +111,10 @@ def default_model() -> str:
 
 
 def passthrough(args, lr: float) -> list[str]:
-    return ["--env", args.env, "--env-args", args.env_args, "--steps", str(args.steps), "--batch", str(args.batch),
-            "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--lr", str(lr),
-            "--rank", str(args.rank), "--seed", str(args.seed), "--threads", str(args.threads)]
+    return ["--env", args.env, "--env-args", args.env_args, "--steps", str(args.steps),
+            "--batch", str(args.batch), "--group", str(args.group), "--max-tokens", str(args.max_tokens),
+            "--lr", str(lr), "--rank", str(args.rank), "--seed", str(args.seed),
+            "--threads", str(args.threads)]
 
 
 def child_env(args) -> dict[str, str]:
@@ -132,10 +138,11 @@ def late_mean(rewards: list[float]) -> float:
 def run_polyrl(args, model: str, work: Path) -> dict:
     log = work / "polyrl"
     config = {
-        "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr, "lr_schedule": args.polyrl_schedule,
+        "model_name": model, "lora_rank": args.rank, "learning_rate": args.lr,
+        "lr_schedule": args.polyrl_schedule,
         "batch_size": args.batch,
         "max_steps": args.steps, "max_tokens": args.max_tokens, "seed": args.seed,
-        "local": {"store_dir": str(work / "store")},
+        "local": {"store_dir": str(work / "store"), "sampler_dtype": args.sampler_dtype},
         "log_path": str(log), "save_every": 0, "eval_every": 0, "outputs": {"report": False},
         "environments": {args.env: {"args": json.loads(args.env_args), "num_rollouts": args.group,
                                     "splits": {"test": None}}},
@@ -147,7 +154,12 @@ def run_polyrl(args, model: str, work: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"polyrl train failed:\n{done.stderr[-3000:]}")
     rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
-    return {"lr": args.lr, "reward": [r["reward/mean"] for r in rows], "step_s": [r["time/total"] for r in rows]}
+    attempt = json.loads((log / "attempts.jsonl").read_text().splitlines()[0])
+    for entry in attempt.get("sampler", []):
+        print(f"polyrl sampler {entry['sampler_dtype']}, learner {entry['learner_dtype']} "
+              f"(sampler_dtype {args.sampler_dtype}; copy {entry['copy_bytes'] / 2**20:.0f} MiB)", flush=True)
+    return {"lr": args.lr, "reward": [r["reward/mean"] for r in rows],
+            "step_s": [r["time/total"] for r in rows]}
 
 
 # ---- TRL --------------------------------------------------------------------------------------------
@@ -173,7 +185,8 @@ def trl_worker(args) -> None:
         for completion, index in zip(completions, task_index):
             env = builder.make("train", index)
             env.reset_sync()
-            rewards.append(float(env.step_sync({"role": "assistant", "content": completion[-1]["content"]}).reward))
+            rewards.append(float(env.step_sync({"role": "assistant",
+                                                "content": completion[-1]["content"]}).reward))
         return rewards
 
     class Clock(TrainerCallback):
@@ -199,15 +212,18 @@ def trl_worker(args) -> None:
         max_completion_length=args.max_tokens, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, disable_tqdm=True,
         # TRL's bf16 default needs a GPU; on CPU it asks for use_cpu (and computes in float32, as polyrl does)
-        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
     )
     # polyrl's LoRA layers, less the unembedding: GRPOTrainer refuses a LoRA on lm_head
     lora = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                      "gate_proj", "up_proj", "down_proj"])
     trainer = GRPOTrainer(model=args.model, reward_funcs=env_reward, args=config, train_dataset=dataset,
                           peft_config=lora, callbacks=[clock])
     trainer.train()
-    Path(args.trl_worker).write_text(json.dumps({"lr": args.lr, "reward": clock.reward, "step_s": clock.step_s}))
+    Path(args.trl_worker).write_text(json.dumps({"lr": args.lr, "reward": clock.reward,
+                                                 "step_s": clock.step_s}))
 
 
 if __name__ == "__main__":

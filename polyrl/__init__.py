@@ -17,6 +17,6 @@ try:  # transformers' per-load progress bars
 except ImportError:  # pragma: no cover
     pass
 
-from polyrl.secrets import redact_logs as _redact_logs
+from polyrl.secrets import redact_logs as _redact_logs  # noqa: E402 - after the warning filters above
 
 _redact_logs()  # whatever any code logs or warns in a polyrl process has API keys masked

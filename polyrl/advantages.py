@@ -11,13 +11,14 @@ and adds the per-token terms, if any (zero on prompt and environment tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
 
 from tinker import types
 
 from polyrl.episode import Episode
 from polyrl.errors import RunStoppedError
+from polyrl.images import next_token_inputs
 
 #: Per group, per episode, one advantage per sampled turn.
 Advantages = list[list[list[float]]]
@@ -188,13 +189,14 @@ class MissingSequenceId(RunStoppedError):
 
 
 def provenance_spans(ep: Episode) -> tuple[list, int]:
-    """Where each token of ``ep`` up to its last sampled turn comes from: turn k's request prompt was
-    every token before the turn, so the tokens since the previous turn are positions of that prompt,
-    and the turn's own tokens are its sampled tokens. Returns the spans and the number of tokens they
-    cover (tokens after the last turn were in no request and carry no loss)."""
+    """Where each token of ``ep`` up to its last sampled sequence comes from: a sequence's request prompt
+    was every token before it, so the tokens since the previous sequence are positions of that prompt,
+    and the sequence's own tokens are its sampled tokens (a turn sampled in chunks is one sequence per
+    chunk). Returns the spans and the number of tokens they cover (tokens after the last sequence were
+    in no request and carry no loss)."""
     spans: list = []
     covered = 0
-    for (start, end), sequence_id in zip(ep.turn_spans, ep.turn_sequence_ids, strict=True):
+    for start, end, sequence_id in ep.sequence_runs:
         if sequence_id is None:
             raise MissingSequenceId(f"loss_fn stable_reinforce needs the sampler's sequence_id of every "
                                     f"sampled turn, and an episode of {ep.env_name} has a turn without one "
@@ -231,16 +233,20 @@ def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
         advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
     n, spans = len(ep.tokens), None
     if loss_fn in PROVENANCE_LOSSES:
+        if ep.images:
+            raise RunStoppedError(f"loss_fn {loss_fn} does not train on images (an episode of {ep.env_name} "
+                                  "shows one); use another loss_fn, such as importance_sampling or ppo")
         spans, n = provenance_spans(ep)
+    model_input, targets = next_token_inputs(ep.tokens[:n], [s for s in ep.images if s.end <= n])
     inputs = {
-        "target_tokens": types.TensorData(data=ep.tokens[1:n], dtype="int64"),
+        "target_tokens": types.TensorData(data=targets, dtype="int64"),
         "logprobs": types.TensorData(data=ep.logprobs[1:n], dtype="float32"),
         "advantages": types.TensorData(data=advantages_T[1:n], dtype="float32"),
     }
     if loss_fn in ACTION_MASK_INPUTS:
         inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:n]],
                                                                dtype="float32")
-    datum = types.Datum(model_input=types.ModelInput.from_ints(ep.tokens[:n - 1]), loss_fn_inputs=inputs)
+    datum = types.Datum(model_input=model_input, loss_fn_inputs=inputs)
     if spans is None:
         return datum
     return datum.with_provenance(model_input=_without(spans, first=False),

@@ -30,10 +30,16 @@ def make_service_client(config: Any) -> Any:
         return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
                              micro_batch_tokens=local.micro_batch_tokens,
                              gradient_checkpointing=local.gradient_checkpointing,
-                             max_store_bytes=local.max_store_bytes)
+                             max_store_bytes=local.max_store_bytes, sampler_dtype=local.sampler_dtype)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
+
+
+def sampler_precision(config: Any, service: Any) -> list[dict[str, Any]]:
+    """What the local engine samples in, for each model it loaded (dtypes, the memory of the sampler's
+    copy, a one-line ``note``); nothing for a remote service, whose numerics are its own."""
+    return service.sampler_precision() if config.backend == "local" else []
 
 
 def make_rest_client(config: Any, service: Any) -> Any:

@@ -9,12 +9,16 @@ fake. Each call returns a future: awaitable, with ``result()`` for blocking call
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generator, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Generator, Mapping, Protocol, Sequence, TypeVar, Union
 
 if TYPE_CHECKING:
     from tinker import types
+    from tinker.types.optimizer import OptimParamsBase
 
 T_co = TypeVar("T_co", covariant=True)
+#: An optimizer step's settings: Adam's, or Dimuon's (DimuonParams, or its base with the fields a
+#: service's older DimuonParams lacks)
+OptimParams = Union["types.AdamParams", "OptimParamsBase"]
 
 
 class Future(Protocol[T_co]):
@@ -53,12 +57,15 @@ class TrainingClient(Protocol):
 
     def get_tokenizer(self) -> Tokenizer: ...
 
+    def forward(self, data: list[types.Datum], loss_fn: str,
+                loss_fn_config: Mapping[str, float | str] | None = None
+                ) -> Future[types.ForwardBackwardOutput]: ...
+
     def forward_backward(self, data: list[types.Datum], loss_fn: str,
                          loss_fn_config: Mapping[str, float | str] | None = None
                          ) -> Future[types.ForwardBackwardOutput]: ...
 
-    def optim_step(self, optim_params: types.AdamParams | types.DimuonParams
-                   ) -> Future[types.OptimStepResponse]: ...
+    def optim_step(self, optim_params: OptimParams) -> Future[types.OptimStepResponse]: ...
 
     def save_state(self, name: str) -> Future[types.SaveWeightsResponse]: ...
 

@@ -24,6 +24,9 @@ from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, Spl
 from polyrl.errors import UserInputError
 from polyrl.secrets import redact
 
+DEFAULT_CORRECTION_CAP = 2.0  # off_policy.correction tis: verl's and TRL's usual cap
+CORRECTION_BOUNDS = {"mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mis": (0.999, 1.001),
+                     "icepop": (0.5, 5.0)}  # off_policy.correction's [low, high] by default
 LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff", "max_ratio")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 # Bounds on what an environment hands the trainer (LimitsConfig.max_abs_reward, max_observation_*).
@@ -68,17 +71,17 @@ class LocalEngineConfig(BaseModel):
 
     device: str = Field("auto", description="Torch device ('auto', 'cpu', 'cuda', 'cuda:1', 'mps', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Parameter dtype; 'auto' picks from the device."
-    )
-    store_dir: str | None = Field(
-        None, description="Directory of the engine's checkpoint store; null = $POLYRL_STORE_DIR or "
-        "~/.cache/polyrl/store."
-    )
+        "auto", description="Parameter dtype; 'auto' picks from the device.")
+    sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
+        "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "
+        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.")
+    store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
+                                  "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
     micro_batch_tokens: int = Field(
         DEFAULT_MICRO_BATCH_TOKENS, ge=1, description="Tokens per forward/backward pass (packed, padding "
         "included); a step's datums are split into as many passes as needed. Lower it if training runs out "
-        "of memory.",
-    )
+        "of memory.")
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",
@@ -202,16 +205,23 @@ class OffPolicyConfig(BaseModel):
     model_config = _STRICT
 
     max_steps: int = Field(
-        0, ge=0, description="How many optimizer steps behind the policy being trained a group's sampler may "
-        "be. 0 = the synchronous loop (each step samples with the newest weights, then trains). With K >= 1 "
-        "up to K more batches of groups are sampled while a step trains, so sampling and environments never "
-        "wait for training; the loss's importance ratio against the sampler's logprobs corrects for the lag "
-        "(a clipped loss such as ppo or cispo suits stale data best).",
+        0, ge=0, description="How many optimizer steps behind the policy being trained the sampler of any "
+        "trained token may be. 0 = the synchronous loop (each step samples with the newest weights, then "
+        "trains). With K >= 1 up to K more batches of groups are sampled while a step trains, so sampling "
+        "and environments never wait for training; episodes in flight take the newest weights at each turn "
+        "(partial rollouts), and the loss's importance ratio against each token's sampler logprob corrects "
+        "for the lag (a clipped loss such as ppo or cispo suits stale data best).",
     )
     stale_groups: Literal["drop", "keep"] = Field(
-        "drop", description="With max_steps >= 1, a group whose sampler fell further behind (a slow group "
+        "drop", description="With max_steps >= 1, a group with a token sampled further behind (a slow group "
         "that finished after faster ones were trained) is dropped, counted in async/stale_dropped and "
         "replaced by a fresh one; 'keep' trains it anyway.",
+    )
+    partial_chunk_tokens: int | None = Field(
+        None, ge=1, description="With max_steps >= 1, a turn samples at most this many tokens with one "
+        "sampler, then continues (the turn so far re-encoded) with the newest weights, until a stop or "
+        "max_tokens; each token keeps the logprob of the sampler that produced it. Chunks are seeded apart, "
+        "so a turn's tokens differ from unchunked sampling. null = each turn with one sampler.",
     )
     stream_minibatches: int | None = Field(
         None, ge=1, description="Groups per forward_backward: training starts on each minibatch of this many "
@@ -219,13 +229,47 @@ class OffPolicyConfig(BaseModel):
         "per batch (tinker-cookbook's stream_minibatch_config); the last minibatch takes what is left of "
         "batch_size. null = one forward_backward with the whole batch.",
     )
+    correction: Literal["none", "tis", "mis", "seq_mis", "geo_mis", "icepop"] = Field(
+        "none", description="Off-policy correction, with rho = p_learner / p_sampler per sampled token: "
+        "'tis' weights each token's advantage by min(rho, correction_cap); 'mis' masks tokens with rho "
+        "outside [correction_low, correction_high], 'seq_mis' sequences whose product of rho is, 'geo_mis' "
+        "those whose geometric mean is; 'icepop' weights by rho inside and masks outside. The loss's own "
+        "ratio is then taken against the learner (README: Off-policy correction). 'none': that ratio only.",
+    )
+    correction_cap: float = Field(DEFAULT_CORRECTION_CAP, ge=1, le=1e6,
+                                  description="correction 'tis': the largest importance weight (C).")
+    correction_low: float | None = Field(None, ge=0, description="The masks' lower bound on rho (below 1); "
+                                         "null = 0.5 (mis, seq_mis, icepop) or 0.999 (geo_mis).")
+    correction_high: float | None = Field(None, gt=1, le=1e6, description="The masks' upper bound on rho; "
+                                          "null = 2 (mis, seq_mis), 5 (icepop) or 1.001 (geo_mis).")
 
     @model_validator(mode="after")
-    def _stale_groups_need_a_lag(self) -> OffPolicyConfig:
-        if self.stale_groups != "drop" and self.max_steps == 0:
-            raise ConfigProblems([("stale_groups", "only used with off_policy.max_steps >= 1 (the "
-                                   "synchronous loop samples every group with the policy it trains)")])
+    def _check_combinations(self) -> OffPolicyConfig:
+        used = [key for key, value in (("stale_groups", self.stale_groups != "drop"),
+                                       ("partial_chunk_tokens", self.partial_chunk_tokens is not None))
+                if value]
+        problems = [] if self.max_steps else [
+            (key, "only used with off_policy.max_steps >= 1 (the synchronous loop samples every group with "
+                  "the policy it trains)") for key in used]
+        masks = self.correction not in ("none", "tis")
+        for key in ("correction_low", "correction_high"):
+            if getattr(self, key) is not None and not masks:
+                problems.append((key, f"only used by the masks (correction mis, seq_mis, geo_mis or icepop), "
+                                      f"not correction {self.correction!r}"))
+        if self.correction_cap != DEFAULT_CORRECTION_CAP and self.correction != "tis":
+            problems.append(("correction_cap", f"only used by correction 'tis', not {self.correction!r}"))
+        if masks and not (bounds := self.bounds())[0] < 1 < bounds[1]:
+            problems.append(("correction_low", f"must be below 1 and correction_high above it (got "
+                                               f"{bounds})"))
+        if problems:
+            raise ConfigProblems(problems)
         return self
+
+    def bounds(self) -> tuple[float, float]:
+        """The masks' [low, high] on rho, with each correction's default where unset."""
+        low, high = CORRECTION_BOUNDS.get(self.correction, (0.5, 2.0))
+        return (low if self.correction_low is None else self.correction_low,
+                high if self.correction_high is None else self.correction_high)
 
 
 class LimitsConfig(BaseModel):
@@ -240,14 +284,17 @@ class LimitsConfig(BaseModel):
     )
     max_observation_tokens: int = Field(
         DEFAULT_MAX_OBSERVATION_TOKENS, ge=1, description="Most tokens one observation (an environment's "
-        "first or later messages, rendered) may add to an episode; an episode past it fails and is counted "
-        "against the failure budget.",
+        "first or later messages, rendered) may add to an episode; past it the episode fails (a failure).",
     )
     max_observation_bytes: int = Field(
-        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs and image "
-        "data included) one observation may hold; checked before it is tokenized, so an environment that "
-        "answers with megabytes fails its episode instead of exhausting memory.",
+        DEFAULT_MAX_OBSERVATION_BYTES, ge=1, description="Most bytes of text (UTF-8, tool specs included; "
+        "images: max_image_*) one observation may hold; checked before it is tokenized, so an environment "
+        "that answers with megabytes fails its episode instead of exhausting memory.",
     )
+    max_image_bytes: int = Field(20 << 20, ge=1, description="Most bytes of one encoded image of an "
+                                 "observation, checked before it is read; past it the episode fails.")
+    max_image_pixels: int = Field(36_000_000, ge=1, description="Most pixels (width x height) of one image, "
+                                  "read from its header before a pixel is decoded; past it the episode fails")
     nonfinite_steps: Literal["stop", "skip"] = Field(
         "stop", description="A step whose update is not finite (a loss, gradient or advantage that is NaN or "
         "inf; the trainer checks the loss before optim_step and the engine refuses such a step): 'stop' ends "
@@ -267,8 +314,7 @@ class LimitsConfig(BaseModel):
     )
     service_timeout: float = Field(
         120, gt=0, description="Seconds a remote training service (backend tinker, polyrl serve) may stay "
-        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume "
-        "from.",
+        "unreachable while its requests are retried; then the run stops, naming the checkpoint to resume.",
     )
     max_service_recoveries: int = Field(
         3, ge=0, description="How often a run reopens itself from its last checkpoint, in the same process, "
@@ -382,7 +428,7 @@ class TrainConfig(PolicyConfig):
         "weight_decay": "optimizer.weight_decay", "grad_clip_norm": "optimizer.grad_clip_norm",
         "max_steps_off_policy": "off_policy.max_steps", "stale_groups": "off_policy.stale_groups",
         "stream_minibatches": "off_policy.stream_minibatches",
-        **{key: f"limits.{key}" for key in LimitsConfig.model_fields},
+        **{key: f"limits.{key}" for key in LimitsConfig.model_fields if "image" not in key},  # once flat
         "report": "outputs.report", "metrics_json": "outputs.metrics_json",
     }
 
@@ -501,6 +547,11 @@ class TrainConfig(PolicyConfig):
             elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling",
                                                                "stable_reinforce"):
                 problems.append((where, f"not used by loss_fn {self.loss_fn!r}"))
+        if self.off_policy.correction == "tis" and self.loss_fn == "stable_reinforce":
+            problems.append(("off_policy.correction", "stable_reinforce truncates its importance weight "
+                                                      "itself (loss_fn_config.max_ratio); 'tis' would "
+                                                      "truncate it twice (use a mask: mis, seq_mis, geo_mis "
+                                                      "or icepop)"))
         return problems
 
     def _batch_problems(self) -> list[tuple[str, str]]:

@@ -25,12 +25,14 @@ from polyrl.models import resolve_model_path
 from polyrl.policy import Policy, resolve_policy
 
 
-def export_checkpoint(target: str, out_dir: str | Path, merged: bool = False, store_dir: str | None = None) -> Path:
+def export_checkpoint(target: str, out_dir: str | Path, merged: bool = False,
+                      store_dir: str | None = None) -> Path:
     """Export the checkpoint ``target`` names (see :func:`polyrl.policy.resolve_policy`) to ``out_dir``."""
     policy = resolve_policy(target, store_dir, allow_base=False)
     out = Path(out_dir).expanduser()
     if out.exists():
-        raise UserInputError(f"output directory {out} already exists; export never overwrites, choose a new one")
+        raise UserInputError(f"output directory {out} already exists; export never overwrites, "
+                             "choose a new one")
     base_path = resolve_model_path(policy.base_model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"

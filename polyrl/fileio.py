@@ -13,9 +13,14 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     ``durable`` also fsyncs the file and its directory, so the new content survives a power cut;
     leave it off for files that can be rebuilt (the HTML report).
     """
+    atomic_write_bytes(path, text.encode(), durable)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """:func:`atomic_write_text` for bytes."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         if durable:
             f.flush()
             os.fsync(f.fileno())

@@ -10,6 +10,10 @@ tokens and the rendered replies.
   the new tokens the policy is given, as text with every special token; the person types the
   assistant's reply (or the checkpoint samples it), and the environment's reply, reward and ``done``
   follow.
+
+Images: ``play`` shows each image the policy is given in place of its tokens, as its size, token count
+and the file it is saved to (``--images_dir``); ``chat`` attaches an image to the next message with
+``/image PATH`` (or ``--image PATH`` for the first).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from polyrl import images
 from polyrl.envs.base import Env, Message, Observation, StepResult, call_env
 from polyrl.episode import Episode, RolloutContext, RolloutSettings, run_episode
 from polyrl.errors import UserInputError
@@ -71,6 +78,8 @@ def show_message(screen: Screen, message: Message, prefix: str) -> None:
     if message.get("reasoning_content"):
         screen.text(f"(thinking) {message['reasoning_content']}", style="dim")
     screen.text(f"{prefix}{message_text(message)}")
+    for part in images.image_parts([message]):
+        screen.text(f"  {describe_image(part)}", style="magenta")
     for call in message.get("tool_calls") or []:
         fn = call.get("function", call)
         screen.text(f"  tool call: {fn.get('name')}({json.dumps(fn.get('arguments'), ensure_ascii=False)})",
@@ -79,51 +88,95 @@ def show_message(screen: Screen, message: Message, prefix: str) -> None:
         screen.text(f"  malformed tool call: {error}", style="red")
 
 
+def describe_image(part: dict) -> str:
+    """One line for an image part: its size and where it is (a path, or what the environment gave)."""
+    source = images.part_source(part)
+    if isinstance(source, str) and not source.startswith("data:"):
+        size = f"{part['width']} x {part['height']} px, " if "width" in part else ""
+        return f"[image {size}{source}]"
+    try:
+        width, height = images.read_image(source).size
+    except images.ImageError as e:
+        return f"[image: {e}]"
+    return f"[image {width} x {height} px]"
+
+
 # ---------------------------------------------------------------------------------------------- chat
 _RESET = object()
 
 
 class ChatUser(Env):
-    """The person at the terminal as the environment of a conversation: every line is a user turn."""
+    """The person at the terminal as the environment of a conversation: every line is a user turn;
+    ``/image PATH`` attaches an image to the next one."""
 
-    def __init__(self, screen: Screen, system: str | None):
+    def __init__(self, screen: Screen, system: str | None, image_paths: list[str] | None = None):
         self.screen = screen
         self.system = system
+        self.attached: list[str] = []
+        for path in image_paths or []:
+            self._attach(path)
+
+    def _attach(self, path: str) -> None:
+        try:
+            width, height = images.read_image(path).size
+        except images.ImageError as e:
+            self.screen.text(f"error: {e}", style="red")
+            return
+        self.attached.append(path)
+        self.screen.text(f"(image {path}: {width} x {height} px, sent with your next message)", style="dim")
 
     def _read(self) -> Any:
         while True:
             line = self.screen.ask("you> ")
             if line.strip() == "/reset":
                 return _RESET
+            if line.strip().startswith("/image"):
+                path = line.strip()[len("/image"):].strip()
+                if path:
+                    self._attach(path)
+                else:
+                    self.screen.text("usage: /image PATH (a PNG or JPEG file)", style="red")
+                continue
             if line.strip():
                 return line
+
+    def _user(self, line: str) -> Message:
+        if not self.attached:
+            return {"role": "user", "content": line}
+        parts = [{"type": "image", "image": path} for path in self.attached]
+        self.attached = []
+        return {"role": "user", "content": [*parts, {"type": "text", "text": line}]}
 
     async def reset(self) -> Observation:
         line = self._read()
         while line is _RESET:  # nothing to reset yet
             line = self._read()
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return Observation(system + [{"role": "user", "content": line}])
+        return Observation(system + [self._user(line)])
 
     async def step(self, action: Message) -> StepResult:
         show_message(self.screen, action, "assistant> ")
         line = self._read()
         if line is _RESET:
             return StepResult(done=True)
-        return StepResult([{"role": "user", "content": line}])
+        return StepResult([self._user(line)])
 
 
 async def chat_loop(sampler: Any, renderer: Renderer, screen: Screen, temperature: float, max_tokens: int,
-                    system: str | None = None) -> None:
-    """Conversations until /quit; /reset starts a new one (a fresh token sequence)."""
+                    system: str | None = None, image_paths: list[str] | None = None) -> None:
+    """Conversations until /quit; /reset starts a new one (a fresh token sequence). A message the model
+    cannot take (an image for a text-only model, a broken image file) ends its conversation with an
+    ``error:`` line, not the chat."""
     settings = RolloutSettings(max_turns=1 << 62, max_tokens=max_tokens, temperature=temperature,
                                timeout=math.inf)
+    user = ChatUser(screen, system, image_paths)
     while True:
         try:
-            await run_episode(ChatUser(screen, system), Episode("chat", "chat", 0, 0), renderer, sampler,
-                              settings)
+            await run_episode(user, Episode("chat", "chat", 0, 0), renderer, sampler, settings)
         except Quit:
             return
+        except (UserInputError, images.ImageError) as e:
+            screen.text(f"error: {e}", style="red")
         screen.text("(new conversation)", style="dim")
 
 
@@ -134,6 +187,12 @@ class WatchedEnv(Env):
     def __init__(self, env: Env, screen: Screen):
         self.env = env
         self.screen = screen
+
+    def _show(self, messages: list[Message]) -> None:
+        for m in messages:
+            self.screen.text(f"[{m.get('role')}] {message_text(m)}")
+            for part in images.image_parts([m]):
+                self.screen.text(f"  {describe_image(part)}", style="magenta")
 
     async def reset(self) -> Observation:
         obs = await call_env(self.env.reset)
@@ -147,8 +206,7 @@ class WatchedEnv(Env):
     async def step(self, action: Message) -> StepResult:
         result = await call_env(self.env.step, action)
         self.screen.rule("environment")
-        for m in result.messages:
-            self.screen.text(f"[{m.get('role')}] {message_text(m)}")
+        self._show(result.messages)
         metrics = "".join(f" · {k} {v:g}" for k, v in sorted(result.metrics.items()))
         self.screen.text(f"reward {result.reward:g} · done {'yes' if result.done else 'no'}{metrics}",
                          style="bold")
@@ -163,12 +221,30 @@ class ShownPolicy:
     since its last turn, decoded with every special token) and then answers: the person at the
     terminal types the assistant's reply, or ``sampler`` samples it and the reply is shown."""
 
-    def __init__(self, renderer: Renderer, screen: Screen, sampler: Any = None, pause: bool = False):
+    def __init__(self, renderer: Renderer, screen: Screen, sampler: Any = None, pause: bool = False,
+                 images_dir: str | Path | None = None):
         self.renderer = renderer
         self.screen = screen
         self.sampler = sampler
         self.pause = pause
+        self.images_dir = Path(images_dir or Path(tempfile.gettempdir()) / "polyrl-play")
         self.seen: list[int] = []  # the last sequence shown, prompt and reply
+
+    def _show_tokens(self, tokens: list[int], spans: list[images.ImageSpan], start: int) -> None:
+        """``tokens[start:]`` as text, each image as its size, token count and the file it is saved to."""
+        at = start
+        for span in [s for s in spans if s.start >= start]:
+            if span.start > at:
+                self.screen.text(self.renderer.decode(tokens[at:span.start]), style="green")
+            path = self.images_dir / span.name
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(span.data)
+            width, height = span.size()
+            self.screen.text(f"[image {width} x {height} px, {span.length} tokens: {path}]", style="magenta")
+            at = span.end
+        if at < len(tokens):
+            self.screen.text(self.renderer.decode(tokens[at:]), style="green")
 
     def _end_of_turn(self) -> list[int]:
         stops = self.renderer.stop_sequences()
@@ -179,10 +255,10 @@ class ShownPolicy:
         import numpy as np
         from tinker import types
 
-        tokens = prompt.to_ints()
+        tokens, spans = images.flatten(prompt.chunks, self.renderer.image_placeholder_id or 0)
         continues = tokens[: len(self.seen)] == self.seen  # else another conversation (a workflow's role)
         self.screen.rule("what the policy sees" + ("" if continues else " (another conversation)"))
-        self.screen.text(self.renderer.decode(tokens[len(self.seen) if continues else 0:]), style="green")
+        self._show_tokens(tokens, spans, len(self.seen) if continues else 0)
         if self.sampler is None:
             self.screen.rule("your move: type the assistant's reply (/quit ends)")
             sampled = self.renderer.encode(self.screen.ask("move> ")) + self._end_of_turn()
@@ -202,7 +278,8 @@ class ShownPolicy:
 
 
 async def play_episode(runtime: Any, split: str, task: int, renderer: Renderer, screen: Screen,
-                       sampler: Any = None, seed: int | None = 0, pause: bool = False) -> list[Episode]:
+                       sampler: Any = None, seed: int | None = 0, pause: bool = False,
+                       images_dir: str | Path | None = None) -> list[Episode]:
     """Play task ``task`` of ``split`` of a configured environment (a :class:`polyrl.rollouts.EnvRuntime`)
     once, by hand (``sampler`` None) or watching ``sampler``; returns the episode(s), [] on /quit."""
     builder = runtime.builder
@@ -210,7 +287,7 @@ async def play_episode(runtime: Any, split: str, task: int, renderer: Renderer, 
     if task < 0 or (n is not None and task >= n):
         known = f"tasks 0..{n - 1}" if n is not None else "tasks numbered from 0"
         raise UserInputError(f"--task {task}: the {split} split of {runtime.name} has {known}")
-    policy = ShownPolicy(renderer, screen, sampler, pause)
+    policy = ShownPolicy(renderer, screen, sampler, pause, images_dir)
     try:
         if builder.drives_rollouts:
             ctx = RolloutContext(runtime.name, split, task, 0, policy, renderer, runtime.settings, seed)
@@ -243,12 +320,18 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_tokens", "--max-tokens", dest="max_tokens", type=int, default=256,
                    help="tokens sampled per reply")
     p.add_argument("--system", help="a system prompt for every conversation")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image (PNG, JPEG) sent with the first message (repeatable); later: /image PATH")
     _engine_arguments(p)
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--sampler-dtype", "--sampler_dtype", dest="sampler_dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype sampling computes in (auto: bfloat16 on GPUs and on CPUs with native bfloat16 "
+                        "arithmetic, else --dtype's)")
 
 
 def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
@@ -258,12 +341,13 @@ def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
     screen = screen or Screen()
     policy = resolve_policy(args.checkpoint, args.store_dir)
     screen.text(f"loading {policy.label} ...", style="dim")
-    opened = open_trained(policy, args.device, args.dtype, args.renderer)
+    opened = open_trained(policy, args.device, args.dtype, args.renderer, args.sampler_dtype)
     sampler, renderer = opened.client, opened.renderer
     screen.text(f"chat with {policy.label} (renderer {renderer.name}); /reset starts over, /quit ends",
                 style="bold")
     try:
-        asyncio.run(chat_loop(sampler, renderer, screen, args.temperature, args.max_tokens, args.system))
+        asyncio.run(chat_loop(sampler, renderer, screen, args.temperature, args.max_tokens, args.system,
+                              getattr(args, "image", None)))
     except KeyboardInterrupt:
         screen.text("")
 
@@ -291,6 +375,9 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
                    help="assistant turns before the episode is cut")
     p.add_argument("--pause", action="store_true",
                    help="when watching, wait for Enter before each policy turn")
+    p.add_argument("--images_dir", "--images-dir", dest="images_dir",
+                   help="where the images the policy is given are saved to be looked at (default: "
+                        "<temp dir>/polyrl-play/images)")
     p.add_argument("--store_dir", "--store-dir", dest="store_dir",
                    help="local checkpoint store for tinker:// paths")
     _engine_arguments(p)
@@ -366,7 +453,7 @@ def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Epi
         store_dir = args.store_dir or (config.local.store_dir if config else None)
         policy = resolve_policy(args.checkpoint, store_dir)
         screen.text(f"loading {policy.label} ...", style="dim")
-        opened = open_trained(policy, args.device, args.dtype, renderer_name)
+        opened = open_trained(policy, args.device, args.dtype, renderer_name, args.sampler_dtype)
         sampler, renderer = opened.client, opened.renderer
         who = policy.label
     else:
@@ -389,7 +476,7 @@ def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Epi
     seed = args.seed if args.seed is not None else runtime.run_seed
     try:
         return asyncio.run(play_episode(runtime, args.split, args.task, renderer, screen, sampler, seed,
-                                        args.pause))
+                                        args.pause, getattr(args, "images_dir", None)))
     except KeyboardInterrupt:
         screen.text("")
         return []

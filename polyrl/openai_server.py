@@ -233,7 +233,8 @@ class OpenAIServer:
         from starlette.routing import Route
 
         def error(status: int, message: str) -> JSONResponse:
-            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}},
+                                status_code=status)
 
         async def completions(request) -> JSONResponse:
             key = request.path_params.get("key")
@@ -268,7 +269,8 @@ class OpenAIServer:
 
     # -- one completion ------------------------------------------------------------------------------
 
-    def prompt_for(self, session: ChatSession, messages: list[Message], tools: list[ToolSpec]) -> tuple[list[int], int | None]:
+    def prompt_for(self, session: ChatSession, messages: list[Message],
+                   tools: list[ToolSpec]) -> tuple[list[int], int | None]:
         """Prompt tokens for a conversation: the continuation of an earlier exchange it extends, else
         the renderer's initial prompt. Returns (tokens, index of the extended exchange or None)."""
         keys = [_message_key(m) for m in messages]
@@ -314,29 +316,33 @@ class OpenAIServer:
         if seed is None and session.seed is not None:
             seed = (session.seed * 1009 + len(session.exchanges)) % (2**31)
         params = types.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stops, seed=seed,
-                                      **({"top_p": float(body["top_p"])} if body.get("top_p") is not None else {}))
+                                      **({"top_p": float(body["top_p"])} if body.get("top_p") is not None
+                                         else {}))
         if (params.temperature != 1.0 or params.top_p != 1.0) and not self._warned_untempered:
             self._warned_untempered = True
-            logger.warning("a client samples with temperature %g, top_p %g: the sampler's logprobs are the model's "
-                           "own at temperature 1 (as in Tinker), so the importance ratio compares against a "
-                           "distribution that was not sampled", params.temperature, params.top_p)
+            logger.warning("a client samples with temperature %g, top_p %g: the sampler's logprobs are the "
+                           "model's own at temperature 1 (as in Tinker), so the importance ratio compares "
+                           "against a distribution that was not sampled", params.temperature, params.top_p)
         response = await session.sampler.sample(types.ModelInput.from_ints(prompt), 1, params)
         seq = response.sequences[0]
         tokens = [int(t) for t in seq.tokens]
         if seq.logprobs is None or len(seq.logprobs) != len(tokens):
-            raise RequestError(502, "the sampler returned no logprobs for the sampled tokens; training needs them")
+            raise RequestError(502, "the sampler returned no logprobs for the sampled tokens; "
+                                    "training needs them")
         logprobs = [float(x) for x in seq.logprobs]
         reply = self.renderer.parse_response(tokens)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         tool_calls = outgoing_tool_calls(reply, f"call_{len(session.exchanges)}")
         recorded = {k: v for k, v in reply.items() if k != "tool_call_errors"}
         if tool_calls:  # what the client will send back
-            recorded["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            recorded["tool_calls"] = [{**c, "function": {**c["function"],
+                                                         "arguments": json.loads(c["function"]["arguments"])}}
                                       for c in tool_calls]
         session.record(Exchange(messages, tools, recorded, prompt, tokens, logprobs, seq.stop_reason, extends,
                                 response_id))
 
-        message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or ("" if not tool_calls else None)}
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": reply.get("content") or ("" if not tool_calls else None)}
         if reply.get("reasoning_content"):
             message["reasoning_content"] = reply["reasoning_content"]
         if tool_calls:

@@ -134,7 +134,7 @@ def _from_run_dir(run_dir: Path, store_dir: str | None) -> Policy:
 
 
 def open_trained(policy: Policy, device: str = "auto", dtype: str = "auto",
-                 renderer: str | None = None) -> OpenPolicy:
+                 renderer: str | None = None, sampler_dtype: str = "auto") -> OpenPolicy:
     """``policy`` (its adapter, or the bare base model) opened on the local engine, with ``renderer``,
     else the run's, else the one inferred from the base model."""
     if policy.checkpoint_dir is not None and (policy.store_dir is None or policy.tinker_path is None):
@@ -142,7 +142,8 @@ def open_trained(policy: Policy, device: str = "auto", dtype: str = "auto",
                              "(<store>/<run>/<kind>/<name>); give its tinker:// path and --store_dir")
     store_dir = str(policy.store_dir) if policy.store_dir is not None else None
     config = PolicyConfig(model_name=policy.base_model, renderer=renderer or policy.renderer,
-                          local=LocalEngineConfig(device=device, dtype=dtype, store_dir=store_dir))
+                          local=LocalEngineConfig(device=device, dtype=dtype, store_dir=store_dir,
+                                                  sampler_dtype=sampler_dtype))
     try:
         return asyncio.run(open_policy(config, model_path=policy.tinker_path))
     except (OSError, ValueError) as e:
@@ -151,9 +152,9 @@ def open_trained(policy: Policy, device: str = "auto", dtype: str = "auto",
         raise UserInputError(f"cannot load {policy.label}: {e}") from None
 
 
-def open_sampler(policy: Policy, device: str = "auto", dtype: str = "auto"):
+def open_sampler(policy: Policy, device: str = "auto", dtype: str = "auto", sampler_dtype: str = "auto"):
     """A local-engine ``SamplingClient`` for ``policy`` (its adapter, or the bare base model)."""
-    return open_trained(policy, device, dtype).client
+    return open_trained(policy, device, dtype, sampler_dtype=sampler_dtype).client
 
 
 def renderer_for(policy: Policy, tokenizer: Any, override: str | None = None) -> Renderer:

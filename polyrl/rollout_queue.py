@@ -1,18 +1,21 @@
 """The bounded queue between sampling and training.
 
 Groups are drawn in plan order (plan step by plan step, each step's groups in their planned order,
-see :func:`polyrl.rollouts.plan_step`) and each is started, with the newest sampler, as soon as a slot
-is free; the trainer takes finished groups into its step's :class:`StepBatch`, the stalest first, and
-releases their slots together with the sampler of the weights they trained. ``capacity`` bounds the
-groups started but not yet trained on:
+see :func:`polyrl.rollouts.plan_step`) and each is started as soon as a slot is free; the trainer takes
+finished groups into its step's :class:`StepBatch`, the stalest first, and releases their slots together
+with the sampler of the weights they trained. Every episode samples through the queue's
+:class:`~polyrl.episode.SamplerRef`, which the release swaps: each turn (and each ``chunk_tokens`` of a
+long turn) is sampled by the newest weights, and each token records its sampler step (partial rollouts).
+A group's sampler step is that of the oldest token its episodes sampled. ``capacity`` bounds the groups
+started but not yet trained on:
 
 - ``batch_size`` is the synchronous loop: a step's groups start only once the previous step has
   trained and the trainer has released their slots with the new sampler in place, so every group is
   sampled by the policy it trains;
 - ``batch_size * (K + 1)`` lets sampling run up to K steps ahead: the next steps' groups are in
-  flight while this one trains. A group whose sampler is more than ``max_staleness`` updates behind
-  the step that takes it (a straggler that sampled on while faster groups were trained) is dropped,
-  counted and replaced by a fresh one, or trained anyway when ``max_staleness`` is None.
+  flight while this one trains. A group with a token sampled more than ``max_staleness`` updates behind
+  the step that takes it (a straggler whose first turns were sampled before faster groups were trained)
+  is dropped, counted and replaced by a fresh one, or trained anyway when ``max_staleness`` is None.
 
 Resume is by draw position: :meth:`RolloutQueue.draw_point` is the first plan step that still has a
 group not consumed (trained or dropped), the data cursors before it, and the groups of that step and
@@ -26,24 +29,24 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from polyrl.episode import Episode
+from polyrl.episode import Episode, SamplerRef
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient
 
 Key = tuple[int, int]  # (plan step, position in that step's plan)
 Plan = Callable[[int, dict[str, int]], tuple[list[tuple[str, int]], dict[str, int]]]
-Sample = Callable[[int, int, str, int, "SamplingClient"], Awaitable[list[Episode]]]
+Sample = Callable[[int, int, str, int, SamplerRef], Awaitable[list[Episode]]]
 
 
 @dataclass
 class Group:
-    """A finished group: its episodes, where it was drawn and which policy sampled it."""
+    """A finished group: its episodes, where it was drawn and the oldest policy that sampled it."""
 
     drawn: int  # the plan step that drew it
     index: int  # its position in that step's plan
     episodes: list[Episode]
-    sampler_step: int  # optimizer steps the sampler's weights had seen
+    sampler_step: int  # optimizer steps the weights that sampled its oldest token had seen
 
     @property
     def key(self) -> Key:
@@ -93,7 +96,7 @@ class StepBatch:
 
     @property
     def staleness(self) -> list[int]:
-        """Per group: how many updates its sampler is behind the policy this step trains."""
+        """Per group: how many updates its oldest token's sampler is behind the policy this step trains."""
         return [self.step - g.sampler_step for g in self.taken]
 
     def add(self, taken: list[Group], stale: list[Group], seconds: float) -> list[list[Episode]]:
@@ -113,17 +116,19 @@ class RolloutQueue:
     """Rollout workers feeding the trainer (see the module docstring).
 
     ``plan(step, cursors)`` gives a plan step's ``(environment, task)`` list and the cursors after it;
-    ``sample(step, index, environment, task, sampler)`` runs one group; ``sampler`` is the sampler to
-    start with and ``sampler_step`` the updates its weights have seen (:meth:`release` hands over the
-    next); ``wanted`` is how many groups the trainer will still take (nothing is started that could not
-    be trained). Sampling starts with the first :meth:`take`, in its event loop.
+    ``sample(step, index, environment, task, samplers)`` runs one group, each turn with ``samplers``'
+    newest; ``sampler`` is the first sampler and ``sampler_step`` the updates its weights have seen
+    (:meth:`release` hands over the next); ``chunk_tokens`` the most tokens a turn samples before asking
+    for the newest again (None: whole turns); ``wanted`` is how many groups the trainer will still take
+    (nothing is started that could not be trained). Sampling starts with the first :meth:`take`, in its
+    event loop.
     """
 
     def __init__(self, plan: Plan, sample: Sample, sampler: SamplingClient, sampler_step: int, capacity: int,
-                 wanted: int, start: DrawPoint, max_staleness: int | None):
+                 wanted: int, start: DrawPoint, max_staleness: int | None, chunk_tokens: int | None = None):
         self.capacity, self.max_staleness = capacity, max_staleness
         self._plan_fn, self._sample = plan, sample
-        self._sampler, self._sampler_step = sampler, sampler_step  # what new groups sample with
+        self.samplers = SamplerRef(sampler, sampler_step, chunk_tokens)  # what every episode samples with
         self._wanted = wanted
         self._cursors_at = {start.step: dict(start.cursors)}  # cursors before each plan step drawn from
         self._consumed: set[Key] = {tuple(k) for k in start.consumed}  # type: ignore[misc]
@@ -166,9 +171,10 @@ class RolloutQueue:
         return taken, stale
 
     def release(self, n: int, sampler: SamplingClient, sampler_step: int) -> None:
-        """Free the slots of ``n`` groups the trainer took, once it trained on them: the groups started
-        from now on sample with ``sampler``, whose weights have seen ``sampler_step`` updates."""
-        self._sampler, self._sampler_step = sampler, sampler_step
+        """Free the slots of ``n`` groups the trainer took, once it trained on them: the turns sampled
+        from now on, in new groups and those in flight, sample with ``sampler``, whose weights have seen
+        ``sampler_step`` updates."""
+        self.samplers.swap(sampler, sampler_step)
         self._held -= n
         first = self.draw_point().step  # what precedes the oldest open draw is never asked about again
         self._consumed = {k for k in self._consumed if k[0] >= first}
@@ -214,8 +220,7 @@ class RolloutQueue:
                     self._changed.clear()
                     await self._changed.wait()
                 key, env_name, task = self._draw()
-                self._running[key] = asyncio.ensure_future(self._run(key, env_name, task, self._sampler,
-                                                                     self._sampler_step))
+                self._running[key] = asyncio.ensure_future(self._run(key, env_name, task))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer by take()
@@ -235,15 +240,16 @@ class RolloutQueue:
                 env_name, task = self._plan[index]
                 return (step, index), env_name, task
 
-    async def _run(self, key: Key, env_name: str, task: int, sampler: SamplingClient, version: int) -> None:
+    async def _run(self, key: Key, env_name: str, task: int) -> None:
+        started = self.samplers.step
         try:
-            episodes = await self._sample(key[0], key[1], env_name, task, sampler)
+            episodes = await self._sample(key[0], key[1], env_name, task, self.samplers)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the trainer by take()
             self._fail(exc)
         else:
-            self._ready.append(Group(key[0], key[1], episodes, version))
+            self._ready.append(Group(key[0], key[1], episodes, oldest_sampler_step(episodes, started)))
         finally:
             self._running.pop(key, None)
             assert self._changed is not None
@@ -254,3 +260,9 @@ class RolloutQueue:
             self._failure = exc
         assert self._changed is not None
         self._changed.set()
+
+
+def oldest_sampler_step(episodes: list[Episode], started: int) -> int:
+    """The sampler step of the oldest token the group's episodes sampled (failed episodes left out: they
+    are not trained); ``started``, the step of the sampler the group started with, when none did."""
+    return min((s for ep in episodes if not ep.failed for s in ep.sampled_steps() if s >= 0), default=started)

@@ -15,14 +15,23 @@ import hashlib
 import math
 import random
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from polyrl.config import EnvConfig
+from polyrl.config_env import SplitName
 from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.episode import (Episode, RolloutContext, RolloutSettings, SamplerError, check_rewards,
-                            run_episode)
+from polyrl.episode import (
+    Episode,
+    RolloutContext,
+    RolloutSettings,
+    SamplerError,
+    SamplerRef,
+    check_rewards,
+    run_episode,
+)
 from polyrl.errors import ServiceLostError
 from polyrl.renderers.base import Renderer
 
@@ -31,21 +40,24 @@ if TYPE_CHECKING:
 
 
 async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Renderer,
-                    sampler: SamplingClient, settings: RolloutSettings,
-                    seeds: list[int | None]) -> list[Episode]:
-    """Run a group's rollouts concurrently. A failing rollout (exception or timeout) is marked
-    with ``error`` and kept in the list, so the caller can apply the failure budget. A builder that
-    drives its own rollouts may return several episodes (roles) per rollout."""
+                    sampler: SamplingClient | SamplerRef, settings: RolloutSettings,
+                    seeds: Sequence[int | None]) -> list[Episode]:
+    """Run a group's rollouts concurrently, each turn with ``sampler``'s newest. A failing rollout
+    (exception or timeout) is marked with ``error`` and kept in the list, so the caller can apply the
+    failure budget. A builder that drives its own rollouts may return several episodes (roles) per
+    rollout; sampled tokens it appended without their sampler step count as sampled by the sampler the
+    rollout started with."""
+    samplers = SamplerRef.of(sampler)
 
     async def one(ep: Episode, seed: int | None) -> list[Episode]:
         try:
             if builder.drives_rollouts:
-                ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, sampler, renderer,
+                ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, samplers, renderer,
                                      settings, seed)
                 done = list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
             else:
                 env = builder.make(ep.split, ep.task_index)
-                playing = run_episode(env, ep, renderer, sampler, settings, seed)
+                playing = run_episode(env, ep, renderer, samplers, settings, seed)
                 done = [await asyncio.wait_for(playing, settings.timeout)]
             for episode in done:
                 check_rewards(episode, settings.max_abs_reward)
@@ -59,7 +71,14 @@ async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Rend
             ep.metrics["traceback_lines"] = float(len(traceback.format_exc().splitlines()))
         return [ep]
 
-    results = await asyncio.gather(*(one(ep, s) for ep, s in zip(episodes, seeds)))
+    async def recorded(ep: Episode, seed: int | None) -> list[Episode]:
+        started = samplers.step
+        done = await one(ep, seed)
+        for episode in done:
+            episode.fill_sampler_steps(started)
+        return done
+
+    results = await asyncio.gather(*(recorded(ep, s) for ep, s in zip(episodes, seeds)))
     return [ep for eps in results for ep in eps]
 
 
@@ -78,7 +97,8 @@ def split_roles(episodes_G: list[list[Episode]]) -> list[list[Episode]]:
 
 
 # ---------------------------------------------------------------------------- configured environments
-BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes")
+BOUNDS = ("max_abs_reward", "max_observation_tokens", "max_observation_bytes", "max_image_bytes",
+          "max_image_pixels")
 
 
 def rollout_bounds(config: Any) -> dict[str, Any]:
@@ -118,7 +138,7 @@ class EnvRuntime:
         )
         return cls(name, cfg, builder, settings, seed)
 
-    def num_tasks(self, split: str) -> int | None:
+    def num_tasks(self, split: SplitName) -> int | None:
         split_cfg = self.cfg.splits.get(split)
         limit = split_cfg.num_samples if split_cfg else None
         available = self.builder.num_tasks(split)
@@ -126,7 +146,7 @@ class EnvRuntime:
             return available
         return limit if available is None else min(limit, available)
 
-    def task_index(self, split: str, position: int) -> int:
+    def task_index(self, split: SplitName, position: int) -> int:
         """The task at ``position`` of the split's order: epochs of a seeded shuffle when the split
         is finite and ``shuffle`` is set, else sequential."""
         n = self.num_tasks(split)
@@ -143,7 +163,8 @@ class EnvRuntime:
 
 
 async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, group_size: int,
-                        sampler: SamplingClient, renderer: Renderer, seed_parts: tuple) -> list[Episode]:
+                        sampler: SamplingClient | SamplerRef, renderer: Renderer,
+                        seed_parts: tuple) -> list[Episode]:
     """The ``group_size`` episodes of one task, concurrently; episode ``i`` is seeded by
     ``(*seed_parts, g, i)``, so the same group samples the same tokens from the same weights."""
     episodes = [Episode(runtime.name, split, task, g) for _ in range(group_size)]
@@ -196,9 +217,9 @@ def plan_step(weights: dict[str, float], runtimes: dict[str, EnvRuntime], batch_
 
 
 async def sample_group(runtimes: dict[str, EnvRuntime], renderer: Renderer, seed: int, step: int, index: int,
-                       env_name: str, task: int, sampler: SamplingClient) -> list[Episode]:
-    """Group ``index`` of ``step``'s plan, sampled by ``sampler`` (seeded by the run's ``seed``, the step
-    and the index, so the same group samples the same tokens from the same weights)."""
+                       env_name: str, task: int, sampler: SamplerRef) -> list[Episode]:
+    """Group ``index`` of ``step``'s plan, each turn sampled by ``sampler``'s newest (seeded by the run's
+    ``seed``, the step and the index, so the same group samples the same tokens from the same weights)."""
     runtime = runtimes[env_name]
     return await collect_group(runtime, task, index, "train", runtime.cfg.num_rollouts, sampler, renderer,
                                (seed, "train", step))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from polyrl.backend import ServiceGuard, make_rest_client, service_url
+from polyrl.backend import ServiceGuard, make_rest_client, sampler_precision, service_url
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
 from polyrl.policy import open_policy
@@ -173,7 +173,12 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
     state.no_update_steps = len(earlier)
     state.failed_steps = sum(bool(r.get("rollouts/dropped_groups")) for r in earlier)
     await remove_unlogged_checkpoints(config, console, files, guard, service, resuming=row is not None)
-    files.log_attempt({"training_run_id": training.model_id, "step": state.step})
+    precision = sampler_precision(config, service)
+    for entry in precision:
+        console.info(entry["note"])
+    files.log_attempt({"training_run_id": training.model_id, "step": state.step,
+                       **({"sampler": [{k: v for k, v in e.items() if k != "note"} for e in precision]}
+                          if precision else {})})
     sampler = await guard("creating a sampler", training.save_weights_and_get_sampling_client,
                           **sampler_options(config))
     ahead = config.off_policy.max_steps
@@ -182,7 +187,8 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
         partial(sample_group, runtimes, renderer, config.seed), sampler, state.step,
         capacity=config.batch_size * (ahead + 1),
         wanted=config.batch_size * (config.max_steps - state.step), start=state.draw_point(),
-        max_staleness=ahead if config.off_policy.stale_groups == "drop" else None)
+        max_staleness=ahead if config.off_policy.stale_groups == "drop" else None,
+        chunk_tokens=config.off_policy.partial_chunk_tokens)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)

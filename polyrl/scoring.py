@@ -14,8 +14,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from tinker import types
-
 from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard
 from polyrl.config import ConfigError, TrainConfig
@@ -36,8 +34,7 @@ class Scorer:
 
     async def logprobs(self, episodes: Sequence[Episode]) -> list[list[float | None]]:
         """``compute_logprobs`` of each episode's tokens, all requests in flight at once."""
-        answers = await asyncio.gather(*[self.sampler.compute_logprobs(types.ModelInput.from_ints(ep.tokens))
-                                         for ep in episodes])
+        answers = await asyncio.gather(*[self.sampler.compute_logprobs(ep.model_input()) for ep in episodes])
         for ep, lps in zip(episodes, answers):
             if len(lps) != len(ep.tokens):
                 raise SamplerError(f"{self.key} ({self.source}): compute_logprobs returned {len(lps)} "

@@ -16,6 +16,7 @@ from pydantic import Field
 from tinker import types
 
 from polyrl.config import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
+from polyrl.images import next_token_inputs
 from polyrl.policy import open_policy
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
@@ -52,10 +53,11 @@ def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
             if demo is None:
                 raise ValueError(f"environment {name!r} has no demonstrations")
             messages, tools = demo
-            tokens, weights = renderer.supervised(messages, tools or None)
+            rendered, weights = renderer.render_supervised(messages, tools or None)
+            model_input, targets = next_token_inputs(rendered.tokens, rendered.images)
             datums.append(types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+                model_input=model_input,
+                loss_fn_inputs={"target_tokens": types.TensorData(data=targets, dtype="int64"),
                                 "weights": types.TensorData(data=weights[1:], dtype="float32")},
             ))
     return datums

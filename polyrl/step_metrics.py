@@ -18,16 +18,16 @@ from polyrl.update import GroupCounts, Minibatch, Optimized, StepUpdate
 if TYPE_CHECKING:
     from tinker import types
 
-    from polyrl.clients import Tokenizer
+    from polyrl.clients import OptimParams, Tokenizer
     from polyrl.config import TrainConfig
 
 
-def update_metrics(params: types.AdamParams | types.DimuonParams, minibatches: list[Minibatch],
+def update_metrics(params: OptimParams, minibatches: list[Minibatch],
                    optimized: Optimized | None) -> dict[str, float]:
     """The update's metrics: the learning rate, the per-token signals' (weighted by sampled tokens),
     then either the skipped step or the loss, clipping, sampler/learner KL and the optimizer's own,
     then what was trained on."""
-    metrics: dict[str, float] = {"optim/lr": params.learning_rate,
+    metrics: dict[str, float] = {"optim/lr": getattr(params, "learning_rate"),  # on every family
                                  **token_weighted([(m.episodes_D, m.metrics) for m in minibatches])}
     episodes_D = [ep for m in minibatches for ep in m.episodes_D]
     if optimized is not None and optimized.refused is not None:
@@ -41,12 +41,29 @@ def update_metrics(params: types.AdamParams | types.DimuonParams, minibatches: l
         if any("clipped_tokens:sum" in m for m in fwd_metrics):
             metrics["optim/clip_frac"] = sum(m.get("clipped_tokens:sum", 0.0) for m in fwd_metrics) / max(
                 1.0, sum(m.get("active_tokens:sum", 1.0) for m in fwd_metrics))
-        for key, value in (optimized.optim.metrics or {}).items():
-            metrics[f"optim/{key.split(':')[0]}"] = value
+        metrics.update(off_policy_metrics(fwd_metrics + [m.correction for m in minibatches]))
+        for key, value in (optimized.optim.metrics or {}).items():  # "sampler/..." keep their names
+            name = key.split(":")[0]
+            metrics[name if "/" in name else f"optim/{name}"] = value
     metrics["optim/datums"] = float(len(episodes_D))
     metrics["tokens/action"] = float(sum(ep.action_tokens for ep in episodes_D))
     metrics["tokens/total"] = float(sum(len(ep.tokens) - 1 for ep in episodes_D))
     return metrics
+
+
+def off_policy_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The off-policy correction's metrics (``off_policy.correction``), from the loss's (or the client-side
+    folding's) ``is_*`` sums, maxima and minima: the importance weight rho = p_learner / p_sampler over the
+    sampled tokens (mean, max, min) and the fractions of those tokens truncated and masked."""
+    parts = [p for p in parts if p.get("is_tokens:sum")]
+    tokens = sum(p["is_tokens:sum"] for p in parts)
+    if not tokens:
+        return {}
+    return {"off_policy/is_weight_mean": sum(p["is_weight:sum"] for p in parts) / tokens,
+            "off_policy/is_weight_max": max(p["is_weight:max"] for p in parts),
+            "off_policy/is_weight_min": min(p["is_weight:min"] for p in parts),
+            "off_policy/truncated_frac": sum(p["is_truncated:sum"] for p in parts) / tokens,
+            "off_policy/masked_frac": sum(p["is_masked:sum"] for p in parts) / tokens}
 
 
 def token_weighted(parts: list[tuple[list[Episode], dict[str, float]]]) -> dict[str, float]:
@@ -115,12 +132,15 @@ def episode_metrics(episodes_G: list[list[Episode]], counts: dict[str, GroupCoun
 def step_row(config: TrainConfig, batch: StepBatch, update: StepUpdate, evaluation: dict[str, float],
              save_seconds: float, started: float) -> dict[str, Any]:
     """The step's row of ``metrics.jsonl``: the update's metrics, evaluation, episodes, staleness of the
-    batch's groups and where the time went."""
+    batch's groups (their oldest tokens) and of the tokens trained, and where the time went."""
     step = batch.step
     row = {"step": step, "progress/done_frac": (step + 1) / config.max_steps, **update.metrics, **evaluation}
     row.update(episode_metrics(batch.episodes_G, update.counts))
     staleness = batch.staleness or [0]
+    staleness_T = [step - s for ep in update.episodes_D for s in ep.sampled_steps()] or [0]
     row.update({"async/staleness_mean": _mean(staleness), "async/staleness_max": float(max(staleness)),
+                "async/token_staleness_mean": _mean(staleness_T),
+                "async/token_staleness_max": float(max(staleness_T)),
                 "async/stale_dropped": float(len(batch.stale))})
     row.update({"time/rollout": batch.seconds, "time/train": update.seconds, "time/save": save_seconds,
                 "time/total": time.monotonic() - started})
@@ -129,8 +149,8 @@ def step_row(config: TrainConfig, batch: StepBatch, update: StepUpdate, evaluati
 
 def episode_row(step: int, ep: Episode, tokenizer: Tokenizer, dropped: bool,
                 group: Group | None = None) -> dict:
-    """One line of ``trajectories/step_NNNNNN.jsonl``; ``group`` tells which policy sampled it and
-    where it was drawn."""
+    """One line of ``trajectories/step_NNNNNN.jsonl``; ``group`` tells the oldest policy that sampled
+    it and where it was drawn; ``sampler_steps`` the policy that sampled each token (-1: not sampled)."""
     return {
         "step": step,
         "sampler_step": step if group is None else group.sampler_step,
@@ -154,9 +174,11 @@ def episode_row(step: int, ep: Episode, tokenizer: Tokenizer, dropped: bool,
         "messages": ep.messages,
         "tools": ep.tools,
         "tokens": ep.tokens,
+        "images": [{"start": span.start, "length": span.length, "image": span.name} for span in ep.images],
         "token_text": tokenizer.batch_decode([[t] for t in ep.tokens]) if ep.tokens else [],
         "logprobs": [round(x, 5) for x in ep.logprobs],
         "action_mask": ep.action_mask,
+        "sampler_steps": ep.sampler_steps,
         "turn_spans": ep.turn_spans,
     }
 

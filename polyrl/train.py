@@ -108,7 +108,7 @@ async def train_step(run: Run) -> dict[str, float]:
         minibatch = await prepare_minibatch(episodes_G, step, config, run.runtimes, run.signals, run.guard)
         minibatches.append(minibatch)
         if minibatch.data_D and first_problem(minibatches) is None:
-            pending.append(forward_backward(run.training, minibatch.data_D, config))
+            pending.append(await forward_backward(run.training, run.guard, minibatch, config))
 
     # One optimizer step, once every loss came back finite; an update that is not finite applies
     # nothing, and the run stops or skips the step (nonfinite_steps)
@@ -209,6 +209,8 @@ def log_step(run: Run, state: RunState, row: dict[str, float], batch: StepBatch,
     groups = batch.taken + batch.stale
     episodes = [ep for group in groups for ep in group.episodes]
     kept = {id(ep) for g in update.kept_G for ep in g}
+    for ep in episodes:
+        files.save_images(ep.image_files)  # before the rows that refer to them
     files.log_trajectories(step, [episode_row(step, ep, run.tokenizer, dropped=id(ep) not in kept, group=g)
                                   for g in groups for ep in g.episodes])
     if run.uploader:

@@ -3,8 +3,10 @@ arrives, then one optimizer step once every loss came back finite.
 
 :func:`prepare_minibatch` applies each environment's failure budget, computes the advantages (plus the
 KL penalty's and the distillation teacher's per-token terms, when configured) and builds the Datums;
-:func:`forward_backward` sends them; :func:`optimizer_step` waits for the losses and applies one
-``optim_step``. :class:`StepUpdate` is what the step trained on.
+:func:`forward_backward` sends them (with ``off_policy.correction``, as ``loss_fn_config`` keys on the
+local engine, or folded into the Datums after a ``forward`` pass with backend tinker:
+:func:`fold_correction`); :func:`optimizer_step` waits for the losses and applies one ``optim_step``.
+:class:`StepUpdate` is what the step trained on.
 
 No non-finite number reaches the weights: an advantage, per-token term or sampler logprob past
 float32's range keeps its minibatch's Datums from being built; a loss that comes back NaN or inf, or an
@@ -14,10 +16,12 @@ gradients discarded (:func:`refuse_update`, ``nonfinite_steps``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+import torch
 from tinker import types
 from tinker.types.optimizer import OptimParamsBase
 
@@ -26,11 +30,13 @@ from polyrl.backend import ServiceGuard, make_rest_client, update_refused
 from polyrl.config import TrainConfig, scheduled_lr
 from polyrl.episode import Episode
 from polyrl.errors import RunStoppedError
+from polyrl.local import losses
+from polyrl.local.datums import reduce_metrics
 from polyrl.rollouts import EnvRuntime, split_roles
 from polyrl.scoring import TokenSignals
 
 if TYPE_CHECKING:
-    from polyrl.clients import Future, TrainingClient
+    from polyrl.clients import Future, OptimParams, TrainingClient
     from polyrl.run import Run
 
 FLOAT32_MAX = 3.4028234663852886e38  # Datum inputs travel as float32: anything larger becomes inf
@@ -58,6 +64,7 @@ class Minibatch:
     data_D: list[types.Datum]  # their Datums; none when ``problem`` is set
     metrics: dict[str, float] = field(default_factory=dict)  # the per-token signals' (KL penalty, teacher)
     problem: str | None = None  # what in it is not a finite float32, if anything
+    correction: dict[str, float] = field(default_factory=dict)  # a client-side correction's loss metrics
 
 
 @dataclass
@@ -72,13 +79,15 @@ class Optimized:
 @dataclass
 class StepUpdate:
     """What a step trained on: the groups kept, their counts per environment, how many Datums, and the
-    optimizer's metrics; ``seconds`` is training time only (waiting for groups is the rollouts')."""
+    optimizer's metrics; ``seconds`` is training time only (waiting for groups is the rollouts'). The
+    episodes of the Datums (``episodes_D``) carry each token's sampler step."""
 
     kept_G: list[list[Episode]]
     counts: dict[str, GroupCounts]
     datums: int
     metrics: dict[str, float]
     seconds: float
+    episodes_D: list[Episode] = field(default_factory=list)
 
     @classmethod
     def of(cls, minibatches: list[Minibatch], metrics: dict[str, float], seconds: float) -> StepUpdate:
@@ -87,8 +96,8 @@ class StepUpdate:
             for name, part in minibatch.counts.items():
                 counts[name] = counts.get(name, GroupCounts()) + part
         kept_G = [group for minibatch in minibatches for group in minibatch.kept_G]
-        datums = sum(len(minibatch.episodes_D) for minibatch in minibatches)
-        return cls(kept_G, counts, datums, metrics, seconds)
+        episodes_D = [ep for minibatch in minibatches for ep in minibatch.episodes_D]
+        return cls(kept_G, counts, len(episodes_D), metrics, seconds, episodes_D)
 
 
 # ---- a minibatch --------------------------------------------------------------------------------
@@ -156,15 +165,79 @@ def first_problem(minibatches: list[Minibatch]) -> str | None:
     return next((m.problem for m in minibatches if m.problem is not None), None)
 
 
-def forward_backward(training: TrainingClient, data_D: list[types.Datum],
-                     config: TrainConfig) -> Future[types.ForwardBackwardOutput]:
+async def forward_backward(training: TrainingClient, guard: ServiceGuard, minibatch: Minibatch,
+                           config: TrainConfig) -> Future[types.ForwardBackwardOutput]:
     """Send a minibatch's Datums to ``forward_backward`` (not awaited: the next minibatch is prepared
-    meanwhile); the gradients add up in the service until the optimizer step."""
-    return training.forward_backward(data_D, config.loss_fn, dict(config.loss_fn_config) or None)
+    meanwhile); the gradients add up in the service until the optimizer step. The off-policy correction
+    goes in ``loss_fn_config`` (local engine), or with backend tinker is folded into the Datums first
+    (:func:`fold_correction`, its metrics kept on the minibatch)."""
+    data_D, loss_config = minibatch.data_D, dict(config.loss_fn_config)
+    if config.off_policy.correction != "none":
+        if config.backend == "tinker":
+            data_D, minibatch.correction = await fold_correction(training, guard, data_D, config.loss_fn,
+                                                                 correction_keys(config))
+        else:
+            loss_config.update(correction_keys(config))
+    return training.forward_backward(data_D, config.loss_fn, loss_config or None)
+
+
+def correction_keys(config: TrainConfig) -> dict[str, float]:
+    """``off_policy.correction`` as the ``loss_fn_config`` keys of the local engine and polyrl serve."""
+    off_policy = config.off_policy
+    if off_policy.correction == "none":
+        return {}
+    if off_policy.correction == "tis":
+        return {"tis_cap": off_policy.correction_cap}
+    low, high = off_policy.bounds()
+    return {f"{off_policy.correction}_low": low, f"{off_policy.correction}_high": high}
+
+
+async def fold_correction(training: TrainingClient, guard: ServiceGuard, data_D: list[types.Datum],
+                          loss_fn: str, keys: dict[str, float]) -> tuple[list[types.Datum], dict[str, float]]:
+    """The correction done client-side, for a service whose ``loss_fn_config`` takes no polyrl keys
+    (hosted Tinker): a ``forward`` pass gives the learner's logprobs, each token's factor is computed as
+    the local engine's loss does (:func:`polyrl.local.losses.correction_factor`) and multiplied into its
+    advantage (a masked token: advantage 0); for a loss whose ratio the correction re-anchors, the
+    Datum's ``logprobs`` become the learner's. The step's ``forward_backward`` calls all run on the
+    weights this ``forward`` saw, so the result is the in-loss one. ``keys`` are the correction's
+    ``loss_fn_config`` keys (:func:`correction_keys`). Returns the new Datums and the metrics."""
+    spec = losses.get_loss(loss_fn)
+    correction, _ = losses.parse_correction(keys, spec.name, spec.correction)
+    assert correction is not None
+    plain = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"],
+        "weights": types.TensorData(data=[1.0] * d.model_input.length, dtype="float32")}) for d in data_D]
+    forward = await guard("computing the learner's logprobs", training.forward, plain, "cross_entropy")
+    folded, parts = [], []
+    for datum, out in zip(data_D, forward.loss_fn_outputs):
+        inputs = {k: v.to_torch().float() for k, v in datum.loss_fn_inputs.items() if k != "target_tokens"}
+        learner = out["logprobs"].to_torch().float()
+        if spec.provenance:
+            inputs["sampled"] = sampled_targets(datum, len(learner))
+        segments = losses.Segments(torch.zeros(len(learner), dtype=torch.long), 1)
+        active = losses.sampled_tokens(inputs)
+        factor, metrics = losses.correction_factor(learner - inputs["logprobs"], active, segments, correction)
+        changed = dict(datum.loss_fn_inputs)
+        changed["advantages"] = types.TensorData.from_torch(inputs["advantages"] * factor)
+        if spec.correction == losses.ANCHOR:
+            changed["logprobs"] = types.TensorData.from_torch(learner)
+        folded.append(dataclasses.replace(datum, loss_fn_inputs=changed))
+        parts.append(metrics)
+    return folded, reduce_metrics(parts)
+
+
+def sampled_targets(datum: types.Datum, n: int) -> torch.Tensor:
+    """1.0 on the targets a Datum's provenance names as sampled tokens."""
+    sampled, pos = torch.zeros(n), 0
+    for span in datum.loss_fn_input_spans or ():
+        if isinstance(span, types.SampledProvenanceSpan):
+            sampled[pos:pos + span.length] = 1.0
+        pos += span.length
+    return sampled
 
 
 # ---- the optimizer step ---------------------------------------------------------------------------
-def optim_params(config: TrainConfig, step: int) -> types.AdamParams | types.DimuonParams:
+def optim_params(config: TrainConfig, step: int) -> OptimParams:
     """The optimizer settings for the update of ``step`` (0-based), under ``lr_schedule``: Adam's, or
     Dimuon's (its damping and rank correction exponent only when the config sets them, so that a service
     whose DimuonParams lack them takes the step)."""
@@ -202,7 +275,7 @@ def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:
 
 async def optimizer_step(training: TrainingClient, guard: ServiceGuard,
                          pending: list[Future[types.ForwardBackwardOutput]], problem: str | None,
-                         params: types.AdamParams | types.DimuonParams, step: int) -> Optimized:
+                         params: OptimParams, step: int) -> Optimized:
     """Wait for the step's ``forward_backward`` results, then apply one ``optim_step`` unless the update
     is not finite: a ``problem`` in the inputs, a loss that came back NaN or inf (checked here, whatever
     the backend does about it), or a step the engine refused. A service that reports a non-finite

@@ -10,6 +10,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# The suite's exact sampler/learner agreements are float32's; tests/test_sampler_precision.py covers the
+# low-precision sampler that ``local.sampler_dtype: auto`` picks on CPUs with bfloat16 arithmetic.
+os.environ.setdefault("POLYRL_SAMPLER_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +60,19 @@ def smollm2_dir(smollm2_gguf, gguf_cache) -> str:
     from polyrl.models.gguf import cached_import
 
     return str(cached_import(smollm2_gguf, gguf_cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> str:
+    """A ~0.3M-parameter Qwen3-VL model (the ``vl-unit`` size): vision tower, tokenizer with the vision
+    tokens, the Qwen3-VL chat template and a Qwen2-VL image processor config."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-vl-unit"), "vl-unit", seed=0))
+
+
+@pytest.fixture(scope="session")
+def vl_tokenizer(tiny_vl_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_vl_dir)

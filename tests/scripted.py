@@ -10,7 +10,8 @@ from tinker import types
 
 
 class ScriptedSampler:
-    def __init__(self, renderer, replies, logprobs: Callable[[int], np.ndarray | None] = lambda n: np.full(n, -0.5)):
+    def __init__(self, renderer, replies,
+                 logprobs: Callable[[int], np.ndarray | None] = lambda n: np.full(n, -0.5)):
         self.renderer, self.replies, self.logprobs = renderer, list(replies), logprobs
         self.prompts: list[list[int]] = []
         self.params: list[types.SamplingParams] = []
@@ -22,5 +23,6 @@ class ScriptedSampler:
         logprobs = self.logprobs(len(tokens))  # None: a service that returns no logprobs
         seq = types.SampledSequence(stop_reason="stop", sequence_id="s",
                                     tokens_np=np.array(tokens, dtype=np.int32),
-                                    logprobs_np=None if logprobs is None else np.asarray(logprobs, dtype=np.float32))
+                                    logprobs_np=(None if logprobs is None
+                                                 else np.asarray(logprobs, dtype=np.float32)))
         return types.SampleResponse(sequences=[seq])

@@ -17,8 +17,8 @@ import torch
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.config_files import load_config
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.episode import Episode
+from polyrl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
 from polyrl.train import train
@@ -48,10 +48,12 @@ class Scripted:
         for key in keys:
             self.finish.setdefault(key, asyncio.Event()).set()
 
-    def queue(self, ahead: int, steps: int, start: DrawPoint | None = None, drop: bool = True) -> RolloutQueue:
+    def queue(self, ahead: int, steps: int, start: DrawPoint | None = None,
+              drop: bool = True) -> RolloutQueue:
         start = start or DrawPoint(0, {"e": 0})
         return RolloutQueue(self.plan, self.sample, *self.sampler, capacity=B * (ahead + 1),
-                            wanted=B * (steps - start.step), start=start, max_staleness=ahead if drop else None)
+                            wanted=B * (steps - start.step), start=start,
+                            max_staleness=ahead if drop else None)
 
 
 async def _settle():
@@ -66,7 +68,8 @@ def test_synchronous_queue_samples_each_step_with_the_policy_it_trains():
         for step in range(3):
             take = asyncio.ensure_future(q.take(B, step))
             await _settle()
-            assert sorted(s.started) == [(p, i) for p in range(step + 1) for i in range(B)]  # never a step ahead
+            # never a step ahead
+            assert sorted(s.started) == [(p, i) for p in range(step + 1) for i in range(B)]
             s.done(*[(step, i) for i in range(B)][::-1])  # finishing in reverse changes nothing
             taken, stale = await take
             assert [g.key for g in taken] == [(step, 0), (step, 1)] and not stale
@@ -113,7 +116,8 @@ def test_a_straggler_past_the_bound_is_dropped_and_replaced_or_kept(drop):
     if drop:
         assert dropped == [((0, 0), 3)]
         assert all(lag <= 1 for t in trained for _, lag in t), trained
-        assert sorted(keys) == [k for k in [(p, i) for p in range(5) for i in range(B)] if k != (0, 0)][:4 * B]
+        assert sorted(keys) == [k for k in [(p, i) for p in range(5) for i in range(B)]
+                                if k != (0, 0)][:4 * B]
     else:
         assert dropped == [] and trained[3][0] == ((0, 0), 3)
         assert sorted(keys) == [(p, i) for p in range(4) for i in range(B)]
@@ -245,8 +249,9 @@ def test_staleness_bound_holds_in_a_run_with_a_straggler(tiny_model_dir, tmp_pat
     for step, episodes in enumerate(_trajectories(tmp_path / "run")):
         assert {r["step"] for r in episodes} == {step}
         groups = _groups(episodes)
-        live = {k: g for k, g in groups.items() if not any(r["dropped"] and tuple(r["drawn"]) == k and
-                                                          r["step"] - r["sampler_step"] > 1 for r in episodes)}
+        live = {k: g for k, g in groups.items()
+                if not any(r["dropped"] and tuple(r["drawn"]) == k and r["step"] - r["sampler_step"] > 1
+                           for r in episodes)}
         stale = {k: g for k, g in groups.items() if k not in live}
         assert len(live) == cfg.batch_size, (step, groups)
         assert sorted(g["group"] for g in live.values()) == list(range(cfg.batch_size))
@@ -276,12 +281,16 @@ def test_streamed_minibatches_make_the_same_update_as_one_batch(tiny_model_dir, 
                       off_policy={"stream_minibatches": stream},
                       optimizer={"eps": 1.0})  # large: the first Adam step is proportional to the gradient
         row = train(cfg, ConsoleLog(enabled=False))
-        results[name] = (row, _trajectories(tmp_path / name / "run")[0], _final_weights(tmp_path / name))
+        results[name] = (row, _trajectories(tmp_path / name / "run")[0],
+                         _final_weights(tmp_path / name))
     (row_a, traj_a, w_a), (row_b, traj_b, w_b) = results["batch"], results["stream"]
-    by_key = lambda rows: sorted((tuple(r["drawn"]), r["tokens"], r["advantages"]) for r in rows)  # noqa: E731
+    by_key = lambda rows: sorted((tuple(r["drawn"]), r["tokens"], r["advantages"])  # noqa: E731
+                                 for r in rows)
     assert by_key(traj_a) == by_key(traj_b), "both sampled and weighed the same episodes"
     assert row_a["optim/datums"] == row_b["optim/datums"] > 0
-    assert row_b["optim/loss"] == pytest.approx(row_a["optim/loss"], rel=1e-5)
+    # the loss of group-normalized advantages is a sum of terms that cancel to ~0: its rounding under
+    # another summation order is absolute, not relative to the near-zero total
+    assert row_b["optim/loss"] == pytest.approx(row_a["optim/loss"], rel=1e-5, abs=1e-5)
     assert row_b["optim/grad_norm"] == pytest.approx(row_a["optim/grad_norm"], rel=1e-5)
     assert row_b["optim/kl_sample_train_v1"] == pytest.approx(row_a["optim/kl_sample_train_v1"], abs=1e-6)
     assert max(float(w_a[k].abs().max()) for k in w_a if "lora_B" in k) > 1e-5, "the step moved B off zero"

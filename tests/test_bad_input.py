@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.config import MAX_EPISODES_PER_STEP, ConfigError
+from polyrl.config import MAX_EPISODES_PER_STEP
 from polyrl.config_files import load_config
 from polyrl.sft import SFTConfig
 
@@ -31,7 +31,8 @@ def run_all(cases: list[tuple[list[str], str]], cwd: Path, timeout: float = 180)
     for proc, (args, expected) in zip(procs, cases):
         _, err = proc.communicate(timeout=timeout)
         lines = err.strip().splitlines()
-        if not (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]):
+        if not (proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+                and expected in lines[0]):
             failures.append(f"{args}: exit {proc.returncode}, stderr:\n{err[-1500:]}")
     assert not failures, "\n\n".join(failures)
 
@@ -48,16 +49,20 @@ def test_config_that_is_not_utf8_is_one_line_error(tmp_path):
 
 
 def test_duplicate_yaml_keys_are_rejected(tmp_path):
-    (tmp_path / "run.yaml").write_text("model_name: tiny\nlearning_rate: 1e-4\nbatch_size: 4\nlearning_rate: 1e-2\n"
+    (tmp_path / "run.yaml").write_text("model_name: tiny\nlearning_rate: 1e-4\nbatch_size: 4\n"
+                                       "learning_rate: 1e-2\n"
                                        "environments:\n  arithmetic: {num_rollouts: 2, num_rollouts: 4}\n")
     message = error_of(tmp_path / "run.yaml")
     assert "duplicate key 'learning_rate'" in message and "line 4" in message and "line 2" in message
-    (tmp_path / "nested.yaml").write_text("model_name: tiny\nenvironments:\n  arithmetic: {num_rollouts: 2, num_rollouts: 4}\n")
+    (tmp_path / "nested.yaml").write_text("model_name: tiny\nenvironments:\n"
+                                          "  arithmetic: {num_rollouts: 2, num_rollouts: 4}\n")
     assert "duplicate key 'num_rollouts'" in error_of(tmp_path / "nested.yaml")
-    (tmp_path / "run.json").write_text('{"model_name": "a", "model_name": "b", "environments": {"arithmetic": {}}}')
+    (tmp_path / "run.json").write_text('{"model_name": "a", "model_name": "b", '
+                                       '"environments": {"arithmetic": {}}}')
     assert "duplicate key 'model_name'" in error_of(tmp_path / "run.json")
     (tmp_path / "ok.yaml").write_text("base: &b {num_rollouts: 2}\n")  # anchors and merges stay legal
-    (tmp_path / "merge.yaml").write_text("model_name: tiny\nenvironments:\n  arithmetic:\n    <<: {num_rollouts: 2, max_turns: 3}\n"
+    (tmp_path / "merge.yaml").write_text("model_name: tiny\nenvironments:\n  arithmetic:\n"
+                                         "    <<: {num_rollouts: 2, max_turns: 3}\n"
                                          "    num_rollouts: 4\n")
     assert load_config(tmp_path / "merge.yaml").environments["arithmetic"].num_rollouts == 4
 
@@ -70,7 +75,8 @@ def test_duplicate_yaml_keys_are_rejected(tmp_path):
     "loss_fn=ppo", "optimizer.beta1=.nan",
 ])
 def test_non_finite_numbers_are_rejected(override):
-    overrides = [override] if override != "loss_fn=ppo" else [override, "loss_fn_config.clip_high_threshold=.inf"]
+    overrides = ([override] if override != "loss_fn=ppo"
+                 else [override, "loss_fn_config.clip_high_threshold=.inf"])
     message = error_of(None, overrides, base=BASE)
     key = overrides[-1].split("=")[0]
     assert message.startswith(key) and "finite" in message, message
@@ -152,11 +158,13 @@ def test_yaml_alias_bomb_is_refused_at_load(tmp_path, tiny_model_dir):
     expand to 9^9 strings when validated, redacted or dumped. It is refused as soon as it is read."""
     levels = ['      a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     levels += [f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
-    bomb = f"model_name: {tiny_model_dir}\nenvironments:\n  arithmetic:\n    args:\n" + "\n".join(levels) + "\n"
+    bomb = (f"model_name: {tiny_model_dir}\nenvironments:\n  arithmetic:\n    args:\n" + "\n".join(levels)
+            + "\n")
     (tmp_path / "bomb.yaml").write_text(bomb)
     message = error_of(tmp_path / "bomb.yaml")
     assert "YAML aliases expand the document by more than 10,000 nodes" in message, message
-    (tmp_path / "loop.yaml").write_text("model_name: tiny\nenvironments: &e {arithmetic: {args: {again: *e}}}\n")
+    (tmp_path / "loop.yaml").write_text("model_name: tiny\n"
+                                        "environments: &e {arithmetic: {args: {again: *e}}}\n")
     assert "recursive alias" in error_of(tmp_path / "loop.yaml")
     run_all([(["train", "--config_path", "bomb.yaml"], "alias bomb")], tmp_path, timeout=60)
     # anchors and merges of ordinary size stay legal

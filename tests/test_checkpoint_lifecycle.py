@@ -541,7 +541,8 @@ def test_a_client_that_retries_under_another_name_on_conflict_works(served, sdk,
 
     real_time = holder_module.time
     readings = iter(range(10**6))
-    fast = pytypes.SimpleNamespace(**{k: getattr(real_time, k) for k in dir(real_time) if not k.startswith("_")})
+    fast = pytypes.SimpleNamespace(**{k: getattr(real_time, k) for k in dir(real_time)
+                                      if not k.startswith("_")})
     fast.time = lambda: real_time.time() + 400.0 * next(readings)
     monkeypatch.setattr(holder_module, "time", fast)
 

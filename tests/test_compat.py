@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MINDS = ROOT / "tests" / "fixtures" / "minds"
 
 
-def polyrl(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def polyrl(*args: str, cwd: Path, env: dict | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if "TINKER" not in k}
     environ.update(PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run([sys.executable, "-m", "polyrl.cli", *args], cwd=cwd, env=environ,
@@ -116,7 +117,8 @@ def test_minds_config_runs_and_writes_its_metrics_json(minds_repo, tiny_model_di
     assert "note: [trainer] kl_beta = 0.1 is not used" in out.stderr
     run = minds_repo / "outputs" / "train"
     rows = json.loads((run / "metrics.json").read_text())
-    assert [sorted(r) for r in rows] == [["loss", "reward", "step"]] * 2 and [r["step"] for r in rows] == [0, 1]
+    assert ([sorted(r) for r in rows] == [["loss", "reward", "step"]] * 2
+            and [r["step"] for r in rows] == [0, 1])
     native = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward"] for r in rows] == [r["reward/mean"] for r in native]
     first_step = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
@@ -138,7 +140,8 @@ def test_gem_command_line_is_translated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = run_cli("train", *GEM_ARGS, "--print-config")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("# translated from GEM trainer arguments: env_id=game:GuessTheNumber-v0-easy")
+    assert out.stdout.startswith("# translated from GEM trainer arguments: "
+                                 "env_id=game:GuessTheNumber-v0-easy")
     assert "# note: env_wrappers concat left out" in out.stdout
     config = yaml.safe_load(out.stdout)
     env = config["environments"]["GuessTheNumber_v0_easy"]
@@ -199,17 +202,18 @@ def test_zero_reward_runs_go_their_configured_steps(minds_repo, tiny_model_dir, 
     environ = {k: v for k, v in os.environ.items() if "TINKER" not in k}
     environ.update(PYTHONPATH=str(ROOT))
     (tmp_path / "gem").mkdir()
-    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 12\nbatch_size: 2\nmax_tokens: 4\n"
-                                       "lora_rank: 4\nlog_path: yaml-run\nlocal: {store_dir: store}\n"
+    (tmp_path / "run.yaml").write_text(f"model_name: {tiny_model_dir}\nmax_steps: 12\nbatch_size: 2\n"
+                                       "max_tokens: 4\nlora_rank: 4\nlog_path: yaml-run\n"
+                                       "local: {store_dir: store}\n"
                                        "outputs: {report: false}\n"
                                        "environments:\n  arithmetic: {num_rollouts: 2, max_turns: 1}\n")
     runs = {  # each run's command, directory and metrics file
-        "minds": (["train", "--config_path", "configs/train.toml", "--overrides", f"model_name={tiny_model_dir}",
-                   "local.store_dir=store", "max_steps=12", "outputs.report=false",
-                   "environments.my_task.args.word=zzzzzzzz"],
+        "minds": (["train", "--config_path", "configs/train.toml", "--overrides",
+                   f"model_name={tiny_model_dir}", "local.store_dir=store", "max_steps=12",
+                   "outputs.report=false", "environments.my_task.args.word=zzzzzzzz"],
                   minds_repo, minds_repo / "outputs" / "train" / "metrics.jsonl"),
-        "gem": (["train", *GEM_ARGS[:1], "max_steps=12", *GEM_ARGS[2:], f"model_name={tiny_model_dir}", "batch_size=2",
-                 "max_tokens=4", "lora_rank=4", "--overrides", "local.store_dir=store",
+        "gem": (["train", *GEM_ARGS[:1], "max_steps=12", *GEM_ARGS[2:], f"model_name={tiny_model_dir}",
+                 "batch_size=2", "max_tokens=4", "lora_rank=4", "--overrides", "local.store_dir=store",
                  "outputs.report=false", "environments.GuessTheNumber_v0_easy.max_turns=1"],
                 tmp_path / "gem", tmp_path / "gem" / "runs" / "gem-GuessTheNumber_v0_easy" / "metrics.jsonl"),
         "yaml": (["train", "--config_path", "run.yaml"], tmp_path, tmp_path / "yaml-run" / "metrics.jsonl"),

@@ -155,21 +155,28 @@ def test_apply_overrides_copies_and_creates_mappings():
     [
         (["learning_rat=0.1"], "learning_rat: unknown key (did you mean learning_rate?)"),
         (["environments.arithmetic.num_rollout=4"], "environments.arithmetic.num_rollout: unknown key"),
-        (["environments.arithmetic.splits.valid.shuffle=true"], "environments.arithmetic.splits.valid: Input should be 'train' or 'test'"),
-        (["environments.arithmetic.num_rollouts=eight"], "environments.arithmetic.num_rollouts: Input should be a valid integer"),
-        (["environments.arithmetic.num_rollouts=0"], "environments.arithmetic.num_rollouts: Input should be greater than or equal to 1"),
-        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro', 'gspo' or "
-                                "'stable_reinforce'"),
+        (["environments.arithmetic.splits.valid.shuffle=true"],
+         "environments.arithmetic.splits.valid: Input should be 'train' or 'test'"),
+        (["environments.arithmetic.num_rollouts=eight"],
+         "environments.arithmetic.num_rollouts: Input should be a valid integer"),
+        (["environments.arithmetic.num_rollouts=0"],
+         "environments.arithmetic.num_rollouts: Input should be greater than or equal to 1"),
+        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro', "
+                                "'gspo' or 'stable_reinforce'"),
         (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
         (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
-        (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"], "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
+        (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"],
+         "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
         (["advantages.gamma=0.9"], "advantages.gamma: only used by advantages.estimator 'rebn'"),
         (["advantages.gamma=0"], "advantages.gamma: Input should be greater than 0"),
-        (["eval_every=5", "environments.arithmetic.splits.test=null"], "eval_every: evaluation needs at least one environment with a test split"),
+        (["eval_every=5", "environments.arithmetic.splits.test=null"],
+         "eval_every: evaluation needs at least one environment with a test split"),
         (["renderer=nope"], "renderer: unknown renderer 'nope'"),
-        (["environments.arithmetic.type=nope"], "environments.arithmetic.type: unknown environment type 'nope'"),
+        (["environments.arithmetic.type=nope"],
+         "environments.arithmetic.type: unknown environment type 'nope'"),
         (["environments={}"], "environments: at least one environment is required"),
-        (["environments.arithmetic.splits={train: null, test: null}"], "environments.arithmetic.splits: at least one split"),
+        (["environments.arithmetic.splits={train: null, test: null}"],
+         "environments.arithmetic.splits: at least one split"),
         (["model_name=null"], "model_name: Input should be a valid string"),
         (["model_name=./no-such-model"], "model_name: model './no-such-model': no such model directory"),
     ],
@@ -193,19 +200,23 @@ def test_several_errors_joined_on_one_line():
 def test_tinker_backend_rules(monkeypatch):
     message = error_of(None, ["backend=tinker"], base=BASE)
     assert message.startswith("backend: 'tinker' needs TINKER_API_KEY")
-    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "local.device=cpu"], base=BASE) == (
+    assert error_of(None, ["backend=tinker", "base_url=http://localhost:8000", "local.device=cpu"],
+                    base=BASE) == (
         "local.device: only used by the local backend, but backend is 'tinker'"
     )
     message = error_of(None, ["backend=tinker", "local.dtype=bfloat16", "local.store_dir=/tmp/x"], base=BASE)
-    assert message.startswith("local.dtype: ") and "; local.store_dir: only used by the local backend" in message
+    assert (message.startswith("local.dtype: ")
+            and "; local.store_dir: only used by the local backend" in message)
     assert "backend:" in message
     monkeypatch.setenv("TINKER_API_KEY", "tk-0123456789")
     message = error_of(None, ["backend=tinker"], base=BASE)
-    assert message.startswith("backend: TINKER_API_KEY") and "'tml-'" in message and "0123456789" not in message
+    assert (message.startswith("backend: TINKER_API_KEY") and "'tml-'" in message
+            and "0123456789" not in message)
     monkeypatch.setenv("TINKER_API_KEY", "tml-0123456789")
     assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"
     # model names are the service's to resolve: no local directory check for a remote backend
-    assert load_config(None, ["backend=tinker", "model_name=./no-such-model"], base=BASE).model_name == "./no-such-model"
+    assert load_config(None, ["backend=tinker", "model_name=./no-such-model"],
+                       base=BASE).model_name == "./no-such-model"
 
 
 def test_tinker_key_from_dotenv(tmp_path):
@@ -261,13 +272,15 @@ def test_redact_nested_values_and_sensitive_keys(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "abc")  # too short to mask safely
     data = {
         "messages": [{"role": "user", "content": "key is wandb-secret-123!"}, ("hf_abcdef", 3)],
-        "headers": {"Authorization": "Bearer hf_abcdef", "api_key": 42, "ClientSecret": "x", "user_password": None},
+        "headers": {"Authorization": "Bearer hf_abcdef", "api_key": 42, "ClientSecret": "x",
+                    "user_password": None},
         "accessToken": "t", "hf_token": "t", "max_tokens": 256, "token_ids": [1, 2], "abc": "abc",
     }
     out = redact(data)
     assert out["messages"][0] == {"role": "user", "content": "key is ***!"}
     assert out["messages"][1] == ("***", 3)
-    assert out["headers"] == {"Authorization": "Bearer ***", "api_key": "***", "ClientSecret": "***", "user_password": None}
+    assert out["headers"] == {"Authorization": "Bearer ***", "api_key": "***", "ClientSecret": "***",
+                              "user_password": None}
     assert out["accessToken"] == "***" and out["hf_token"] == "***"
     assert out["max_tokens"] == 256 and out["token_ids"] == [1, 2] and out["abc"] == "abc"
     assert data["messages"][0]["content"] == "key is wandb-secret-123!"  # input untouched
@@ -277,7 +290,8 @@ def test_redact_nested_values_and_sensitive_keys(monkeypatch):
 def test_dump_is_json_safe_and_redacted(monkeypatch):
     monkeypatch.setenv("TINKER_API_KEY", "tml-very-secret")
     cfg = load_config(
-        None, ["backend=tinker", "environments.arithmetic.args.api_key=k", "wandb_run_name=run-tml-very-secret"], base=BASE
+        None, ["backend=tinker", "environments.arithmetic.args.api_key=k",
+               "wandb_run_name=run-tml-very-secret"], base=BASE
     )
     dumped = cfg.dump()
     text = json.dumps(dumped)
@@ -311,7 +325,8 @@ def test_sft_config_checks_the_local_model_too(tmp_path):
     assert error_of(None, [f"model_name={missing}"], base=BASE, model=SFTConfig) == (
         f"model_name: model {missing!r}: no such model directory")
     (tmp_path / "model").mkdir()
-    assert load_config(None, [f"model_name={tmp_path / 'model'}"], base=BASE, model=SFTConfig).model_name.endswith("model")
+    assert load_config(None, [f"model_name={tmp_path / 'model'}"], base=BASE,
+                       model=SFTConfig).model_name.endswith("model")
 
 
 def test_json_config_is_read_as_json(tmp_path):
@@ -324,15 +339,16 @@ def test_json_config_is_read_as_json(tmp_path):
     assert config.environments["arithmetic"].args == {key: "2001-01-01", "n": "1e3"}
     (tmp_path / "bad.json").write_text('{"model_name": "tiny",\n "environments": {"arithmetic": {}},}\n')
     assert "bad.json: invalid JSON: line 2, column" in error_of(tmp_path / "bad.json")
-    (tmp_path / "nan.json").write_text('{"model_name": "tiny", "environments": {"arithmetic": {"args": {"x": NaN}}}}')
+    (tmp_path / "nan.json").write_text('{"model_name": "tiny", '
+                                       '"environments": {"arithmetic": {"args": {"x": NaN}}}}')
     assert "invalid JSON: NaN is not a number JSON allows" in error_of(tmp_path / "nan.json")
 
 
 def test_nonterminal_reward_within_the_reward_bound():
     base = {"model_name": "tiny", "environments": {"arithmetic": {}}}
     message = error_of(None, ["environments.arithmetic.nonterminal_reward=-2e6"], base=base)
-    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past limits.max_abs_reward=1e+06: "
-                       "every unfinished episode would fail"), message
+    assert message == ("environments.arithmetic.nonterminal_reward: -2e+06 is past "
+                       "limits.max_abs_reward=1e+06: every unfinished episode would fail"), message
     assert load_config(None, ["environments.arithmetic.nonterminal_reward=-2e6", "limits.max_abs_reward=1e7"],
                        base=base).limits.max_abs_reward == 1e7
 

@@ -27,7 +27,7 @@ STEPS = textwrap.dedent("""
                       "time/total": 12.5})
     console.info("checkpoint final: tinker://run/weights/final")
     console.warn("step 2 made no update")
-""")
+""")  # noqa: E501
 
 
 def _run_in_pty(args: list[str], timeout: float = 300) -> str:

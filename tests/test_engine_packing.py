@@ -36,7 +36,8 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     with_inputs,
 )
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_rows_share_prefixes_and_keep_each_datum_whole():
         seqs = []
         for _ in range(rng.randint(1, 6)):
             prompt = [rng.randrange(5) for _ in range(rng.randint(1, 12))]
-            seqs += [prompt + [rng.randrange(5) for _ in range(rng.randint(0, 6))] for _ in range(rng.randint(1, 5))]
+            seqs += [prompt + [rng.randrange(5) for _ in range(rng.randint(0, 6))]
+                     for _ in range(rng.randint(1, 5))]
         seqs = [s for s in seqs if s]
         capacity = rng.randint(4, 40)
         rows = pack_rows(seqs, capacity)

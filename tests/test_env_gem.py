@@ -86,9 +86,11 @@ def test_multi_turn_episode_with_per_step_rewards(tokenizer):
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [_guess(wrong[0]), _guess(wrong[1]), _guess(secret)])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
-    ep = asyncio.run(run_episode(builder.make("train", 5), Episode("guess", "train", 5, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("train", 5), Episode("guess", "train", 5, 0), renderer, policy,
+                                 settings))
     assert ep.step_rewards == [0.0, 0.0, 1.0] and ep.reward == 1.0 and ep.success and ep.done_by_env
-    assert [m["role"] for m in ep.messages] == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in ep.messages] == ["user", "assistant", "user", "assistant", "user", "assistant",
+                                                "user"]
     assert "Guess The Number" in ep.messages[0]["content"]
     feedback = ep.messages[2]["content"]
     assert "the target number is" in feedback and feedback.endswith("Enter your next guess.")
@@ -104,7 +106,8 @@ def test_gem_plain_template_renderer(tokenizer):
     renderer = get_renderer("qwen3_game", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "no idea"}])
     settings = RolloutSettings(max_turns=4, max_tokens=32, temperature=1.0, timeout=30)
-    ep = asyncio.run(run_episode(builder.make("test", 0), Episode("guess", "test", 0, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("test", 0), Episode("guess", "test", 0, 0), renderer, policy,
+                                 settings))
     text = tokenizer.decode(ep.tokens)
     assert text.startswith("<|im_start|>user\nYou are playing language games. Make valid actions to win.\n"
                            "Observation: You are playing Guess The Number.")
@@ -170,9 +173,9 @@ def test_gem_trains_two_steps(tiny_model_dir, tmp_path):
     from polyrl.tracking.console import ConsoleLog
     from polyrl.train import train
 
-    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
-                      renderer="qwen3_game",
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")}, renderer="qwen3_game",
                       environments={"guess": {"type": GUESS, "num_rollouts": 3, "max_turns": 4,
                                               "args": {"wrappers": ["episode_tracking"]}}})
     train(cfg, ConsoleLog(enabled=False))
@@ -192,3 +195,44 @@ def test_gem_trains_two_steps(tiny_model_dir, tmp_path):
             assert t["reward"] == pytest.approx(sum(t["step_rewards"]))
             assert all(r == -0.1 or 0.0 <= r <= 1.0 for r in t["step_rewards"])  # GEM's reward scale
             assert "<|im_start|>user\nYou are playing language games" in "".join(t["token_text"])
+
+
+def test_gem_visual_math_observations_carry_their_images(tmp_path, monkeypatch, vl_tokenizer):
+    """GEM's visual math environment (``math:Geometry3K``) on a local data set in the hub one's format:
+    its ``{"problem", "images"}`` observation becomes image parts and the problem's text; a Qwen3-VL
+    renderer renders each image, and the grader rewards the right answer."""
+    import datasets
+    from PIL import Image
+    from tinker import types
+
+    rows = {"problem": [f"What is {a} + {a}?" for a in range(4)],
+            "images": [[Image.new("RGB", (64, 64), (40 * a, 90, 200))] for a in range(4)],
+            "answer": [str(2 * a) for a in range(4)]}
+    features = datasets.Features({"problem": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "images": datasets.Sequence(datasets.Image())})
+    (tmp_path / "geo" / "data").mkdir(parents=True)
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(
+        str(tmp_path / "geo" / "data" / "train-00000-of-00001.parquet"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    args = {"env_kwargs": {"dataset_name": str(tmp_path / "geo"), "use_mp": False}}
+    builder = make_env_builder("gem:math:Geometry3K", args, seed=0)
+    obs = asyncio.run(builder.make("train", 0).reset())
+    content = obs.messages[-1]["content"]
+    assert [p["type"] for p in content] == ["image", "text"] and content[1]["text"].startswith("What is ")
+    answer = 2 * int(content[1]["text"].split()[2])
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+
+    class Sampler:
+        async def sample(self, prompt, num_samples, params):
+            assert [c.expected_tokens for c in prompt.chunks if c.type == "image"] == [4]
+            tokens = vl_tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False)
+            tokens.append(vl_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            return types.SampleResponse(sequences=[types.SampledSequence(
+                stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+                logprobs_np=np.zeros(len(tokens), np.float32))])
+
+    settings = RolloutSettings(max_turns=1, max_tokens=16, temperature=1.0, timeout=60)
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("geo", "train", 0, 0), renderer, Sampler(),
+                                 settings))
+    assert ep.error is None and ep.reward == 1.0 and len(ep.images) == 1
+    assert ep.messages[0]["content"][0]["image"] == ep.images[0].name

@@ -74,7 +74,8 @@ def test_step_results_rubrics_and_reward_coercion(caplog):
     coerce = RewardCoercion("module:x")
     assert parse_step(0.5, coerce) == StepResult([], 0.5, True, {})
     r = parse_step({"reward": 1, "observation": "again", "metrics": {"n": 2}}, coerce)
-    assert (r.messages, r.reward, r.done, r.metrics) == ([{"role": "user", "content": "again"}], 1.0, False, {"n": 2.0})
+    assert (r.messages, r.reward, r.done, r.metrics) == ([{"role": "user", "content": "again"}], 1.0, False,
+                                                         {"n": 2.0})
     assert parse_step({"reward": 2, "observation": "bye", "done": True}, coerce).done
     r = parse_step(("next", 0.25, False, False, {"k": 1}), coerce)
     assert (r.messages[0]["content"], r.reward, r.done, r.metrics) == ("next", 0.25, False, {"k": 1.0})
@@ -105,20 +106,25 @@ def test_step_module_by_file_path_plays_multi_turn_episodes(in_repo, tokenizer, 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "xyz"},
                                         {"role": "assistant", "content": "banana"}])
-    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("m", "train", 0, 0), renderer, policy, _settings()))
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("m", "train", 0, 0), renderer, policy,
+                                 _settings()))
     assert ep.messages[0] == {"role": "user", "content": "Reply with a word containing the letter a."}
     assert ep.messages[2] == {"role": "user", "content": "No. Try again."}
-    assert ep.step_rewards == [0.0, 1.0] and ep.reward == 1.0 and ep.done_by_env and ep.metrics["tries"] == 2.0
+    assert (ep.step_rewards == [0.0, 1.0] and ep.reward == 1.0 and ep.done_by_env
+            and ep.metrics["tries"] == 2.0)
     # every episode gets a fresh object: a second episode starts over
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "xyz"}] * 3)
-    ep = asyncio.run(run_episode(builder.make("train", 1), Episode("m", "train", 1, 0), renderer, policy, _settings()))
+    ep = asyncio.run(run_episode(builder.make("train", 1), Episode("m", "train", 1, 0), renderer, policy,
+                                 _settings()))
     assert ep.step_rewards == [0.0, 0.0, 0.0] and ep.done_by_env and ep.num_turns == 3
 
     bad = make_env_builder(f"module:{STEP_FILE}", {"bad_reward": True}, seed=0)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "anything"}])
     with caplog.at_level(logging.WARNING, logger="polyrl.envs.module_env"):
-        ep = asyncio.run(run_episode(bad.make("train", 2), Episode("m", "train", 2, 0), renderer, policy, _settings()))
-    assert ep.reward == 0.0 and ep.metrics["non_numeric_reward"] == 1.0 and "'lots' is not a number" in caplog.text
+        ep = asyncio.run(run_episode(bad.make("train", 2), Episode("m", "train", 2, 0), renderer, policy,
+                                     _settings()))
+    assert (ep.reward == 0.0 and ep.metrics["non_numeric_reward"] == 1.0
+            and "'lots' is not a number" in caplog.text)
 
 
 # ---------------------------------------------------------------------------- polyrl train
@@ -132,8 +138,10 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
         learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
         seed=2, outputs={"report": False},
         environments={
-            "letters": {"type": f"module:{STEP_FILE}", "num_rollouts": 3, "max_turns": 2, "args": {"max_tries": 2}},
-            "judged": {"type": f"module:{RUBRIC_MODULE}", "num_rollouts": 3, "max_turns": 1, "args": {"letter": "a"}},
+            "letters": {"type": f"module:{STEP_FILE}", "num_rollouts": 3, "max_turns": 2,
+                        "args": {"max_tries": 2}},
+            "judged": {"type": f"module:{RUBRIC_MODULE}", "num_rollouts": 3, "max_turns": 1,
+                       "args": {"letter": "a"}},
         })
     train(cfg, ConsoleLog(enabled=False))
 
@@ -141,7 +149,8 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and all(r["rollouts/failed"] == 0 for r in rows)
     for step in range(2):
-        traj = [json.loads(x) for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        traj = [json.loads(x)
+                for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert sorted(t["env"] for t in traj) == ["judged"] * 3 + ["letters"] * 3
         for t in traj:
             replies = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
@@ -157,7 +166,8 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
                 assert m["reward/contains_answer"] == float("a" in replies[0])
                 assert 0.0 < m["reward/model_confidence"] <= 1.0
                 assert m["reward/builds_seen"] == step + 1  # built once per new sampler
-                assert math.isclose(t["reward"], m["reward/contains_answer"] + 0.5 * m["reward/model_confidence"],
+                assert math.isclose(t["reward"],
+                                    m["reward/contains_answer"] + 0.5 * m["reward/model_confidence"],
                                     rel_tol=1e-6)
         assert rows[step]["env/judged/reward/model_confidence"] > 0
 
@@ -169,9 +179,11 @@ def test_step_module_with_build_gets_the_rollouts_sampler(tmp_path, tokenizer):
         "class E:\n"
         "    sampler = None\n"
         "    def build(self, sampling_client):\n        self.sampler = sampling_client\n"
-        "    def initial_observation(self):\n        return {'messages': [{'role': 'user', 'content': 'hi'}]}\n"
+        "    def initial_observation(self):\n"
+        "        return {'messages': [{'role': 'user', 'content': 'hi'}]}\n"
         "    async def step(self, message):\n"
-        "        return {'reward': 1.0 if self.sampler is not None else -1.0, 'metrics': {'n': len(message)}}\n"
+        "        return {'reward': 1.0 if self.sampler is not None else -1.0,"
+        " 'metrics': {'n': len(message)}}\n"
         "def load_environment():\n    return E()\n")
     builder = make_env_builder(f"module:{tmp_path / 'built'}", {}, seed=0)  # '.py' may be left out
     assert builder.drives_rollouts
@@ -218,3 +230,51 @@ def test_package_directories_load_as_packages(tmp_path, monkeypatch):
         {"model_name": "m", "environments": {"e": {"type": "module:./environments/empty"}}}))
     with pytest.raises(ConfigError, match="environment directory ./environments/empty has no __init__.py"):
         load_config(tmp_path / "run.yaml")
+
+
+def test_dataset_rows_with_images_and_step_modules_with_image_parts(tmp_path, vl_tokenizer):
+    """A dataset row's ``image`` goes before its question as an image part; a step module's observation
+    may hold image parts (here a file path); both reach a vision-language renderer as images."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(tmp_path / "blue.png")
+    (tmp_path / "pictures.py").write_text(
+        "from PIL import Image\n"
+        "class E:\n"
+        "    dataset = [{'question': 'Colour?', 'image': Image.new('RGB', (64, 64), (255, 0, 0)),"
+        " 'answer': 'red'}]\n"
+        "    rubric = [lambda completion, answer: float(answer in completion)]\n"
+        "def load_environment():\n    return E()\n")
+    (tmp_path / "steps.py").write_text(
+        "class E:\n"
+        f"    def initial_observation(self):\n"
+        "        return {'role': 'user', 'content': "
+        f"[{{'type': 'image', 'image': {str(tmp_path / 'blue.png')!r}}},\n"
+        "                                             {'type': 'text', 'text': 'Colour?'}]}\n"
+        "    def step(self, text):\n        return float('blue' in text)\n"
+        "def load_environment():\n    return E()\n")
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+    for name, reply in (("pictures.py", "red"), ("steps.py", "blue")):
+        builder = make_env_builder(f"module:{tmp_path / name}", {}, seed=0)
+        sampler = _VlSampler(vl_tokenizer, reply)
+        ep = asyncio.run(run_episode(builder.make("train", 0), Episode("m", "train", 0, 0), renderer, sampler,
+                                     _settings()))
+        assert ep.error is None and ep.reward == 1.0, (name, ep.error)
+        assert [[c.expected_tokens for c in i.chunks if c.type == "image"] for i in sampler.inputs] == [[4]]
+        assert ep.messages[0]["content"][0] == {"type": "image", "image": ep.images[0].name, "width": 64,
+                                                "height": 64}
+
+
+class _VlSampler:
+    def __init__(self, tokenizer, reply):
+        self.tokenizer, self.reply, self.inputs = tokenizer, reply, []
+
+    async def sample(self, prompt, num_samples, params):
+        from tinker import types
+
+        self.inputs.append(prompt)
+        tokens = self.tokenizer.encode(self.reply, add_special_tokens=False)
+        tokens.append(self.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        return types.SampleResponse(sequences=[types.SampledSequence(
+            stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+            logprobs_np=np.zeros(len(tokens), np.float32))])

@@ -16,7 +16,9 @@ from scripted import ScriptedSampler
 
 openreward = pytest.importorskip("openreward")
 
-from openreward.environments import Environment, Server, TextBlock, ToolOutput, terminal, tool  # noqa: E402
+from openreward.environments import (  # noqa: E402
+    Environment, ImageBlock, Server, TextBlock, ToolOutput, terminal, tool,
+)
 from fastapi import FastAPI, Request  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
@@ -66,7 +68,8 @@ class LetterQuest(Environment):
     @tool
     async def count(self, params: Text) -> ToolOutput:
         """Count the task's letter in a text."""
-        return ToolOutput(blocks=[TextBlock(text=str(params.text.count(self.letter)))], reward=0.0, finished=False)
+        return ToolOutput(blocks=[TextBlock(text=str(params.text.count(self.letter)))], reward=0.0,
+                          finished=False)
 
     @tool
     def explode(self) -> ToolOutput:
@@ -78,6 +81,53 @@ class LetterQuest(Environment):
     def answer(self, params: Answer) -> ToolOutput:
         """Grade the final answer."""
         ok = self.letter in params.answer
+        return ToolOutput(blocks=[TextBlock(text="correct" if ok else "wrong")], reward=1.0 if ok else 0.0,
+                          finished=True)
+
+
+def _png_base64(colour: tuple[int, int, int], size: tuple[int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class PicturePuzzle(Environment):
+    """An environment with images: the prompt shows a picture (an ``ImageBlock``), the ``look`` tool
+    answers with another one beside its text, the terminal tool grades the colour named."""
+
+    def __init__(self, task_spec: dict = {}, secrets: dict = {}):  # noqa: B006 - the SDK's signature
+        super().__init__(task_spec, secrets)
+
+    @classmethod
+    def list_splits(cls):
+        return ["train"]
+
+    @classmethod
+    def list_tasks(cls, split: str):
+        return [{"id": 0}]
+
+    def get_prompt(self):
+        return [ImageBlock(data=_png_base64((220, 30, 30), (64, 64)), mimeType="image/png"),
+                TextBlock(text="What colour is the picture? Look closer with the look tool.")]
+
+    @tool
+    def look(self) -> ToolOutput:
+        """A closer look."""
+        return ToolOutput(blocks=[TextBlock(text="closer:"),
+                                  ImageBlock(data=_png_base64((200, 20, 20), (96, 96)),
+                                             mimeType="image/png")],
+                          reward=0.0, finished=False)
+
+    @terminal
+    @tool
+    def answer(self, params: Answer) -> ToolOutput:
+        """Grade the final answer."""
+        ok = "red" in params.answer
         return ToolOutput(blocks=[TextBlock(text="correct" if ok else "wrong")], reward=1.0 if ok else 0.0,
                           finished=True)
 
@@ -104,8 +154,9 @@ def ors():
 
     import structlog
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))  # quiet server logs
-    ors_server = Server([LetterQuest])
+    # quiet server logs
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    ors_server = Server([LetterQuest, PicturePuzzle])
     server, thread, url = _serve(ors_server.app)
     yield ors_server, url
     server.should_exit = True
@@ -163,20 +214,22 @@ def _wait_closed(ors_server, timeout=10.0):
 
 def _call(name, args, i=0):
     return {"role": "assistant", "content": "",
-            "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}]}
+            "tool_calls": [{"id": f"call_{i}", "type": "function",
+                            "function": {"name": name, "arguments": args}}]}
 
 
 # ---------------------------------------------------------------------------- unit checks
 def test_names_resolve_and_flat_tool_specs_are_nested():
     assert get_env_builder("Org/EnvName") is OpenRewardBuilder
     assert get_env_builder("openreward:Org/EnvName") is OpenRewardBuilder
-    cfg = TrainConfig(model_name="m", environments={"Org/EnvName": {"args": {"base_url": "http://127.0.0.1:9"}}})
+    cfg = TrainConfig(model_name="m",
+                      environments={"Org/EnvName": {"args": {"base_url": "http://127.0.0.1:9"}}})
     assert cfg.environments["Org/EnvName"].type == "Org/EnvName"  # validated without contacting anything
     flat = {"type": "function", "name": "count", "description": "d", "parameters": {"type": "object"}}
     assert chat_tool_spec(flat) == {"type": "function", "function": {"name": "count", "description": "d",
                                                                       "parameters": {"type": "object"}}}
-    assert chat_tool_spec({"type": "function", "name": "x", "parameters": None})["function"]["parameters"] == {
-        "type": "object", "properties": {}}
+    assert chat_tool_spec({"type": "function", "name": "x", "parameters": None})["function"]["parameters"] \
+        == {"type": "object", "properties": {}}
 
 
 @pytest.mark.parametrize("entry,needle", [
@@ -208,7 +261,8 @@ def test_tool_calls_errors_and_terminal_answer_through_the_sdk(ors, openreward_e
     ]
     policy = ScriptedSampler(renderer, replies)
     settings = RolloutSettings(max_turns=8, max_tokens=64, temperature=1.0, timeout=60)
-    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, policy, settings))
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, policy,
+                                 settings))
     asyncio.run(builder.aclose())
 
     assert ep.done_by_env and ep.num_turns == 5
@@ -222,7 +276,8 @@ def test_tool_calls_errors_and_terminal_answer_through_the_sdk(ors, openreward_e
     assert tool_msgs[1]["content"].startswith("Error (input_validation)")
     assert tool_msgs[2]["content"].startswith("Error (not_found)")
     assert tool_msgs[3]["content"].startswith("Error: <tool_call> block 0: invalid JSON")
-    assert tool_msgs[4] == {"role": "tool", "tool_call_id": "terminal", "name": "answer", "content": "correct"}
+    assert tool_msgs[4] == {"role": "tool", "tool_call_id": "terminal", "name": "answer",
+                            "content": "correct"}
     assert ep.metrics["tool_calls"] == 3.0 and ep.metrics["tool_errors"] == 3.0
     # the model saw the tools in the chat template's format, and each turn continued the last
     assert policy.prompts[0] == renderer.initial_prompt(ep.messages[:1], ep.tools)
@@ -256,9 +311,9 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     ors_server, url = ors
     capture = openreward_env
     cfg = TrainConfig(
-        model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0, eval_every=2,
-        learning_rate=1e-3, log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
-        seed=1, outputs={"report": False},
+        model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
+        eval_every=2, learning_rate=1e-3, log_path=str(tmp_path / "run"),
+        local={"store_dir": str(tmp_path / "store")}, seed=1, outputs={"report": False},
         openreward_run_name="polyrl-test-run",
         environments={"letters": {"type": "openreward:Polyrl/LetterQuest", "num_rollouts": 3, "max_turns": 2,
                                   "args": {"base_url": url}}})
@@ -271,7 +326,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     assert "test/letters/pass@1" in rows[-1]
     trajectories = []
     for step in range(2):
-        trajectories += [json.loads(x) for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        trajectories += [json.loads(x)
+                         for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
     assert len(trajectories) == 12
     for t in trajectories:
         letter = LetterQuest.LETTERS[t["task_index"]]
@@ -296,7 +352,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     assert info["model_name"] == tiny_model_dir and info["peft_rank"] == 4
     assert info["rl_algorithm"] == "grpo/importance_sampling" and info["framework"] == "polyrl"
     losses = {r["step"]: r.get("optim/loss") for r in rows}
-    uploaded = sorted((s["metadata"]["step"], s["metadata"]["task_index"], s["metadata"]["reward"]) for s in starts)
+    uploaded = sorted((s["metadata"]["step"], s["metadata"]["task_index"], s["metadata"]["reward"])
+                      for s in starts)
     assert uploaded == sorted((t["step"], t["task_index"], t["reward"]) for t in trajectories)
     for s in starts:
         assert s["metadata"]["loss"] == losses[s["metadata"]["step"]]
@@ -324,3 +381,40 @@ def test_upload_needs_the_package_only_when_set(tmp_path):
     cfg = TrainConfig(model_name="m", environments={"arithmetic": {}}, openreward_run_name="x")
     assert cfg.openreward_run_name == "x"  # the package is installed here: accepted
     assert Path(openreward.__file__).exists()
+
+
+def test_images_from_ors_prompts_and_tool_outputs_reach_a_vision_language_model(ors, openreward_env,
+                                                                                 vl_tokenizer):
+    """ORS image blocks (in the prompt, and beside text in a tool's output) become image parts that the
+    Qwen3-VL format renders as ImageChunks; the episode keeps references, not base64."""
+    import numpy as np
+    from tinker import types
+
+    ors_server, url = ors
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+    builder = make_env_builder("openreward:Polyrl/PicturePuzzle",
+                               {"base_url": url, "variant": "picturepuzzle"}, seed=0)
+    inputs = []
+    replies = ['<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>', "red"]
+
+    class Sampler:
+        async def sample(self, prompt, num_samples, params):
+            inputs.append(prompt)
+            tokens = vl_tokenizer.encode(replies.pop(0), add_special_tokens=False)
+            tokens.append(vl_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            return types.SampleResponse(sequences=[types.SampledSequence(
+                stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+                logprobs_np=np.zeros(len(tokens), np.float32))])
+
+    settings = RolloutSettings(max_turns=4, max_tokens=64, temperature=1.0, timeout=60)
+    ep = asyncio.run(run_episode(builder.make("train", 0), Episode("or", "train", 0, 0), renderer, Sampler(),
+                                 settings))
+    asyncio.run(builder.aclose())
+    assert ep.error is None and ep.reward == 1.0 and ep.num_turns == 2
+    assert [[c.expected_tokens for c in i.chunks if c.type == "image"] for i in inputs] == [[4], [4, 9]]
+    prompt_image = ep.messages[0]["content"][0]
+    assert prompt_image["type"] == "image" and prompt_image["image"] == ep.images[0].name
+    tool = next(m for m in ep.messages if m["role"] == "tool")
+    assert [p["type"] for p in tool["content"]] == ["text", "image"] and tool["content"][1]["width"] == 96
+    assert "base64" not in json.dumps(ep.messages)
+    assert _wait_closed(ors_server)

@@ -21,16 +21,20 @@ def _reply(env, text: str):
 def test_questions_are_scored_by_the_datasets_own_score_answer():
     import reasoning_gym
 
-    builder = make_env_builder("reasoning_gym:leg_counting", {"config": {"min_animals": 2, "max_animals": 3}}, seed=0)
+    builder = make_env_builder("reasoning_gym:leg_counting", {"config": {"min_animals": 2, "max_animals": 3}},
+                               seed=0)
     env = builder.make("train", 0)
     obs = asyncio.run(env.reset())
-    assert obs.messages[0]["role"] == "system" and "<answer>" in obs.messages[0]["content"]  # reasoning-gym's prompt
+    # reasoning-gym's prompt
+    assert obs.messages[0]["role"] == "system" and "<answer>" in obs.messages[0]["content"]
     assert obs.messages[1] == {"role": "user", "content": env.entry["question"]}
     answer = env.entry["answer"]
     right = _reply(env, f"Counting... <answer>{answer}</answer>")
-    assert right.done and right.reward == 1.0 and right.metrics["success"] == 1.0 and right.metrics["format_ok"] == 1.0
+    assert (right.done and right.reward == 1.0 and right.metrics["success"] == 1.0
+            and right.metrics["format_ok"] == 1.0)
     wrong = _reply(env, f"<answer>{int(answer) + 1}</answer>")
-    assert wrong.reward == env.dataset.score_answer(str(int(answer) + 1), env.entry) and wrong.metrics["success"] == 0.0
+    assert (wrong.reward == env.dataset.score_answer(str(int(answer) + 1), env.entry)
+            and wrong.metrics["success"] == 0.0)
     assert _reply(env, answer).metrics["format_ok"] == 0.0  # no tags, no answer
     # a test task is reasoning-gym's own item for (split seed, index)
     ds = reasoning_gym.create_dataset("leg_counting", size=builder.spec.test_size, seed=builder._seed("test"),
@@ -46,7 +50,8 @@ def test_questions_are_scored_by_the_datasets_own_score_answer():
     ("answer_tag", {"answer_tag": "final"}, "<final>ANSWER</final>"),
 ])
 def test_answer_extraction_is_configurable(extraction, args, reply):
-    builder = make_env_builder("reasoning_gym:basic_arithmetic", {"answer_extraction": extraction, **args}, seed=1)
+    builder = make_env_builder("reasoning_gym:basic_arithmetic", {"answer_extraction": extraction, **args},
+                               seed=1)
     env = builder.make("test", 2)
     answer = env.entry["answer"]
     assert _reply(env, reply.replace("ANSWER", answer)).reward == 1.0
@@ -58,7 +63,8 @@ def test_answer_extraction_is_configurable(extraction, args, reply):
 
 
 def test_splits_are_disjoint_deterministic_and_sized():
-    args = {"config": {"min_animals": 1, "max_animals": 1, "max_instances": 3}, "train_size": 50, "test_size": 10}
+    args = {"config": {"min_animals": 1, "max_animals": 1, "max_instances": 3}, "train_size": 50,
+            "test_size": 10}
     builder = make_env_builder("reasoning_gym:leg_counting", args, seed=0)
     assert builder.num_tasks("train") == 50 and builder.num_tasks("test") == 10
     test_q = {builder.make("test", i).entry["question"] for i in range(10)}
@@ -84,12 +90,15 @@ def test_composite_mixture():
 def test_what_reasoning_gym_rejects_is_a_config_error():
     cases = [
         ({"type": "reasoning_gym:leg_count"}, "did you mean leg_counting"),
-        ({"type": "reasoning_gym:leg_counting", "args": {"config": {"legs": 3}}}, "unexpected keyword argument 'legs'"),
+        ({"type": "reasoning_gym:leg_counting", "args": {"config": {"legs": 3}}},
+         "unexpected keyword argument 'legs'"),
         ({"type": "reasoning_gym:leg_counting", "args": {"config": {"min_animals": 5, "max_animals": 2}}},
          "max_animals must be >= min_animals"),
         ({"type": "reasoning_gym:leg_counting", "args": {"config": {"size": 5}}}, "use train_size/test_size"),
-        ({"type": "reasoning_gym:leg_counting", "args": {"answer_extraction": "xml"}}, "answer_extraction must be"),
-        ({"type": "reasoning_gym:leg_counting", "args": {"answer_extraction": "regex"}}, "needs answer_regex"),
+        ({"type": "reasoning_gym:leg_counting", "args": {"answer_extraction": "xml"}},
+         "answer_extraction must be"),
+        ({"type": "reasoning_gym:leg_counting", "args": {"answer_extraction": "regex"}},
+         "needs answer_regex"),
     ]
     for env, message in cases:
         with pytest.raises(ConfigError, match="environments.r.args") as err:
@@ -104,11 +113,13 @@ def test_reasoning_gym_trains_two_steps(tiny_model_dir, tmp_path):
 
     # power_function gives 0.01 for any parseable but wrong number and 0 for none: a random tiny model
     # already gets different rewards within a group, so the update has advantages to follow
-    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=3, max_steps=2, max_tokens=12, save_every=0,
-                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")}, seed=1,
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=3, max_steps=2, max_tokens=12,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")}, seed=1,
                       environments={"power": {"type": "reasoning_gym:power_function", "num_rollouts": 6,
                                               "max_turns": 1,
-                                              "args": {"answer_extraction": "regex", "answer_regex": r"-?\d+"}}})
+                                              "args": {"answer_extraction": "regex",
+                                                       "answer_regex": r"-?\d+"}}})
     train(cfg, ConsoleLog(enabled=False))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

@@ -45,13 +45,15 @@ def test_single_player_game_multi_turn_reward_from_close():
     assert "[Player]" not in middle[0].messages[0]["content"]  # the policy's own move is not echoed back
     assert last.done and 0.0 <= last.reward <= 1.0 and last.metrics["reward_invalid"] == 0.0
     # same task, same game: deterministic; test tasks use other seeds
-    assert [r.messages for r in asyncio.run(_play(builder, "train", 0, [f"[{n}]" for n in range(1, 21)]))[1]] == \
+    assert [r.messages
+            for r in asyncio.run(_play(builder, "train", 0, [f"[{n}]" for n in range(1, 21)]))[1]] == \
         [r.messages for r in results]
     assert builder.task_seed("train", 0) % 2 == 0 and builder.task_seed("test", 0) % 2 == 1
 
 
 def test_two_player_game_against_scripted_opponents():
-    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "first", "player_id": "alternate"}, seed=0)
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "first", "player_id": "alternate"},
+                               seed=0)
     assert builder.spec.num_players == 2
     # seat 0: the policy moves first; the opponent (always the first offered move) answers
     obs, results = asyncio.run(_play(builder, "train", 0, ["[4]", "[8]", "[6]", "[2]", "[5]"]))
@@ -63,7 +65,8 @@ def test_two_player_game_against_scripted_opponents():
     obs1, _ = asyncio.run(_play(builder, "train", 1, []))
     assert "[Player 0] [0]" in obs1.messages[0]["content"]
     # a fixed sequence of actions as opponent, and a win for the policy
-    fixed = make_env_builder("textarena:TicTacToe-v0", {"opponent": {"actions": ["[0]", "[1]", "[3]"]}}, seed=0)
+    fixed = make_env_builder("textarena:TicTacToe-v0", {"opponent": {"actions": ["[0]", "[1]", "[3]"]}},
+                             seed=0)
     _, results = asyncio.run(_play(fixed, "train", 0, ["[4]", "[8]", "[2]", "[6]"]))
     assert results[-1].done and results[-1].reward == 1.0 and results[-1].metrics["success"] == 1.0
     # an invalid move loses (textarena ends two-player games on invalid moves after its allowance)
@@ -72,8 +75,8 @@ def test_two_player_game_against_scripted_opponents():
 
 
 def test_callable_and_random_opponents():
-    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "tests.test_env_textarena:center_then_first"},
-                               seed=0)
+    builder = make_env_builder("textarena:TicTacToe-v0",
+                               {"opponent": "tests.test_env_textarena:center_then_first"}, seed=0)
     _, results = asyncio.run(_play(builder, "train", 0, ["[0]"]))
     assert "[Player 1] [4]" in results[0].messages[0]["content"]
     rand = make_env_builder("textarena:TicTacToe-v0", {"opponent": "random"}, seed=0)
@@ -92,7 +95,8 @@ def center_then_first(observation: str) -> str:
 
 
 def test_string_rewards_are_not_numbers():
-    # textarena's Countdown-v0 passes its arguments in the wrong order on invalid moves: the reward is a string
+    # textarena's Countdown-v0 passes its arguments in the wrong order on invalid moves: the reward is a
+    # string
     builder = make_env_builder("textarena:Countdown-v0", {}, seed=0)
     _, results = asyncio.run(_play(builder, "train", 0, ["nonsense", "nonsense"]))
     assert results[-1].done and results[-1].reward == 0.0 and results[-1].metrics["reward_invalid"] == 1.0
@@ -129,10 +133,12 @@ def test_textarena_trains_two_steps(tiny_model_dir, tmp_path):
     from polyrl.tracking.console import ConsoleLog
     from polyrl.train import train
 
-    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")},
                       environments={
-                          "auction": {"type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 3, "max_turns": 4,
+                          "auction": {"type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 3,
+                                      "max_turns": 4,
                                       "args": {"opponent": "random", "player_id": "alternate"}},
                           "guess": {"type": "textarena:GuessTheNumber-v0", "num_rollouts": 3, "max_turns": 3},
                       })

@@ -42,7 +42,8 @@ def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exac
         server.start()
         try:
             async with httpx.AsyncClient(timeout=30) as http:
-                r = await http.post(server.url + "/chat/completions", json={"model": "m", "messages": messages})
+                r = await http.post(server.url + "/chat/completions",
+                                    json={"model": "m", "messages": messages})
                 assert r.status_code == 503  # no sampler yet
                 session = server.open_session(policy, max_tokens=16, temperature=0.5, seed=11)
                 url = session.base_url + "/chat/completions"
@@ -68,14 +69,16 @@ def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exac
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
     assert choice["token_ids"] == renderer.assistant_tokens(
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]})
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]})
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
     assert choice["logprobs"]["content"][0]["logprob"] == pytest.approx(-0.1)
     assert first["usage"]["completion_tokens"] == len(choice["token_ids"])
     # the second turn continues the first one's exact tokens instead of re-rendering the history
     assert second["prompt_token_ids"] == (first["prompt_token_ids"] + choice["token_ids"]
                                           + renderer.continuation([{"role": "tool", "content": "3"}]))
-    assert second["choices"][0]["message"]["content"] == "It is 3." and second["choices"][0]["finish_reason"] == "stop"
+    assert (second["choices"][0]["message"]["content"] == "It is 3."
+            and second["choices"][0]["finish_reason"] == "stop")
     assert [ex.extends for ex in session.exchanges] == [None, 0]
     # request values win over the session's defaults, max_tokens capped by the session's budget
     assert (policy.params[0].max_tokens, policy.params[0].temperature) == (16, 0.5)
@@ -114,7 +117,8 @@ def test_group_reward_rubrics_are_refused_before_the_run(in_repo):
 
     with pytest.raises(ValueError, match="group reward functions are not supported"):
         make_env_builder(VF_ENV, {"kind": "group"}, seed=0)
-    builder = make_env_builder("verifiers:tests/fixtures/vf_letter_env.py", {"num_train": 5, "num_eval": 2}, seed=0)
+    builder = make_env_builder("verifiers:tests/fixtures/vf_letter_env.py", {"num_train": 5, "num_eval": 2},
+                               seed=0)
     assert builder.num_tasks("train") == 5 and builder.num_tasks("test") == 2 and builder.drives_rollouts
 
 
@@ -145,7 +149,8 @@ def test_train_verifiers_environments_through_the_endpoint(in_repo, tiny_model_d
         assert row["env/vfmulti/retokenized"] == 0.0 and row["env/vfrewrite/retokenized"] == 1.0
         # trained == sampled: sampler and learner logprobs agree (exact tokens, or recomputed ones)
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3
-        traj = [json.loads(x) for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        traj = [json.loads(x)
+                for x in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         assert sorted(t["env"] for t in traj) == ["vfmulti"] * 3 + ["vfrewrite"] * 2
         for t in traj:
             m = t["metrics"]

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from polyrl.envs.base import EnvBuilder, StepResult
-from polyrl.envs.registry import get_env_builder
 from polyrl.envs.builtin import (
     CALCULATOR_TOOL,
     ExpressionError,
@@ -17,6 +16,7 @@ from polyrl.envs.builtin import (
     extract_answer,
     parse_number,
 )
+from polyrl.envs.registry import get_env_builder
 
 ENV_NAMES = ["arithmetic", "countdown", "guess_number", "calculator"]
 
@@ -279,11 +279,12 @@ def test_calculator_tool_flow():
     )
     first, second, final = results
     assert first.messages == [
-        {"role": "tool", "tool_call_id": "a", "content": str(task.answer)},
-        {"role": "tool", "tool_call_id": "b", "content": "error: division by zero"},
+        {"role": "tool", "tool_call_id": "a", "name": "calculator", "content": str(task.answer)},
+        {"role": "tool", "tool_call_id": "b", "name": "calculator", "content": "error: division by zero"},
     ]
     assert (first.reward, first.done, second.reward, second.done) == (0.0, False, 0.0, False)
     assert second.messages[0]["role"] == "tool" and "unknown tool" in second.messages[0]["content"]
+    assert second.messages[0]["name"] == "search"  # named as called: harmony writes the reply's author
     assert second.messages[1]["role"] == "user" and "could not parse JSON" in second.messages[1]["content"]
     assert final.done and final.reward == 1.0
     assert final.metrics == {"success": 1.0, "tool_calls": 4.0}
@@ -371,7 +372,8 @@ def test_demonstration_shapes():
         wrong_calc, task = builder.demonstration("train", 0)[0], builder.task("train", 0)
         assert [m["role"] for m in wrong_calc] == ["user", "assistant", "tool", "assistant"]
         sent = wrong_calc[1]["tool_calls"][0]["function"]["arguments"]["expression"]
-        assert task.expression.startswith(sent + " ") and len(sent.split()) == len(task.expression.split()) - 2
+        assert (task.expression.startswith(sent + " ")
+                and len(sent.split()) == len(task.expression.split()) - 2)
         assert wrong_calc[3]["content"] == f"\\boxed{{{wrong_calc[2]['content']}}}"
     # where leaving the operand out changes nothing, the mistake skips the tool and misses by one
     zeros = build("calculator", kinds=["add3"], min_value=0, max_value=0, demo_error_rate=1.0)

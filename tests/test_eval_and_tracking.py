@@ -49,8 +49,9 @@ def test_in_run_evaluation_and_polyrl_eval_cli(tiny_model_dir, tmp_path):
         assert r["test/arithmetic/pass@1"] <= r["test/arithmetic/pass@3"] <= 1.0
     final = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()][-1]
     (tmp_path / "run.json").write_text(json.dumps(cfg.model_dump()))
-    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path", str(tmp_path / "run.json"),
-                          "--checkpoint", final["sampler_path"]], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path",
+                          str(tmp_path / "run.json"), "--checkpoint", final["sampler_path"]],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     printed = dict(line.split() for line in out.stdout.strip().splitlines())
     assert set(printed) >= {"test/arithmetic/pass@1", "test/arithmetic/pass@3", "test/pass@1"}
@@ -62,7 +63,8 @@ def test_wandb_offline_run_gets_the_metrics(tiny_model_dir, tmp_path, monkeypatc
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = _config(tiny_model_dir, tmp_path, eval_every=0, wandb_project_name="polyrl-test", wandb_run_name="t1")
+    cfg = _config(tiny_model_dir, tmp_path, eval_every=0, wandb_project_name="polyrl-test",
+                  wandb_run_name="t1")
     train(cfg, ConsoleLog(enabled=False))
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1

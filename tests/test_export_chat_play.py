@@ -43,8 +43,10 @@ class Trained:
     base_sampler: object
 
     def greedy(self, tokens: list[int], sampler=None, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
-        params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=self.renderer.stop_sequences())
-        seq = (sampler or self.sampler).sample(types.ModelInput.from_ints(tokens), 1, params).result().sequences[0]
+        params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                      stop=self.renderer.stop_sequences())
+        seq = (sampler or self.sampler).sample(types.ModelInput.from_ints(tokens), 1,
+                                               params).result().sequences[0]
         return list(seq.tokens), seq.stop_reason
 
 
@@ -85,7 +87,8 @@ def _prompts(trained: Trained) -> list[list[int]]:
 
 
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, top_p=None, top_k=None)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, top_p=None,
+                         top_k=None)
     return out[0, len(prompt):].tolist()
 
 
@@ -99,7 +102,8 @@ def test_trained_adapter_differs_from_base(trained):
 # ------------------------------------------------------------------------------------------- export
 # The module names vLLM's LoRA loader accepts for a Qwen3 model (its linear layers and, as an
 # embedding module, lm_head); every tensor must be named base_model.model.<module>.lora_A|lora_B.weight.
-VLLM_QWEN3_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+VLLM_QWEN3_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                           "lm_head"}
 
 
 def test_export_adapter_is_a_peft_directory_with_the_engines_greedy_output(trained, tmp_path):
@@ -135,7 +139,8 @@ def test_export_merged_is_a_standard_model_with_tokenizer_and_the_engines_greedy
 
     out = tmp_path / "merged"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cli = [sys.executable, "-m", "polyrl.cli", "export", trained.path, str(out), "--merged", "--store_dir", trained.store_dir]
+    cli = [sys.executable, "-m", "polyrl.cli", "export", trained.path, str(out), "--merged", "--store_dir",
+           trained.store_dir]
     done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == str(out)
@@ -218,26 +223,30 @@ def test_a_run_directory_names_its_latest_checkpoint_and_its_renderer(trained, t
 
     run = tmp_path / "run"
     run.mkdir()
-    config = {"backend": "local", "store_dir": trained.store_dir, "renderer": "chatml", "model_name": trained.model_dir}
+    config = {"backend": "local", "store_dir": trained.store_dir, "renderer": "chatml",
+              "model_name": trained.model_dir}
     (run / "config.json").write_text(json.dumps(config))
     rows = [{"name": "000002", "sampler_path": "tinker://gone/sampler_weights/000002"},
             {"name": "final", "state_path": trained.state_path, "sampler_path": trained.path}]
     (run / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     policy = resolve_policy(str(run))
-    assert (policy.tinker_path, policy.renderer, policy.base_model) == (trained.path, "chatml", trained.model_dir)
+    assert (policy.tinker_path, policy.renderer, policy.base_model) == (trained.path, "chatml",
+                                                                        trained.model_dir)
     tokenizer = trained.renderer.tokenizer
     assert renderer_for(policy, tokenizer).name == "chatml"
     assert renderer_for(policy, tokenizer, "qwen3").name == "qwen3"
     with pytest.raises(UserInputError, match="unknown renderer 'nope'"):
         renderer_for(policy, tokenizer, "nope")
     # a run written with the engine's settings in their section (local.store_dir) is found the same way
-    config = {**{k: v for k, v in config.items() if k != "store_dir"}, "local": {"store_dir": trained.store_dir}}
+    config = {**{k: v for k, v in config.items() if k != "store_dir"},
+              "local": {"store_dir": trained.store_dir}}
     (run / "config.json").write_text(json.dumps(config))
     assert resolve_policy(str(run)).tinker_path == trained.path
 
     # the checkpoint's own directory: the store around it is found, so it samples like its tinker:// path
     by_dir = resolve_policy(str(policy.checkpoint_dir))
-    assert by_dir.tinker_path == trained.path and by_dir.store_dir.resolve() == Path(trained.store_dir).resolve()
+    assert (by_dir.tinker_path == trained.path
+            and by_dir.store_dir.resolve() == Path(trained.store_dir).resolve())
     prompt = trained.renderer.initial_prompt(CONVERSATION[:1])
     assert trained.greedy(prompt, open_sampler(by_dir, device="cpu")) == trained.greedy(prompt)
 
@@ -276,7 +285,8 @@ def _play_args(**kw):
     add_play_arguments(p)
     argv = [kw.pop("env")]
     for k, v in kw.items():
-        argv += [f"--{k}", *([str(x) for x in v] if isinstance(v, list) else [str(v)])] if v is not True else [f"--{k}"]
+        argv += ([f"--{k}", *([str(x) for x in v] if isinstance(v, list) else [str(v)])] if v is not True
+                 else [f"--{k}"])
     return p.parse_args(argv)
 
 
@@ -332,15 +342,16 @@ class Terminal:
         self.socket = f"polyrl-test-{uuid.uuid4().hex[:8]}"
         env = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "TERM": "xterm-256color"}
-        command = " ".join(["env", *(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.quote(sys.executable),
-                            "-m", "polyrl.cli", *map(shlex.quote, polyrl_args)])
+        command = " ".join(["env", *(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+                            shlex.quote(sys.executable), "-m", "polyrl.cli", *map(shlex.quote, polyrl_args)])
         # the pane outlives the command, so its last screen and exit status can be read
         script = f'{command}; echo "[exited $?]"; sleep 3600'
         self._tmux("new-session", "-d", "-s", "t", "-x", "220", "-y", "60", script)
         self._tmux("set-option", "-t", "t", "history-limit", "10000")
 
     def _tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True).stdout
+        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True,
+                              text=True).stdout
 
     def screen(self) -> str:
         """Everything printed so far, wrapped lines joined."""
@@ -432,7 +443,8 @@ def test_watching_a_checkpoint_play_in_a_terminal(trained, terminals):
 
     runtime = EnvRuntime.create("guess_number", EnvConfig(type="guess_number"), 0, 256)
     settings = runtime.settings.__class__(max_turns=2, max_tokens=MAX_TOKENS, temperature=0.0, timeout=60)
-    episode = asyncio.run(run_episode(runtime.builder.make("train", 0), Episode("guess_number", "train", 0, 0),
+    episode = asyncio.run(run_episode(runtime.builder.make("train", 0),
+                                      Episode("guess_number", "train", 0, 0),
                                       trained.renderer, trained.sampler, settings, seed=0))
     turns = [trained.renderer.decode(episode.tokens[a:b]) for a, b in episode.turn_spans]
 

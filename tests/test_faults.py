@@ -18,8 +18,8 @@ from scripted import ScriptedSampler
 
 from polyrl.config import TrainConfig
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode, RolloutSettings
+from polyrl.renderers import get_renderer
 from polyrl.rollouts import run_group
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
@@ -167,14 +167,15 @@ def test_sync_environments_run_off_the_event_loop(tokenizer):
     renderer, policy = _policy(tokenizer)
     eps = [Episode("sleepy", "train", 0, 0) for _ in range(4)]
     start = time.monotonic()
-    out = asyncio.run(run_group(SleepyBuilder({"seconds": 3.0}), eps, renderer, policy, _settings(timeout=0.5),
-                                [None] * 4))
+    out = asyncio.run(run_group(SleepyBuilder({"seconds": 3.0}), eps, renderer, policy,
+                                _settings(timeout=0.5), [None] * 4))
     assert time.monotonic() - start < 2.5
     assert all(ep.error and "timeout" in ep.error for ep in out), [ep.error for ep in out]
 
     eps = [Episode("sleepy", "train", 0, 0) for _ in range(8)]
     start = time.monotonic()
-    out = asyncio.run(run_group(SleepyBuilder({"seconds": 0.4}), eps, renderer, policy, _settings(), [None] * 8))
+    out = asyncio.run(run_group(SleepyBuilder({"seconds": 0.4}), eps, renderer, policy, _settings(),
+                                [None] * 8))
     assert all(ep.error is None and ep.reward == 1.0 for ep in out)
     assert time.monotonic() - start < 1.6, "8 blocking steps of 0.4 s ran one after the other"
 
@@ -189,7 +190,8 @@ def test_environment_raising_exit_interrupt_or_cancel_is_a_failing_rollout(token
         assert type(exc).__name__ in (out[0].error or ""), out[0].error
         assert out[1].error is None and out[1].reward == 1.0
     eps = [Episode("raising", "train", 0, 0)]
-    out = asyncio.run(run_group(RaisingRolloutBuilder({"exc": exc}), eps, renderer, policy, _settings(), [None]))
+    out = asyncio.run(run_group(RaisingRolloutBuilder({"exc": exc}), eps, renderer, policy, _settings(),
+                                [None]))
     assert type(exc).__name__ in (out[0].error or "")
 
 
@@ -207,8 +209,9 @@ def test_ctrl_c_still_stops_the_trainer(tiny_model_dir, tmp_path):
         "        return 1.0\n"
         "def load_environment(**args):\n"
         "    return Env()\n")
-    cfg = _config(tiny_model_dir, tmp_path, environments={"blocking": {"type": f"module:{tmp_path / 'blocking_env.py'}",
-                                                                       "num_rollouts": 2}})
+    cfg = _config(tiny_model_dir, tmp_path,
+                  environments={"blocking": {"type": f"module:{tmp_path / 'blocking_env.py'}",
+                                             "num_rollouts": 2}})
     proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path)
     deadline = time.monotonic() + 120
     while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -262,12 +265,13 @@ def test_run_stops_when_too_many_steps_make_no_update(tiny_model_dir, tmp_path):
     with pytest.raises(RunStoppedError) as info:
         train(cfg, ConsoleLog(enabled=False))
     message = str(info.value)
-    assert "\n" not in message and "no update" in message and "environment backend unreachable" in message, message
+    assert ("\n" not in message and "no update" in message
+            and "environment backend unreachable" in message), message
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and all(r["optim/datums"] == 0 for r in rows)  # judged once 10 steps ran
 
 
-# ---------------------------------------------------------------------------- absurd numbers, huge observations
+# ---------------------------------------------------------------- absurd numbers, huge observations
 ABSURD_ENV = """
 import itertools
 
@@ -298,19 +302,21 @@ def _absurd_config(model_dir, tmp_path, reward: float, **over) -> TrainConfig:
     (tmp_path / "absurd_env.py").write_text(ABSURD_ENV)
     env = {"type": f"module:{tmp_path / 'absurd_env.py'}", "num_rollouts": 2, "max_turns": 1,
            "args": {"reward": reward}, "splits": {"train": {"shuffle": False}, "test": None}}
-    return _config(model_dir, tmp_path, **{"max_steps": 3, "save_every": 1, "max_tokens": 8, "environments": {"absurd": env},
-                                           **over})
+    return _config(model_dir, tmp_path, **{"max_steps": 3, "save_every": 1, "max_tokens": 8,
+                                           "environments": {"absurd": env}, **over})
 
 
 def _adapters(store_dir) -> dict[str, dict]:
     """Every adapter the store holds (state and sampler weights), by checkpoint directory."""
     from safetensors.torch import load_file
 
-    return {str(f.parent.relative_to(store_dir)): load_file(f) for f in Path(store_dir).rglob("adapter_model.safetensors")}
+    return {str(f.parent.relative_to(store_dir)): load_file(f)
+            for f in Path(store_dir).rglob("adapter_model.safetensors")}
 
 
 def _nonfinite(adapters: dict[str, dict]) -> list[str]:
-    return [name for name, tensors in adapters.items() if not all(bool(t.isfinite().all()) for t in tensors.values())]
+    return [name for name, tensors in adapters.items()
+            if not all(bool(t.isfinite().all()) for t in tensors.values())]
 
 
 class _StepRewards(Env):
@@ -344,8 +350,8 @@ def test_absurd_reward_fails_its_episode_with_a_warning(tiny_model_dir, tmp_path
     rows = RunFiles(cfg.log_path).metrics()
     assert [r["rollouts/failed"] for r in rows] == [0.0, 2.0, 0.0]
     assert any(line.startswith("warning: step 1: 2 episode(s) failed") and
-               "RewardOutOfBounds: reward 1e+308 is past max_abs_reward=1e+06" in line for line in console.lines), \
-        console.lines
+               "RewardOutOfBounds: reward 1e+308 is past max_abs_reward=1e+06" in line
+               for line in console.lines), console.lines
     episodes = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").open()]
     assert [ep["error"] for ep in episodes if ep["error"]] == ["RewardOutOfBounds: reward 1e+308 is past "
                                                                 "max_abs_reward=1e+06"] * 2
@@ -354,8 +360,8 @@ def test_absurd_reward_fails_its_episode_with_a_warning(tiny_model_dir, tmp_path
 
     # step rewards are bounded too, even when they add up to an ordinary reward
     renderer, policy = _policy(tokenizer)
-    out = asyncio.run(run_group(_OneEnv({"env": _StepRewards}), [Episode("x", "train", 0, 0)], renderer, policy,
-                                _settings(), [None]))
+    out = asyncio.run(run_group(_OneEnv({"env": _StepRewards}), [Episode("x", "train", 0, 0)], renderer,
+                                policy, _settings(), [None]))
     assert out[0].error == "RewardOutOfBounds: step reward 1e+308 is past max_abs_reward=1e+06", out[0].error
 
 
@@ -417,7 +423,8 @@ def test_engine_refusing_an_optimizer_step(tiny_model_dir, tmp_path, monkeypatch
 
     def refuse_the_second(self, st, params):  # the engine's refusal, as the local engine raises it
         if st.steps == 1:
-            raise NonFiniteUpdateError("optim_step refused: the gradient norm is nan; the weights are unchanged")
+            raise NonFiniteUpdateError("optim_step refused: the gradient norm is nan; "
+                                       "the weights are unchanged")
         return real(self, st, params)
 
     monkeypatch.setattr(Engine, "optim_step", refuse_the_second)
@@ -429,7 +436,8 @@ def test_engine_refusing_an_optimizer_step(tiny_model_dir, tmp_path, monkeypatch
     cfg = _absurd_config(tiny_model_dir, tmp_path / "skip", 1.0, max_steps=3, save_every=0,
                          limits={"nonfinite_steps": "skip"})
     train(cfg, ConsoleLog(enabled=False))
-    assert [r.get("optim/nonfinite_skipped", 0.0) for r in RunFiles(cfg.log_path).metrics()] == [0.0, 1.0, 1.0]
+    assert [r.get("optim/nonfinite_skipped", 0.0)
+            for r in RunFiles(cfg.log_path).metrics()] == [0.0, 1.0, 1.0]
 
 
 class _Talkative(Env):
@@ -439,19 +447,23 @@ class _Talkative(Env):
         self.size, self.first = size, first
 
     async def reset(self):
-        return Observation([{"role": "user", "content": "x " * (self.size // 2) if self.first else "Say anything."}])
+        return Observation([{"role": "user",
+                             "content": "x " * (self.size // 2) if self.first else "Say anything."}])
 
     async def step(self, action):
-        return StepResult(reward=1.0, done=False, messages=[{"role": "user", "content": "y " * (self.size // 2)}])
+        return StepResult(reward=1.0, done=False,
+                          messages=[{"role": "user", "content": "y " * (self.size // 2)}])
 
 
-def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_dir, tmp_path, tokenizer, monkeypatch):
+def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_dir, tmp_path, tokenizer,
+                                                                   monkeypatch):
     """An observation past max_observation_bytes fails its episode before any of it is tokenized; one
     that renders past max_observation_tokens fails too; both are counted against the failure budget."""
     renderer, policy = _policy(tokenizer)
     encoded: list[int] = []
     real_encode = type(renderer).encode
-    monkeypatch.setattr(type(renderer), "encode", lambda self, text: encoded.append(len(text)) or real_encode(self, text))
+    monkeypatch.setattr(type(renderer), "encode",
+                        lambda self, text: encoded.append(len(text)) or real_encode(self, text))
 
     out = asyncio.run(run_group(_OneEnv({"env": lambda: _Talkative(2_000_000, first=True)}),
                                 [Episode("x", "train", 0, 0)], renderer, policy, _settings(), [None]))
@@ -461,7 +473,8 @@ def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_di
     out = asyncio.run(run_group(_OneEnv({"env": lambda: _Talkative(2_000, first=False)}),
                                 [Episode("x", "train", 0, 0)], renderer, policy,
                                 _settings(max_observation_tokens=500), [None]))
-    assert out[0].error and out[0].error.startswith("ObservationTooLarge: the observation renders to "), out[0].error
+    assert out[0].error and out[0].error.startswith("ObservationTooLarge: the observation renders to "), \
+        out[0].error
     assert "more than max_observation_tokens=500" in out[0].error
 
     # in a run: the configured bound applies, the episodes are counted and warned about
@@ -474,7 +487,8 @@ def test_huge_observation_fails_its_episode_before_it_is_tokenized(tiny_model_di
     console = RecordingConsole()
     train(cfg, console)
     assert RunFiles(cfg.log_path).metrics()[0]["rollouts/failed"] == 4.0
-    assert any("step 0: 4 episode(s) failed" in line and "max_observation_bytes" in line for line in console.lines)
+    assert any("step 0: 4 episode(s) failed" in line and "max_observation_bytes" in line
+               for line in console.lines)
 
 
 # ---------------------------------------------------------------------------- remote services
@@ -530,7 +544,8 @@ def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
 
     assert asyncio.run(short_outage()) == "done"
     restarted[0].stop()
-    assert any("does not answer" in w for w in warnings) and any("answers again" in w for w in warnings), warnings
+    assert (any("does not answer" in w for w in warnings)
+            and any("answers again" in w for w in warnings)), warnings
 
     async def long_outage() -> None:
         guard = ServiceGuard(f"http://127.0.0.1:{_free_port()}", timeout=1)
@@ -575,8 +590,9 @@ def test_service_lost_is_told_from_other_failures():
     from polyrl.errors import RunStoppedError, ServiceLostError
 
     guard = ServiceGuard("http://127.0.0.1:1", timeout=30)
-    with pytest.raises(ServiceLostError, match=r"lost this run's session or requests while training step 3 "
-                                               r"\(retrieve_future: 404 unknown or expired request_id 'abc'\)"):
+    with pytest.raises(ServiceLostError, match=r"lost this run's session or requests while training "
+                                               r"step 3 \(retrieve_future: 404 unknown or expired "
+                                               r"request_id 'abc'\)"):
         asyncio.run(guard.watch("training step 3", failing(lost)))
     other = raised_from(not_found("load_weights", "checkpoint not found"))
     with pytest.raises(RunStoppedError, match="failed while resuming: ValueError") as info:
@@ -605,7 +621,8 @@ def test_service_lost_is_told_from_other_failures():
     records = Records()
     logging.getLogger("asyncio").addHandler(records)
     try:
-        asyncio.run(abandon(not_found("asample", "unknown sampling_session_id 's:sample:2'"), ValueError("other")))
+        asyncio.run(abandon(not_found("asample", "unknown sampling_session_id 's:sample:2'"),
+                            ValueError("other")))
         gc.collect()
     finally:
         logging.getLogger("asyncio").removeHandler(records)
@@ -643,7 +660,8 @@ def test_unreachable_openreward_environment_stops_with_one_line(tiny_model_dir, 
     pytest.importorskip("openreward")
     port = _free_port()
     cfg = _config(tiny_model_dir, tmp_path, environments={
-        "remote": {"type": "openreward:Polyrl/LetterQuest", "args": {"base_url": f"http://127.0.0.1:{port}"}}})
+        "remote": {"type": "openreward:Polyrl/LetterQuest",
+                   "args": {"base_url": f"http://127.0.0.1:{port}"}}})
     proc = _cli(["train", "--config_path", str(_write_config(cfg, tmp_path / "run.json"))], tmp_path,
                 {"OPENREWARD_API_KEY": "or-faults-test"})
     _, err = proc.communicate(timeout=180)
@@ -726,7 +744,8 @@ def test_trainer_recovers_when_polyrl_serve_restarts(tiny_model_dir, tmp_path):
     assert [r["step"] for r in files.metrics()] == list(range(30))
     recoveries = [line for line in err.splitlines() if "reopening the run from its last checkpoint" in line]
     assert len(recoveries) == 1 and "lost this run's session" in recoveries[0], err[-3000:]
-    assert "(recovery 1 of 3)" in recoveries[0] and not any(line.startswith("error:") for line in err.splitlines())
+    assert ("(recovery 1 of 3)" in recoveries[0]
+            and not any(line.startswith("error:") for line in err.splitlines()))
     assert files.checkpoints()[-1]["name"] == "final"
 
 
@@ -749,8 +768,9 @@ def test_trainer_stops_with_one_line_past_its_recoveries(tiny_model_dir, tmp_pat
 def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_dir, tmp_path, monkeypatch):
     """A kill between saving a checkpoint and logging its row leaves it in the store, where no row
     refers to it: the relaunch removes it (and says so)."""
-    from polyrl.local.checkpoints import Store
     from test_train import RecordingConsole, SimulatedCrash
+
+    from polyrl.local.checkpoints import Store
 
     cfg = _config(tiny_model_dir, tmp_path, max_steps=4, save_every=2)
     real_log = RunFiles.log_checkpoint
@@ -782,7 +802,8 @@ def test_relaunch_removes_checkpoints_a_killed_attempt_never_logged(tiny_model_d
     console = RecordingConsole()
     train(cfg, console)
     assert in_store <= {c["tinker_path"] for run in store.runs() for c in store.list(run)}
-    assert any(line.startswith("warning:") and "stay in the store" in line for line in console.lines), console.lines
+    assert any(line.startswith("warning:") and "stay in the store" in line
+               for line in console.lines), console.lines
 
 
 # ---------------------------------------------------------------------------- a full disk

@@ -13,7 +13,8 @@ from polyrl.models import resolve_model_path
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polyrl.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "polyrl.cli", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,8 @@ def test_import_gguf_rejects_bad_files_in_one_line(tmp_path, content, problem):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and problem in lines[0], out.stderr
     assert not (tmp_path / "out").exists()
-    assert [p.name for p in tmp_path.iterdir()] == (["model.gguf"] if content is not None else [])  # no temp dirs
+    # no temp dirs
+    assert [p.name for p in tmp_path.iterdir()] == (["model.gguf"] if content is not None else [])
 
 
 def test_import_gguf_does_not_write_into_a_non_empty_directory(tmp_path):

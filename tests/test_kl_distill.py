@@ -66,7 +66,8 @@ def _episode(parts: list[tuple[list[int], list[float] | None]], advantages: list
 
 # ---------------------------------------------------------------------------------- the math, by hand
 def _two_episodes() -> tuple[list[Episode], list[list[float | None]]]:
-    # episode a: prompt [1 2], sampled [3 4], environment [5], sampled [6]; episode b: prompt [1], sampled [7 8]
+    # episode a: prompt [1 2], sampled [3 4], environment [5], sampled [6];
+    # episode b: prompt [1], sampled [7 8]
     a = _episode([([1, 2], None), ([3, 4], [-1.0, -2.0]), ([5], None), ([6], [-0.5])], [0.5, 0.5])
     b = _episode([([1], None), ([7, 8], [-0.2, -0.4])], [-0.5])
     other_a = [None, -9.0, -1.5, -3.0, -7.0, -0.5]  # prompt and environment entries must not matter
@@ -157,14 +158,16 @@ def test_terms_equal_tinker_cookbooks_incorporate_kl_penalty(tiny_model_dir, tok
     from polyrl.local import ServiceClient
 
     service = ServiceClient(store_dir=tmp_path / "store")
-    other = service.create_sampling_client(model_path=_trained_checkpoint(service, tiny_model_dir, tokenizer)).result()
+    other = service.create_sampling_client(
+        model_path=_trained_checkpoint(service, tiny_model_dir, tokenizer)).result()
     policy = service.create_sampling_client(base_model=tiny_model_dir).result()
     episodes = _sampled_episodes(policy, tokenizer)
 
     def cookbook_datums() -> list[types.Datum]:
         data = [adv.to_datum(ep) for ep in episodes]
         for d, ep in zip(data, episodes):
-            d.loss_fn_inputs["mask"] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]], dtype="float32")
+            d.loss_fn_inputs["mask"] = types.TensorData(data=[float(m) for m in ep.action_mask[1:]],
+                                                        dtype="float32")
         return data
 
     for discount in (0.0, 0.9):
@@ -183,24 +186,28 @@ def test_terms_equal_tinker_cookbooks_incorporate_kl_penalty(tiny_model_dir, tok
                 assert metrics["kl/reference"] == metrics["kl_policy_base"] == pytest.approx(
                     their_metrics["kl_policy_base"], rel=1e-5)
             else:
-                their_metrics = asyncio.run(cookbook_distill(theirs, [other] * len(theirs), [0] * len(theirs), 0.7,
-                                                             discount))
-                assert metrics["kl/teacher"] == metrics["teacher_kl"] == pytest.approx(their_metrics["teacher_kl"],
-                                                                                       rel=1e-5)
+                their_metrics = asyncio.run(cookbook_distill(theirs, [other] * len(theirs), [0] * len(theirs),
+                                                             0.7, discount))
+                assert metrics["kl/teacher"] == metrics["teacher_kl"] == pytest.approx(
+                    their_metrics["teacher_kl"], rel=1e-5)
                 assert metrics["env/word/kl/teacher"] == pytest.approx(metrics["kl/teacher"])
             for d_ours, d_theirs, ep in zip(ours, theirs, episodes):
                 a, b = (d.loss_fn_inputs["advantages"].to_numpy() for d in (d_ours, d_theirs))
                 sampled = np.array(ep.action_mask[1:], dtype=bool)
-                np.testing.assert_allclose(a[sampled], b[sampled], rtol=1e-5, atol=1e-6, err_msg=f"{which} {discount}")
+                np.testing.assert_allclose(a[sampled], b[sampled], rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{which} {discount}")
                 # the cookbook's discounted sums also land on prompt and environment tokens; polyrl's do not
                 assert np.all(a[~sampled] == 0) and (discount == 0) == np.all(b[~sampled] == 0)
 
         # both at once: the terms add up
-        both = TokenSignals(config, reference=Scorer("kl_reference", "", other), teacher=Scorer("teacher", "", other))
-        ref_terms, _ = adv.reference_kl_terms(episodes, [other.compute_logprobs(types.ModelInput.from_ints(ep.tokens))
-                                                         .result() for ep in episodes], 0.3, discount)
-        teacher_terms, _ = adv.teacher_kl_terms(episodes, [other.compute_logprobs(types.ModelInput.from_ints(ep.tokens))
-                                                           .result() for ep in episodes], 0.7, discount)
+        both = TokenSignals(config, reference=Scorer("kl_reference", "", other),
+                            teacher=Scorer("teacher", "", other))
+        ref_terms, _ = adv.reference_kl_terms(episodes,
+                                              [other.compute_logprobs(types.ModelInput.from_ints(ep.tokens))
+                                               .result() for ep in episodes], 0.3, discount)
+        teacher_terms, _ = adv.teacher_kl_terms(episodes,
+                                                [other.compute_logprobs(types.ModelInput.from_ints(ep.tokens))
+                                                 .result() for ep in episodes], 0.7, discount)
         for total, r, t in zip(asyncio.run(both.terms(episodes))[0], ref_terms, teacher_terms):
             assert total == pytest.approx([x + y for x, y in zip(r, t)])
 
@@ -228,10 +235,12 @@ def _check_scorers_match_forward(service, config: TrainConfig, tokenizer, checkp
         assert lps[0] is None and len(lps) == len(ep.tokens)
         np.testing.assert_allclose(lps[1:], _forward_logprobs(fresh, ep.tokens), atol=1e-4)
     # a checkpoint: what a training client holding the same weights computes
-    trained = service.create_training_client_from_state(checkpoint.replace("sampler_weights", "weights")).result()
+    trained = service.create_training_client_from_state(
+        checkpoint.replace("sampler_weights", "weights")).result()
     for ep, lps in zip(episodes, asyncio.run(scored(checkpoint))):
         np.testing.assert_allclose(lps[1:], _forward_logprobs(trained, ep.tokens), atol=1e-4)
-        assert not np.allclose(lps[1:], _forward_logprobs(fresh, ep.tokens), atol=1e-3)  # it is another policy
+        # it is another policy
+        assert not np.allclose(lps[1:], _forward_logprobs(fresh, ep.tokens), atol=1e-3)
 
 
 def test_reference_logprobs_equal_the_engines_forward_pass(tiny_model_dir, tokenizer, tmp_path):
@@ -253,7 +262,8 @@ def served(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_reference_logprobs_through_serve_equal_the_engines_forward_pass(served, tiny_model_dir, tokenizer, tmp_path):
+def test_reference_logprobs_through_serve_equal_the_engines_forward_pass(served, tiny_model_dir, tokenizer,
+                                                                         tmp_path):
     import tinker
     from test_serve import KEY
 
@@ -303,8 +313,8 @@ def test_settings_without_effect_and_missing_models_are_config_errors(tiny_model
     from polyrl.config_files import load_config
 
     def _config(model_dir, tmp_path, **over):  # as a config file would be loaded: one ConfigError line
-        return load_config(None, base=dict(model_name=model_dir, environments={"word": {"type": "kl_test_word"}},
-                                           **over))
+        return load_config(None, base=dict(model_name=model_dir,
+                                           environments={"word": {"type": "kl_test_word"}}, **over))
 
     # a reference or a discount without a penalty: the penalty is what is missing
     with pytest.raises(ConfigError, match="kl.penalty_coef: Field required"):
@@ -348,8 +358,8 @@ GUESS = {"low": 1, "high": 7, "max_guesses": 3}  # bisection always wins; the li
 def _guess_number(split: str, demo_error_rate: float = 0.0, group: int = 1) -> dict:
     splits = {"train": {"num_samples": 256}, "test": None} if split == "demos" else \
         {"train": None, "test": {"num_samples": 32}} if split == "test" else {"train": {}, "test": None}
-    return {"guess_number": {"args": {**GUESS, "demo_error_rate": demo_error_rate}, "max_turns": 3, "max_tokens": 3,
-                             "num_rollouts": group, "splits": splits}}
+    return {"guess_number": {"args": {**GUESS, "demo_error_rate": demo_error_rate}, "max_turns": 3,
+                             "max_tokens": 3, "num_rollouts": group, "splits": splits}}
 
 
 @pytest.mark.slow
@@ -368,7 +378,8 @@ def test_distilled_student_reaches_its_teachers_success(tmp_path):
 
     async def warm_start(name: str, demo_error_rate: float, steps: int, seed: int) -> None:
         config = SFTConfig(**common, learning_rate=1e-2, batch_size=16, max_steps=steps, seed=seed,
-                           log_path=str(tmp_path / name), environments=_guess_number("demos", demo_error_rate))
+                           log_path=str(tmp_path / name),
+                           environments=_guess_number("demos", demo_error_rate))
         await sft_async(config, ConsoleLog(enabled=False))
 
     def success(sampler_path: str) -> float:
@@ -377,12 +388,14 @@ def test_distilled_student_reaches_its_teachers_success(tmp_path):
 
     asyncio.run(warm_start("teacher", 0.0, 250, seed=1))
     asyncio.run(warm_start("student", 0.5, 500, seed=2))  # long enough to know both habits well
-    teacher, student = (json.loads((tmp_path / name / "sft.json").read_text()) for name in ("teacher", "student"))
+    teacher, student = (json.loads((tmp_path / name / "sft.json").read_text())
+                        for name in ("teacher", "student"))
     teacher_success, student_success = success(teacher["sampler_path"]), success(student["sampler_path"])
-    assert teacher_success >= 0.9 and student_success <= teacher_success - 0.15, (teacher_success, student_success)
+    assert teacher_success >= 0.9 and student_success <= teacher_success - 0.15, \
+        (teacher_success, student_success)
 
-    config = {**common, "resume_from": student["state_path"], "learning_rate": 1e-3, "batch_size": 16, "max_steps": 16,
-              "max_tokens": 3, "save_every": 0, "outputs": {"report": False},
+    config = {**common, "resume_from": student["state_path"], "learning_rate": 1e-3, "batch_size": 16,
+              "max_steps": 16, "max_tokens": 3, "save_every": 0, "outputs": {"report": False},
               "log_path": str(tmp_path / "distill"),
               "environments": _guess_number("train", group=8)}
     (tmp_path / "distill.yaml").write_text(json.dumps(config))
@@ -391,14 +404,17 @@ def test_distilled_student_reaches_its_teachers_success(tmp_path):
 
     def distill(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "polyrl.cli", "distill", *args, "--config",
-                               str(tmp_path / "distill.yaml")], capture_output=True, text=True, env=env, timeout=600)
+                               str(tmp_path / "distill.yaml")], capture_output=True, text=True, env=env,
+                              timeout=600)
 
     refused = distill()
-    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: distill needs a teacher"), refused.stderr
+    assert refused.returncode == 2 and refused.stderr.strip().startswith("error: distill needs a teacher"), \
+        refused.stderr
     done = distill(teacher["sampler_path"])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads((tmp_path / "distill" / "config.json").read_text())["teacher"]["model"] == teacher["sampler_path"]
+    assert (json.loads((tmp_path / "distill" / "config.json").read_text())["teacher"]["model"]
+            == teacher["sampler_path"])
     kl = [r["kl/teacher"] for r in rows]
     assert sum(kl[-3:]) / 3 < kl[0] / 4, kl
     final = json.loads((tmp_path / "distill" / "checkpoints.jsonl").read_text().splitlines()[-1])

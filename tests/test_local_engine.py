@@ -36,7 +36,8 @@ def f32(values) -> types.TensorData:
 
 
 def make_datum(inputs: list[int], targets: list[int], **floats) -> types.Datum:
-    loss_inputs: dict = {"target_tokens": types.TensorData.from_torch(torch.tensor(targets, dtype=torch.long))}
+    loss_inputs: dict = {"target_tokens":
+                         types.TensorData.from_torch(torch.tensor(targets, dtype=torch.long))}
     loss_inputs.update({k: f32(v) for k, v in floats.items()})
     return types.Datum(model_input=types.ModelInput.from_ints(list(inputs)), loss_fn_inputs=loss_inputs)
 
@@ -61,7 +62,8 @@ def adapter_params(tc) -> dict[str, torch.nn.Parameter]:
     """The training client's LoRA parameters by PEFT name (adapter name normalised to ``default``)."""
     st = tc._state
     marker = f".{st.adapter}."
-    named = {n.replace(marker, ".default."): p for n, p in st.base.peft_model.named_parameters() if marker in n}
+    named = {n.replace(marker, ".default."): p for n, p in st.base.peft_model.named_parameters()
+             if marker in n}
     assert {id(p) for p in named.values()} == {id(p) for p in st.params}
     return named
 
@@ -139,7 +141,8 @@ def float_input(d: types.Datum, key: str) -> torch.Tensor | None:
     return None if td is None else td.to_torch().double().reshape(-1)
 
 
-def reference_loss(name: str, lps: list[torch.Tensor], data: list[types.Datum], config: dict) -> tuple[float, list[torch.Tensor]]:
+def reference_loss(name: str, lps: list[torch.Tensor], data: list[types.Datum],
+                   config: dict) -> tuple[float, list[torch.Tensor]]:
     """(loss value, per-datum d loss / d lp) for loss ``name``, from the formulas in Tinker's docs."""
     low = config.get("clip_low_threshold", LOW)
     high = config.get("clip_high_threshold", HIGH)
@@ -254,8 +257,10 @@ def test_loss_value_and_gradient_match_reference(service, warm, loss_fn):
     tc = from_state(service, warm["path"])
     gen = torch.Generator().manual_seed(100 + LOSS_NAMES.index(loss_fn))
     data = _loss_batch(tc, gen)
-    keys = {"cross_entropy": ("target_tokens", "weights")}.get(loss_fn, ("target_tokens", "logprobs", "advantages"))
-    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys}) for d in data]
+    keys = {"cross_entropy": ("target_tokens", "weights")}.get(
+        loss_fn, ("target_tokens", "logprobs", "advantages"))
+    data = [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys})
+            for d in data]
 
     out = tc.forward_backward(data, loss_fn).result()
     got = take_grads(tc)
@@ -274,19 +279,22 @@ def test_loss_config_changes_value_and_gradient(service, warm):
     tc = from_state(service, warm["path"])
     gen = torch.Generator().manual_seed(7)
     data = [types.Datum(model_input=d.model_input,
-                        loss_fn_inputs={k: d.loss_fn_inputs[k] for k in ("target_tokens", "logprobs", "advantages")})
+                        loss_fn_inputs={k: d.loss_fn_inputs[k]
+                                        for k in ("target_tokens", "logprobs", "advantages")})
             for d in _loss_batch(tc, gen)]
     cases = [("dro", {"beta": 0.7}, data),
              ("ppo", {"clip_low_threshold": 0.6, "clip_high_threshold": 1.05}, data),
              ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, data),
-             ("gspo", {}, [with_inputs(d, sequence_ratio_mask=(torch.arange(d.model_input.length) % 2 == 0).float())
+             ("gspo", {}, [with_inputs(d, sequence_ratio_mask=(
+                               torch.arange(d.model_input.length) % 2 == 0).float())
                            for d in data])]
     for loss_fn, config, batch in cases:
         out = tc.forward_backward(batch, loss_fn, config).result()
         got = take_grads(tc)
         value, coefs = reference_loss(loss_fn, out_logprobs(out), batch, config)
         default_value, _ = reference_loss(loss_fn, out_logprobs(out), [types.Datum(
-            model_input=d.model_input, loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"})
+            model_input=d.model_input,
+            loss_fn_inputs={k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"})
             for d in batch], {})
         assert abs(value - default_value) > 1e-3, f"{loss_fn}: the config case must differ from the default"
         assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-5, abs=1e-5), loss_fn
@@ -325,7 +333,8 @@ def test_clipping_at_and_beyond_thresholds(service, warm, loss_fn):
         (None, LOW, HIGH, CLIP_CASES),
         # custom thresholds: 0.6 and 1.4 are inside [0.5, 1.5], 0.4 and 1.7 beyond
         ({"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 0.5, 1.5,
-         [(0.4, "below"), (0.5, "at_low"), (0.6, "inside"), (1.4, "inside"), (1.5, "at_high"), (1.7, "above")]),
+         [(0.4, "below"), (0.5, "at_low"), (0.6, "inside"), (1.4, "inside"), (1.5, "at_high"),
+          (1.7, "above")]),
     ]:
         for ratio, where in cases:
             for adv in (1.5, -1.5):
@@ -361,7 +370,8 @@ def test_per_token_clip_thresholds_override_config(service, warm):
     config = {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}  # 1.4 inside: unclipped
     assert tc.forward([dd], "ppo", config).result().metrics["loss:sum"] == pytest.approx(-1.4, rel=1e-4)
     per_token = with_inputs(dd, clip_low_threshold=[0.9] * len(lp), clip_high_threshold=[1.1] * len(lp))
-    assert tc.forward([per_token], "ppo", config).result().metrics["loss:sum"] == pytest.approx(-1.1, rel=1e-4)
+    assert (tc.forward([per_token], "ppo", config).result().metrics["loss:sum"]
+            == pytest.approx(-1.1, rel=1e-4))
 
 
 # ---- gradient accumulation --------------------------------------------------------------------
@@ -421,7 +431,8 @@ def test_sampler_logprobs_match_forward(service, warm):
     ]
     prompts = [torch.randint(0, 700, (n,), generator=gen).tolist() for n, _, _ in requests]
     # all submitted before waiting, so the engine batches them into one decode loop
-    futures = [sampler.sample(types.ModelInput.from_ints(p), n, params) for p, (_, n, params) in zip(prompts, requests)]
+    futures = [sampler.sample(types.ModelInput.from_ints(p), n, params)
+               for p, (_, n, params) in zip(prompts, requests)]
     lengths = set()
     for prompt, (_, n, params), fut in zip(prompts, requests, futures):
         res = fut.result()
@@ -432,7 +443,8 @@ def test_sampler_logprobs_match_forward(service, warm):
             lengths.add(len(seq.tokens))
             # sampler logprobs are the model's own (temperature 1) logprobs, as forward computes them
             want = _forward_logprobs_of(tc, prompt, list(seq.tokens))
-            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want, rtol=0, atol=1e-4)
+            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want,
+                                       rtol=0, atol=1e-4)
     assert len(lengths) >= 3
 
 
@@ -447,14 +459,16 @@ def test_sampler_cache_growth_and_pruning_keep_logprobs_exact(service, warm, mon
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(0, 700, (n,), generator=gen).tolist() for n in (2, 9, 5)]
     stops = list(range(0, 768, 13))
-    futures = [sampler.sample(types.ModelInput.from_ints(p), 3, types.SamplingParams(max_tokens=40, stop=stops, seed=i))
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 3,
+                              types.SamplingParams(max_tokens=40, stop=stops, seed=i))
                for i, p in enumerate(prompts)]
     lengths = []
     for prompt, fut in zip(prompts, futures):
         for seq in fut.result().sequences:
             lengths.append(len(seq.tokens))
             want = _forward_logprobs_of(tc, prompt, list(seq.tokens))
-            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want, rtol=0, atol=1e-4)
+            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want,
+                                       rtol=0, atol=1e-4)
     assert len(set(lengths)) > 2 and max(lengths) > 6, lengths
 
 
@@ -504,7 +518,8 @@ def test_cross_entropy_learns_a_fixed_sequence(learned):
     losses = learned["losses"]
     assert losses[-1] < losses[0] / 20, losses
     res = learned["sampler"].sample(types.ModelInput.from_ints(learned["prompt"]), 1,
-                                    types.SamplingParams(max_tokens=len(learned["target"]), temperature=0.0)).result()
+                                    types.SamplingParams(max_tokens=len(learned["target"]),
+                                                         temperature=0.0)).result()
     seq = res.sequences[0]
     assert list(seq.tokens) == learned["target"]
     assert seq.stop_reason == "length"
@@ -517,7 +532,8 @@ def test_stop_strings_and_stop_ids(learned):
     assert pieces[:6] == [" The", " answer", " is", " ", "4", "2"], pieces  # the stops below rely on these
 
     def greedy(stop, max_tokens=20):
-        return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop))
+        return sampler.sample(prompt, 1,
+                              types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop))
 
     cases = [  # (stop, expected token count): the sequence ends at the token completing the stop
         ("42", 6),  # spans two tokens, completed by "2"
@@ -550,7 +566,8 @@ def test_prompt_logprobs_match_forward(service, warm):
     want = out_logprobs(tc.forward([make_datum(prompt[:-1], prompt[1:])], "cross_entropy").result())[0]
 
     # batched with a longer prompt, so this one is left-padded in the prefill
-    other = sampler.sample(types.ModelInput.from_ints(list(range(30, 60))), 2, types.SamplingParams(max_tokens=4))
+    other = sampler.sample(types.ModelInput.from_ints(list(range(30, 60))), 2,
+                           types.SamplingParams(max_tokens=4))
     res = sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=3),
                          include_prompt_logprobs=True).result()
     computed = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
@@ -591,7 +608,8 @@ def test_save_state_round_trip_gives_identical_next_step(service, store, tiny_mo
     c.optim_step(adam(0.01)).result()
     after_c = weights(c)
     for n, g in grads.items():
-        torch.testing.assert_close(after_c[n] - after_two[n], -0.01 * g / (g.abs() + 1e-12), rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(after_c[n] - after_two[n], -0.01 * g / (g.abs() + 1e-12),
+                                   rtol=1e-4, atol=1e-8)
     assert max(float((after_c[n] - after_three[n]).abs().max()) for n in after_c) > 1e-4
 
 
@@ -604,8 +622,10 @@ def test_checkpoint_paths_live_in_the_store(service, store, warm):
     assert state_path.split("/")[2] == sampler_path.split("/")[2]  # one run id
     state_dir, sampler_dir = checkpoint_dir(store, state_path), checkpoint_dir(store, sampler_path)
     assert state_dir.is_relative_to(store) and sampler_dir.is_relative_to(store)
-    assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= {p.name for p in state_dir.iterdir()}
-    assert (sampler_dir / "adapter_model.safetensors").is_file() and not (sampler_dir / "optimizer.pt").exists()
+    assert ({"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"}
+            <= {p.name for p in state_dir.iterdir()})
+    assert ((sampler_dir / "adapter_model.safetensors").is_file()
+            and not (sampler_dir / "optimizer.pt").exists())
     with pytest.raises(ValueError, match="already exists"):
         tc.save_state("ckpt-a").result()
 
@@ -677,7 +697,8 @@ def test_sampling_client_is_a_frozen_snapshot(service, warm):
         tc.optim_step(adam(0.05))
     new = tc.save_weights_and_get_sampling_client().result()
     new_lp = new.compute_logprobs(probe.model_input).result()  # the new weights now sit in the sampling slot
-    trainer_lp = out_logprobs(tc.forward([make_datum(probe.model_input.to_ints()[:-1], probe.model_input.to_ints()[1:])],
+    trainer_lp = out_logprobs(tc.forward([make_datum(probe.model_input.to_ints()[:-1],
+                                                     probe.model_input.to_ints()[1:])],
                                          "cross_entropy").result())[0]
     torch.testing.assert_close(torch.tensor(new_lp[1:]), trainer_lp, rtol=0, atol=1e-4)
     assert max(abs(a - b) for a, b in zip(new_lp[1:], old_lp[1:])) > 1e-3
@@ -718,9 +739,11 @@ def test_futures_work_under_asyncio(service, warm):
         opt_out = await opt.result_async()
         fb2 = await (await tc.forward_backward_async(data, "cross_entropy"))
         await (await tc.optim_step_async(adam(0.01)))
-        samples = await asyncio.gather(*[sampler.sample_async(data[0].model_input, 1, types.SamplingParams(max_tokens=4))
+        samples = await asyncio.gather(*[sampler.sample_async(data[0].model_input, 1,
+                                                              types.SamplingParams(max_tokens=4))
                                          for _ in range(3)])
-        sampled = await sampler.sample(data[0].model_input, 2, types.SamplingParams(max_tokens=3)).result_async()
+        sampled = await sampler.sample(data[0].model_input, 2,
+                                       types.SamplingParams(max_tokens=3)).result_async()
         return fb_out, opt_out, fb2, samples, sampled
 
     fb_out, opt_out, fb2, samples, sampled = asyncio.run(main())
@@ -809,7 +832,8 @@ def test_dro_penalty_applies_to_masked_tokens_only(service, warm):
     d = random_datum(torch.Generator().manual_seed(31), 12)
     lp = out_logprobs(tc.forward([d], "cross_entropy").result())[0]
     mask = (torch.arange(12) >= 7).float()  # the last five tokens were sampled
-    sampler_lp = torch.where(mask.bool(), lp, torch.zeros_like(lp))  # 0.0 on prompt tokens, as the trainer sends
+    # 0.0 on prompt tokens, as the trainer sends
+    sampler_lp = torch.where(mask.bool(), lp, torch.zeros_like(lp))
     masked = with_inputs(d, logprobs=sampler_lp, advantages=torch.zeros(12), mask=mask)
     tc.forward_backward([masked], "dro", {"beta": 0.5}).result()
     assert grad_norm(take_grads(tc)) < 1e-6
@@ -835,7 +859,8 @@ def test_models_loaded_on_several_threads_at_once_load(tiny_model_dir, small_mod
         except Exception as exc:  # noqa: BLE001 - collected and asserted on below
             errors.append(f"{type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=load, args=(p,)) for p in (tiny_model_dir, small_model_dir, tiny_model_dir)]
+    threads = [threading.Thread(target=load, args=(p,))
+               for p in (tiny_model_dir, small_model_dir, tiny_model_dir)]
     for t in threads:
         t.start()
     for t in threads:
@@ -943,7 +968,8 @@ def test_sampling_from_merged_weights_equals_the_adapter_branch(service, warm, m
     for a, b in zip(merged, branch):
         for sa, sb in zip(a.sequences, b.sequences):
             assert list(sa.tokens) == list(sb.tokens)
-            torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs), rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(sa.logprobs), torch.tensor(sb.logprobs),
+                                       rtol=0, atol=1e-5)
     for n, p in base.hf_model.named_parameters():
         if "lora_" not in n:
             assert torch.equal(p, before[n]), n
@@ -1078,3 +1104,27 @@ print(tc.save_weights_for_sampler("fresh-process").result().path)
     there_path = out.stdout.strip().splitlines()[-1]
     there = load_file(checkpoint_dir(store, there_path) / "adapter_model.safetensors")
     assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+
+
+def test_a_stopping_engine_ends_sampling_at_the_next_decode_step(tiny_model_dir, tokenizer):
+    """A decode loop asks ``stopping()`` before each step: once the engine stops (Ctrl-C, interpreter
+    exit), the running sample ends within one step instead of running to ``max_tokens`` (a worker still
+    in torch code at shutdown aborts the process)."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.local.sampler import SampleJob, SamplingStopped, generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=3)
+    job = SampleJob([1, 2, 3], 2, params, max_tokens=64)
+    asked: list[int] = []
+
+    def stopping() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    with pytest.raises(SamplingStopped, match="stopping"):
+        generate(model, [job], tokenizer, torch.device("cpu"), None, stopping=stopping)
+    assert len(asked) == 6  # five decode steps ran, the sixth was never taken
+    whole = generate(model, [job], tokenizer, torch.device("cpu"), None, stopping=lambda: False)
+    assert len(whole[0].sequences) == 2  # never stopping: the jobs run as without the check

@@ -32,12 +32,14 @@ def service(tmp_path_factory) -> ServiceClient:
 def named_params(tc) -> dict[str, torch.Tensor]:
     st = tc._state
     marker = f".{st.adapter}."
-    return {n.replace(marker, "."): p.detach().clone() for n, p in st.base.peft_model.named_parameters() if marker in n}
+    return {n.replace(marker, "."): p.detach().clone() for n, p in st.base.peft_model.named_parameters()
+            if marker in n}
 
 
 def datum(ids: list[int]) -> types.Datum:
     target = types.TensorData.from_torch(torch.tensor(ids[1:], dtype=torch.long))
-    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": target})
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": target})
 
 
 def forward_logprobs(tc, d: types.Datum) -> torch.Tensor:
@@ -45,7 +47,8 @@ def forward_logprobs(tc, d: types.Datum) -> torch.Tensor:
 
 
 def test_moe_experts_are_trained_saved_and_loaded(service, moe_model_dir, tmp_path):
-    tc = service.create_lora_training_client(moe_model_dir, rank=4, seed=0, train_attn=False, train_unembed=False).result()
+    tc = service.create_lora_training_client(moe_model_dir, rank=4, seed=0, train_attn=False,
+                                             train_unembed=False).result()
     before = named_params(tc)
     experts = {n for n in before if ".mlp.experts." in n}
     # both fused weights (gate_up_proj, down_proj) of both layers, A and B each; nothing else was asked for
@@ -73,7 +76,8 @@ def test_moe_experts_are_trained_saved_and_loaded(service, moe_model_dir, tmp_pa
     assert named_params(loaded).keys() == after.keys()
     for n, p in named_params(loaded).items():
         torch.testing.assert_close(p, after[n], rtol=0, atol=0)
-    torch.testing.assert_close(forward_logprobs(loaded, data[1]), forward_logprobs(tc, data[1]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(forward_logprobs(loaded, data[1]), forward_logprobs(tc, data[1]), rtol=0,
+                               atol=1e-6)
     sampler = tc.save_weights_and_get_sampling_client("experts-sampler").result()
     sampled_lp = torch.tensor(sampler.compute_logprobs(data[0].model_input).result()[1:])
     torch.testing.assert_close(sampled_lp, trained_lp, rtol=0, atol=1e-5)
@@ -84,12 +88,14 @@ def test_moe_experts_are_trained_saved_and_loaded(service, moe_model_dir, tmp_pa
 
 
     adapter_dir = service.engine.store.resolve(path)[1]
-    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe_model_dir), str(adapter_dir)).eval()
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe_model_dir),
+                                    str(adapter_dir)).eval()
     ids = torch.tensor([data[1].model_input.to_ints()])
     with torch.no_grad():
         ref_lp = torch.log_softmax(ref(input_ids=ids).logits[0].float(), -1)
     targets = data[1].loss_fn_inputs["target_tokens"].to_torch().long()
-    torch.testing.assert_close(ref_lp.gather(-1, targets[:, None])[:, 0], forward_logprobs(tc, data[1]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref_lp.gather(-1, targets[:, None])[:, 0], forward_logprobs(tc, data[1]),
+                               rtol=0, atol=1e-5)
 
 
 def test_every_kind_on_a_moe_model_reaches_its_layers(service, moe_model_dir):
@@ -108,7 +114,8 @@ def gpt2_dir(tmp_path_factory) -> str:
 
     out = tmp_path_factory.mktemp("gpt2")
     tokenizer = build_tokenizer(768)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=128)).save_pretrained(out)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2,
+                               n_positions=128)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return str(out)
 

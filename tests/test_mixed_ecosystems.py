@@ -96,7 +96,8 @@ def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_
         assert len(t["step_rewards"]) == t["num_turns"] and len(t["advantages"]) == t["num_turns"]
 
     # `polyrl eval` on the final checkpoint, in a fresh process
-    checkpoint = json.loads((tmp_path / "a" / "checkpoints.jsonl").read_text().splitlines()[-1])["sampler_path"]
+    checkpoint = json.loads((tmp_path / "a" / "checkpoints.jsonl").read_text()
+                            .splitlines()[-1])["sampler_path"]
     out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path", str(config_path),
                           "--checkpoint", checkpoint], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -20,11 +20,11 @@ import pytest
 from scripted import ScriptedSampler
 from tinker import types
 
-from polyrl.envs.registry import make_env_builder
 from polyrl.envs.python_tool import PYTHON_TOOL, tool_reply
+from polyrl.envs.registry import make_env_builder
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode, RolloutSettings, run_episode
+from polyrl.renderers import get_renderer
 
 try:
     LAYERS = sandbox_layers()
@@ -67,7 +67,8 @@ def test_a_right_tool_using_episode_gets_reward_1(tokenizer):
     ep = asyncio.run(run_episode(builder.make("train", 0), Episode("python_tool", "train", 0, 0), renderer,
                                  policy, settings))
     assert ep.reward == 1.0 and ep.success and ep.num_turns == 2 and ep.done_by_env
-    assert ep.messages[2] == {"role": "tool", "tool_call_id": "call_0", "content": answer + "\n"}
+    assert ep.messages[2] == {"role": "tool", "tool_call_id": "call_0", "name": "python",
+                              "content": answer + "\n"}
     assert ep.metrics == {"success": 1.0, "tool_calls": 1.0, "tool_errors": 0.0}
 
     # the same task answered wrongly gets 0; the designed mistakes are wrong
@@ -133,7 +134,8 @@ def test_network(namespaces):
             "print('connected')")
     reply = _reply(code, namespaces)
     assert reply.startswith("error:") and "connected" not in reply and "Operation not permitted" in reply
-    reply = _reply("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)", namespaces)
+    reply = _reply("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)",
+                   namespaces)
     assert reply.startswith("error:") and "URLError" in reply
     with pytest.raises(socket.timeout):
         server.accept()  # nothing ever reached the listener
@@ -151,7 +153,8 @@ def test_file_system_escapes(namespaces, tmp_path):
         "list the root": "import os\nprint(os.listdir('/'))",
         "write outside": f"open({str(outside)!r}, 'w').write('x')",
         "symlink out, read": f"import os\nos.symlink({str(secret)!r}, 'link')\nprint(open('link').read())",
-        "symlink out, write": f"import os\nos.symlink({str(tmp_path)!r}, 'dir')\nopen('dir/written.txt', 'w')",
+        "symlink out, write": f"import os\nos.symlink({str(tmp_path)!r}, 'dir')\n"
+                              "open('dir/written.txt', 'w')",
         "the trainer's environment": f"print(open('/proc/{os.getpid()}/environ').read())",
         "climb out": "import os\nos.chdir('..')\nprint(os.listdir('.'))",
     }
@@ -220,7 +223,7 @@ def test_bad_args_are_config_errors():
                          ({"shell": True}, "unknown arg 'shell'")]:
         with pytest.raises(ConfigError, match=needle):
             load_config(None, [f"model_name={TrainConfig.__name__}",
-                               f"environments.py.type=python_tool",
+                               "environments.py.type=python_tool",
                                f"environments.py.args={json.dumps(args)}"])
 
 

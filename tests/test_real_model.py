@@ -34,7 +34,8 @@ def smollm2_tokenizer(smollm2_dir):
 def test_smollm2_is_a_plain_llama_directory_and_its_renderer_is_the_template(smollm2_dir, smollm2_tokenizer):
     tokenizer = smollm2_tokenizer
     config = json.loads(open(os.path.join(smollm2_dir, "config.json")).read())
-    assert config["model_type"] == "llama" and config["vocab_size"] == 49152 and config["num_hidden_layers"] == 30
+    assert (config["model_type"] == "llama" and config["vocab_size"] == 49152
+            and config["num_hidden_layers"] == 30)
     assert "quantization_config" not in config  # dequantized: a dense float32 checkpoint
 
     name = infer_renderer(smollm2_dir, smollm2_tokenizer)
@@ -44,7 +45,8 @@ def test_smollm2_is_a_plain_llama_directory_and_its_renderer_is_the_template(smo
     assert renderer.stop_sequences() == [im_end] and tokenizer.eos_token_id == im_end
 
     def template(messages) -> list[int]:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
 
     system = {"role": "system", "content": "Answer briefly."}
     for messages in ([user("What is 2 + 3?")], [system, user("Hi there!")]):
@@ -76,12 +78,13 @@ def test_sampler_logprobs_match_the_learner_on_smollm2(smollm2_dir, smollm2_toke
 
     base = service.create_sampling_client(base_model=smollm2_dir).result()
     prompt = renderer.initial_prompt([user("What is the capital of France? Answer in one word.")])
-    greedy = base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, temperature=0.0,
-                                                                                      stop=renderer.stop_sequences()))
+    greedy = base.sample(types.ModelInput.from_ints(prompt), 1,
+                         types.SamplingParams(max_tokens=8, temperature=0.0, stop=renderer.stop_sequences()))
     assert "Paris" in tokenizer.decode(greedy.result().sequences[0].tokens)  # real pretrained weights
 
     tc = service.create_lora_training_client(smollm2_dir, rank=8, seed=0).result()
-    text = renderer.initial_prompt([user("Say hello.")]) + renderer.encode("Hello! Nice to meet you.<|im_end|>")
+    text = (renderer.initial_prompt([user("Say hello.")])
+            + renderer.encode("Hello! Nice to meet you.<|im_end|>"))
     datum = types.Datum(model_input=types.ModelInput.from_ints(text[:-1]),
                         loss_fn_inputs={"target_tokens": types.TensorData.from_torch(torch.tensor(text[1:]))})
     tc.forward_backward([datum], "cross_entropy")
@@ -89,7 +92,8 @@ def test_sampler_logprobs_match_the_learner_on_smollm2(smollm2_dir, smollm2_toke
     sampler = tc.save_weights_and_get_sampling_client("agreement").result()
 
     prompt = renderer.initial_prompt([user("Name three colors.")])
-    result = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=24, seed=3)).result()
+    result = sampler.sample(types.ModelInput.from_ints(prompt), 4,
+                            types.SamplingParams(max_tokens=24, seed=3)).result()
     worst = 0.0
     for seq in result.sequences:
         full = prompt + list(seq.tokens)

@@ -426,7 +426,8 @@ def test_registry_and_infer_renderer(tokenizer, tiny_model_dir):
 # SmolLM2-Instruct's chat template, verbatim: a default system prompt when the conversation has none.
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
@@ -440,8 +441,8 @@ def test_chatml_writes_the_templates_default_system_prompt(tiny_model_dir):
     renderer = get_renderer(infer_renderer("HuggingFaceTB/SmolLM2-135M-Instruct", tok), tok)
     assert renderer.name == "chatml"
     assert renderer.default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    for messages in ([user("What is 2 + 3?")], [SYSTEM, user("Hi")], [user("a"), {"role": "assistant", "content": "b"},
-                                                                     user("c")]):
+    for messages in ([user("What is 2 + 3?")], [SYSTEM, user("Hi")],
+                     [user("a"), {"role": "assistant", "content": "b"}, user("c")]):
         assert renderer.initial_prompt(messages) == template_ids(tok, messages), messages
     # a template without one (Qwen3's) gets none
     assert get_renderer("chatml", AutoTokenizer.from_pretrained(tiny_model_dir)).default_system is None

@@ -102,7 +102,8 @@ def test_chart_specs_per_env_lines_eval_points_and_only_charts_with_data():
     success = {s["key"]: s for s in charts["success"]["series"]}
     assert success["test/calc/pass@1"]["style"] == success["test/calc/pass@4"]["style"] == "points"
     assert success["test/calc/pass@4"]["label"] == "calc pass@4" and "test/pass@1" in success
-    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens", "staleness"} <= set(charts)
+    assert {"kl", "entropy", "loss", "grad_norm", "failed", "time", "action_tokens",
+            "staleness"} <= set(charts)
     assert [s["label"] for s in charts["staleness"]["series"]] == ["mean", "max"]
     assert [s["label"] for s in charts["time"]["series"]] == ["waiting for rollouts", "total"]
     assert [s["key"] for s in charts["env-calc"]["series"]] == ["env/calc/tool_calls"]
@@ -533,3 +534,58 @@ def test_the_report_links_the_wandb_run(tmp_path):
         note = driver.find_element("css selector", "#run-meta span#wandb-link")
         assert note.text == "W&B polyrl/local (offline run xyz9)"
         assert note.get_attribute("title") == "upload with: wandb sync /runs/wandb/offline-run-xyz9"
+
+
+# ---------------------------------------------------------------------------------------- images
+def test_the_trajectory_browser_shows_images_in_place(tmp_path, vl_tokenizer):
+    """An episode of the visual environment, played through the rollout code and logged as training
+    logs it (each image stored once under images/, referenced from the row): the browser shows the
+    picture in its message and in place of its tokens, loaded from the stored file."""
+    import asyncio
+
+    from test_vision import ReplySampler
+
+    from polyrl.envs.builtin.visual import VisualBuilder
+    from polyrl.episode import Episode, RolloutSettings, run_episode
+    from polyrl.renderers import get_renderer
+    from polyrl.step_metrics import episode_row
+
+    run = write_synthetic_run(tmp_path / "run", steps=2, episodes_per_step=2, think_words=3)
+    builder = VisualBuilder({}, seed=0)
+    renderer = get_renderer("qwen3_vl_instruct", vl_tokenizer)
+    settings = RolloutSettings(max_turns=1, max_tokens=8, temperature=1.0, timeout=60)
+    episodes = []
+    for group, reply in enumerate([f"\\boxed{{{builder.task('train', 0).answer}}}", "\\boxed{white}"]):
+        ep = Episode("visual", "train", 0, group)
+        episodes.append(asyncio.run(run_episode(builder.make("train", 0), ep, renderer,
+                                                ReplySampler(vl_tokenizer, [reply]), settings)))
+    files = RunFiles(run)
+    traj = run / "trajectories" / step_file(1)
+    rows = [json.loads(x) for x in traj.read_text().splitlines()]
+    for ep in episodes:
+        files.save_images(ep.image_files)
+    rows += [episode_row(1, ep, vl_tokenizer, dropped=False) for ep in episodes]
+    traj.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    build_report(run)
+    assert len(list((run / "images").iterdir())) == 1  # one picture, two episodes
+
+    _ensure_chromium()
+    with _browser() as driver:
+        driver.get((run / "report" / "index.html").as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        roles = _open_episode(driver, 1, "visual")
+        assert roles == ["user", "assistant"], roles
+        loaded = _wait(driver, "const i = document.querySelector('#episode .msg-user figure.image img');"
+                               "return i && i.complete && i.naturalWidth "
+                               "? [i.naturalWidth, i.naturalHeight] : null")
+        assert loaded == [64, 64]
+        caption = driver.find_element("css selector", "#episode .msg-user figure.image figcaption").text
+        assert caption == "64 × 64"
+        driver.find_element("css selector", '#episode [data-tab="tokens"]').click()
+        in_tokens = _wait(driver, "const i = document.querySelector('#episode .tokens figure.image img');"
+                                  "return i && i.complete && i.naturalWidth ? i.title : null")
+        assert in_tokens == episodes[0].images[0].name
+        text = driver.find_element("css selector", "#episode .tokens").text
+        assert "4 tokens" in text and "<|image_pad|>" not in text and "<|vision_start|>" in text
+        errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not errors, errors

@@ -173,7 +173,8 @@ def test_python_warnings_are_redacted(secret):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warnings.warn(f"deprecated option with {secret}")
-    shown = warnings.formatwarning(caught[0].message, caught[0].category, caught[0].filename, caught[0].lineno)
+    shown = warnings.formatwarning(caught[0].message, caught[0].category, caught[0].filename,
+                                   caught[0].lineno)
     assert MASK in shown and secret not in shown
 
 
@@ -197,7 +198,8 @@ def test_trajectory_token_text_does_not_spell_a_secret(secret, tmp_path):
     assert redact_pieces(["a", "b"]) == ["a", "b"]
     files = RunFiles(tmp_path / "run")
     files.log_trajectories(0, [{"step": 0, "messages": [{"role": "user", "content": secret}],
-                                "metrics": {f"leak_{secret}": 1.0}, "token_text": pieces, "tokens": list(range(9))}])
+                                "metrics": {f"leak_{secret}": 1.0}, "token_text": pieces,
+                               "tokens": list(range(9))}])
     text = (tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text()
     row = json.loads(text)
     assert secret not in text and secret not in "".join(row["token_text"])

@@ -34,10 +34,11 @@ class Served:
     """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port; ``http`` speaks with ``KEY``,
     ``other`` with ``OTHER_KEY``."""
 
-    def __init__(self, model_dir: str, store: Path, *extra: str):
+    def __init__(self, model_dir: str, store: Path, *extra: str, cwd: Path | None = None):
+        self.model_dir = model_dir
         cmd = [sys.executable, "-m", "polyrl.serve", "--port", "0", "--models", model_dir, "--api-key", KEY,
                "--api-key", OTHER_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         deadline = time.monotonic() + 120
         self.url = None
         while time.monotonic() < deadline:
@@ -78,8 +79,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    s = Served(tiny_model_dir, tmp_path_factory.mktemp("serve-store"), "--long-poll", "1", "--max-body-mb", "1",
-               "--seq-gap-timeout", "6")
+    s = Served(tiny_model_dir, tmp_path_factory.mktemp("serve-store"), "--long-poll", "1", "--max-body-mb",
+               "1", "--seq-gap-timeout", "6")
     yield s
     s.stop()
 
@@ -108,7 +109,8 @@ def _datum(tokens: list[int], loss: str) -> types.Datum:
         inputs["weights"] = types.TensorData(data=[0.5] * n, dtype="float32", shape=[n])
     else:
         inputs["logprobs"] = types.TensorData(data=[-6.0] * n, dtype="float32", shape=[n])
-        inputs["advantages"] = types.TensorData(data=[1.0, -0.5] * (n // 2) + [1.0] * (n % 2), dtype="float32", shape=[n])
+        inputs["advantages"] = types.TensorData(data=[1.0, -0.5] * (n // 2) + [1.0] * (n % 2),
+                                                dtype="float32", shape=[n])
     return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
 
 
@@ -117,10 +119,11 @@ def _session(served: Served, http: httpx.Client | None = None) -> str:
     return http.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
 
 
-def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0, http: httpx.Client | None = None) -> str:
+def _create_model(served: Served, tiny_model_dir: str, session: str, seq: int = 0,
+                  http: httpx.Client | None = None) -> str:
     http = http or served.http
-    r = http.post("/create_model", json={"session_id": session, "model_seq_id": seq, "base_model": tiny_model_dir,
-                                         "lora_config": {"rank": 4, "seed": 0}})
+    r = http.post("/create_model", json={"session_id": session, "model_seq_id": seq,
+                                         "base_model": tiny_model_dir, "lora_config": {"rank": 4, "seed": 0}})
     assert r.status_code == 200, r.text
     result = _retrieve(served, r.json()["request_id"], http=http)
     return result["model_id"]
@@ -141,8 +144,9 @@ def _retrieve(served: Served, request_id: str, proto: bool = False, deadline_s: 
 
 
 def _fwdbwd_body(model_id: str, seq_id: int, datums: list[types.Datum], loss="cross_entropy") -> bytes:
-    req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn=loss),
-                                       model_id=model_id, seq_id=seq_id)
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn=loss), model_id=model_id,
+        seq_id=seq_id)
     return forward_backward_request_to_proto(req).SerializeToString()
 
 
@@ -163,7 +167,8 @@ def test_sdk_training_and_sampling(served, service, training, tokenizer):
     before = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
     # forward_backward_custom: the SDK's forward pass, a client-side loss, then a weighted backward
     custom = training.forward_backward_custom(
-        [_datum(tokens, "cross_entropy")], lambda data, lps: (-0.5 * sum(lp.sum() for lp in lps), {"n:sum": 1.0})).result()
+        [_datum(tokens, "cross_entropy")],
+        lambda data, lps: (-0.5 * sum(lp.sum() for lp in lps), {"n:sum": 1.0})).result()
     assert custom.metrics["loss:sum"] == pytest.approx(before.metrics["loss:sum"], rel=1e-5)
     opt = training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert opt.metrics["grad_norm:mean"] > 0
@@ -176,7 +181,8 @@ def test_sdk_training_and_sampling(served, service, training, tokenizer):
     res = sampler.sample(types.ModelInput.from_ints(tokens), num_samples=3, sampling_params=params).result()
     assert len(res.sequences) == 3 and len({s.sequence_id for s in res.sequences}) == 3
     for s in res.sequences:
-        assert 1 <= len(s.tokens) <= 6 and len(s.logprobs) == len(s.tokens) and s.stop_reason in ("stop", "length")
+        assert (1 <= len(s.tokens) <= 6 and len(s.logprobs) == len(s.tokens)
+                and s.stop_reason in ("stop", "length"))
     again = sampler.sample(types.ModelInput.from_ints(tokens), num_samples=3, sampling_params=params).result()
     assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]  # seeded
     # the sampler's logprobs are the learner's: forward on a sampled sequence gives the same numbers
@@ -187,9 +193,11 @@ def test_sdk_training_and_sampling(served, service, training, tokenizer):
     np.testing.assert_allclose(lp[n:], seq.logprobs, atol=1e-4)
     m = len(full) - 1
     lm = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                     loss_fn_inputs={"target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[m])})
+                     loss_fn_inputs={"target_tokens": types.TensorData(data=full[1:], dtype="int64",
+                                                                       shape=[m])})
     learner = training.forward([lm], "cross_entropy").result()
-    np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1:], seq.logprobs, atol=1e-4)
+    np.testing.assert_allclose(learner.loss_fn_outputs[0]["logprobs"].to_numpy()[n - 1:], seq.logprobs,
+                               atol=1e-4)
 
 
 def test_checkpoints_resume_and_rest(served, service, training, tokenizer):
@@ -208,15 +216,18 @@ def test_checkpoints_resume_and_rest(served, service, training, tokenizer):
     for client in (training, resumed):
         client.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    a = training.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
-    b = resumed.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    a = training.forward([_datum(tokens, "cross_entropy")],
+                         "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    b = resumed.forward([_datum(tokens, "cross_entropy")],
+                        "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     np.testing.assert_allclose(a.to_numpy(), b.to_numpy(), atol=1e-5)
     fresh = service.create_training_client_from_state(state.path).result()  # weights only
     assert fresh.get_info().lora_rank == 4
 
     from_path = service.create_sampling_client(model_path=named.path).result()
     assert from_path.get_base_model() == training.get_info().model_data.model_name
-    assert len(from_path.sample(types.ModelInput.from_ints(tokens), 2, types.SamplingParams(max_tokens=3)).result().sequences) == 2
+    assert len(from_path.sample(types.ModelInput.from_ints(tokens), 2,
+                                types.SamplingParams(max_tokens=3)).result().sequences) == 2
 
     rest = tinker.RestClient(base_url=served.url, api_key=KEY)
     caps = rest.get_server_capabilities().result()
@@ -230,7 +241,8 @@ def test_checkpoints_resume_and_rest(served, service, training, tokenizer):
     runs = rest.list_training_runs().result()
     assert training.model_id in {r.training_run_id for r in runs.training_runs}
     rest.delete_checkpoint(training.model_id, "sampler_weights/samp-a").result()
-    assert {c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints} == {"weights/ckpt-a"}
+    assert {c.checkpoint_id
+            for c in rest.list_checkpoints(training.model_id).result().checkpoints} == {"weights/ckpt-a"}
 
 
 def test_unsupported_loss_is_a_user_error_and_the_client_goes_on(training, tokenizer):
@@ -279,18 +291,24 @@ def test_api_key_required(served):
 
 def test_sessions_heartbeats_and_finish(served, tiny_model_dir):
     http = served.http
-    assert http.post("/client/config", json={"sdk_version": "0.38.0"}).json()["parallel_fwdbwd_chunks"] is True
+    assert http.post("/client/config",
+                     json={"sdk_version": "0.38.0"}).json()["parallel_fwdbwd_chunks"] is True
     session = _session(served)
-    assert http.post("/session_heartbeat", json={"session_id": session, "type": "session_heartbeat"}).status_code == 200
+    assert http.post("/session_heartbeat",
+                     json={"session_id": session, "type": "session_heartbeat"}).status_code == 200
     model_id = _create_model(served, tiny_model_dir, session)
-    assert http.post("/telemetry", json={"events": [], "session_id": session}).json() == {"status": "accepted"}
+    assert http.post("/telemetry",
+                     json={"events": [], "session_id": session}).json() == {"status": "accepted"}
     assert http.post(f"/sessions/{session}/finish", json={"reason": {"type": "success"}}).status_code == 200
-    assert http.post("/session_heartbeat", json={"session_id": session}).status_code == 410  # stops the SDK's loop
+    # stops the SDK's loop
+    assert http.post("/session_heartbeat", json={"session_id": session}).status_code == 410
     r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {}})
     assert r.status_code == 404 and "unknown model_id" in r.json()["error"]  # its models were released
-    r = http.post("/create_model", json={"session_id": session, "model_seq_id": 1, "base_model": tiny_model_dir})
+    r = http.post("/create_model", json={"session_id": session, "model_seq_id": 1,
+                                         "base_model": tiny_model_dir})
     assert r.status_code == 410
-    assert http.get(f"/training_runs/{model_id}").json()["training_run_id"] == model_id  # the run is still listed
+    # the run is still listed
+    assert http.get(f"/training_runs/{model_id}").json()["training_run_id"] == model_id
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_model_dir, tokenizer):
@@ -298,36 +316,43 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_mo
     session = _session(served)
     model_id = _create_model(served, tiny_model_dir, session, seq=0)
     cases = [
-        (http.post("/forward_backward", content=b"\xff\xff\xff not a protobuf", headers=PROTO), 400, "protobuf"),
-        (http.post("/forward_backward", content=_fwdbwd_body("nope:train:0", 1, [_datum([1, 2, 3], "cross_entropy")]),
+        (http.post("/forward_backward", content=b"\xff\xff\xff not a protobuf", headers=PROTO), 400,
+         "protobuf"),
+        (http.post("/forward_backward",
+                   content=_fwdbwd_body("nope:train:0", 1, [_datum([1, 2, 3], "cross_entropy")]),
                    headers=PROTO), 404, "unknown model_id"),
-        (http.post("/create_model", json={"session_id": session, "model_seq_id": "x", "base_model": 5}), 400, "model_seq_id"),
-        (http.post("/create_model", json={"session_id": session, "model_seq_id": 9, "base_model": "/not/served"}), 400,
-         "not served"),
-        (http.post("/create_model", json={"session_id": "sess-missing", "model_seq_id": 0, "base_model": tiny_model_dir}),
-         404, "unknown session_id"),
-        (http.post("/create_model", content=b"{not json", headers={"Content-Type": "application/json"}), 400, "JSON"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": "x", "base_model": 5}), 400,
+         "model_seq_id"),
+        (http.post("/create_model", json={"session_id": session, "model_seq_id": 9,
+                                          "base_model": "/not/served"}), 400, "not served"),
+        (http.post("/create_model", json={"session_id": "sess-missing", "model_seq_id": 0,
+                                          "base_model": tiny_model_dir}), 404, "unknown session_id"),
+        (http.post("/create_model", content=b"{not json", headers={"Content-Type": "application/json"}), 400,
+         "JSON"),
         (http.post("/create_session", json=[1, 2]), 400, "JSON object"),
-        (http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": "fast"}}),
-         400, "learning_rate"),
-        (http.post("/optim_step", json={"model_id": "ghost:train:3", "seq_id": 1, "adam_params": {}}), 404, "unknown model_id"),
+        (http.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                        "adam_params": {"learning_rate": "fast"}}), 400, "learning_rate"),
+        (http.post("/optim_step", json={"model_id": "ghost:train:3", "seq_id": 1, "adam_params": {}}), 404,
+         "unknown model_id"),
         (http.post("/asample", json={"sampling_session_id": "nope", "seq_id": 0, "num_samples": 1,
                                      "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
                                      "sampling_params": {"max_tokens": 2}}), 404, "sampling_session_id"),
         (http.post("/asample", json={"sampling_session_id": "nope", "num_samples": -1, "prompt": "hi",
                                      "sampling_params": {}}), 400, "num_samples"),
         (http.post("/retrieve_future", json={"request_id": "0" * 32}), 404, "request_id"),
-        (http.post("/load_weights", json={"session_id": session, "model_seq_id": 5, "path": "tinker://../weights/x",
-                                          "optimizer": True}), 400, "run id"),
         (http.post("/load_weights", json={"session_id": session, "model_seq_id": 5,
-                                          "path": f"tinker://{model_id}/weights/missing", "optimizer": False}), 404, "not found"),
+                                          "path": "tinker://../weights/x", "optimizer": True}),
+         400, "run id"),
+        (http.post("/load_weights", json={"session_id": session, "model_seq_id": 5,
+                                          "path": f"tinker://{model_id}/weights/missing",
+                                          "optimizer": False}), 404, "not found"),
         (http.get("/training_runs/no-such-run"), 404, "not found"),
         (http.delete(f"/training_runs/{model_id}/checkpoints/weights/missing"), 404, "not found"),
         (http.get("/training_runs", params={"limit": "many"}), 400, "limit"),
         (http.post("/no_such_endpoint", json={}), 404, "not an endpoint"),
         (http.post("/forward_backward", content=b"\0" * (2 << 20), headers=PROTO), 413, "limit"),
-        (http.post("/asample", content=json.dumps({"pad": "x" * (2 << 20)}), headers={"Content-Type": "application/json"}),
-         413, "limit"),
+        (http.post("/asample", content=json.dumps({"pad": "x" * (2 << 20)}),
+                   headers={"Content-Type": "application/json"}), 413, "limit"),
     ]
     for r, status, words in cases:
         assert r.status_code == status, (r.request.url, r.status_code, r.text[:300])
@@ -341,16 +366,19 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(served, tiny_mo
     d.loss_fn_inputs["target_tokens"].dtype = pb.DTYPE_INT64
     r = http.post("/forward_backward", content=bad.SerializeToString(), headers=PROTO)
     assert r.status_code == 400 and "data[0]" in r.json()["error"]
-    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 1e-3}})
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 2,
+                                       "adam_params": {"learning_rate": 1e-3}})
     assert "metrics" in _retrieve(served, r.json()["request_id"])
     # zstd bodies (the SDK's proto_compress_fwdbwd) are accepted, and bombs stopped at the size limit
     import zstandard
 
     zstd = {**PROTO, "Content-Encoding": "zstd"}
-    body = zstandard.ZstdCompressor().compress(_fwdbwd_body(model_id, 3, [_datum(_tokens(tokenizer), "cross_entropy")]))
+    body = zstandard.ZstdCompressor().compress(_fwdbwd_body(model_id, 3,
+                                                            [_datum(_tokens(tokenizer), "cross_entropy")]))
     r = http.post("/forward_backward", content=body, headers=zstd)
     assert "loss:sum" in _retrieve(served, r.json()["request_id"])["metrics"]
-    r = http.post("/forward_backward", content=zstandard.ZstdCompressor().compress(b"\0" * (3 << 20)), headers=zstd)
+    r = http.post("/forward_backward", content=zstandard.ZstdCompressor().compress(b"\0" * (3 << 20)),
+                  headers=zstd)
     assert r.status_code == 413
     r = http.post("/forward_backward", content=b"not zstd", headers=zstd)
     assert r.status_code == 400 and "zstd" in r.json()["error"]
@@ -364,14 +392,16 @@ def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, t
     session = _session(served)
     model_id = _create_model(served, tiny_model_dir, session)
     tokens = _tokens(tokenizer)
-    fb = mine.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    fb = mine.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]),
+                   headers=PROTO)
     r = mine.post("/save_weights", json={"model_id": model_id, "seq_id": 2, "path": "private"})
     path = _retrieve(served, r.json()["request_id"])["path"]
     mine.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
                                                 "base_model": tiny_model_dir})
     sampler_id = f"{session}:sample:0"
     sample = {"sampling_session_id": sampler_id, "seq_id": 0, "num_samples": 1,
-              "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]}, "sampling_params": {"max_tokens": 2}}
+              "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+              "sampling_params": {"max_tokens": 2}}
     assert mine.post("/asample", json=sample).status_code == 200
 
     ghost_session = "sess-000000000000"
@@ -400,15 +430,18 @@ def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, t
                                               "base_model": tiny_model_dir}),
         ("POST", "/get_info", {"model_id": model_id}),
         ("POST", "/forward_backward", _fwdbwd_body(model_id, 3, [_datum(tokens, "cross_entropy")])),
-        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}}),
-        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": "fast"}}),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3,
+                                 "adam_params": {"learning_rate": 1e-2}}),
+        ("POST", "/optim_step", {"model_id": model_id, "seq_id": 3,
+                                 "adam_params": {"learning_rate": "fast"}}),
         ("POST", "/save_weights", {"model_id": model_id, "seq_id": 3, "path": "stolen"}),
-        ("POST", "/save_weights_for_sampler", {"model_id": model_id, "seq_id": 3, "sampling_session_seq_id": 5}),
+        ("POST", "/save_weights_for_sampler", {"model_id": model_id, "seq_id": 3,
+                                               "sampling_session_seq_id": 5}),
         ("POST", "/load_weights", {"model_id": model_id, "seq_id": 3, "path": path, "optimizer": True}),
         ("POST", "/load_weights", {"session_id": _session(served, theirs), "model_seq_id": 0, "path": path,
                                    "optimizer": True}),
-        ("POST", "/create_sampling_session", {"session_id": _session(served, theirs), "sampling_session_seq_id": 0,
-                                              "model_path": path}),
+        ("POST", "/create_sampling_session", {"session_id": _session(served, theirs),
+                                              "sampling_session_seq_id": 0, "model_path": path}),
         ("POST", "/weights_info", {"tinker_path": path}),
         ("POST", "/retrieve_future", {"request_id": fb.json()["request_id"]}),
         ("POST", "/asample", {**sample, "seq_id": 1}),
@@ -422,14 +455,17 @@ def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, t
         real = send(theirs, method, url, body)
         fake = send(theirs, method, swap(url), swap(body) if not isinstance(body, bytes) else
                     _fwdbwd_body(ghost[model_id], 3, [_datum(tokens, "cross_entropy")]))
-        assert 400 <= real.status_code < 500 and real.json()["category"] == "user", (url, body, real.text[:300])
+        assert 400 <= real.status_code < 500 and real.json()["category"] == "user", (url, body,
+                                                                                     real.text[:300])
         # the answer is exactly the one for an id that never existed: nothing tells the other key it exists
-        assert (real.status_code, swap(real.json()["error"])) == (fake.status_code, fake.json()["error"]), (url, body)
+        assert (real.status_code, swap(real.json()["error"])) == (fake.status_code,
+                                                                  fake.json()["error"]), (url, body)
     listed = theirs.get("/training_runs").text + theirs.get("/checkpoints").text
     assert session not in listed
 
     # the owner's work is untouched: its seq_id 3 was not used up, its checkpoint and session are still there
-    r = mine.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    r = mine.post("/optim_step", json={"model_id": model_id, "seq_id": 3,
+                                       "adam_params": {"learning_rate": 1e-2}})
     assert _retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"] > 0
     assert "loss:sum" in _retrieve(served, fb.json()["request_id"])["metrics"]
     listed = mine.get(f"/training_runs/{model_id}/checkpoints").json()["checkpoints"]
@@ -459,7 +495,8 @@ def test_a_far_seq_id_is_refused_not_queued(served, tiny_model_dir, tokenizer):
     r = http.post("/forward_backward", headers=PROTO,
                   content=_fwdbwd_body(model_id, 3_000_000, [_datum(_tokens(tokenizer), "cross_entropy")]))
     assert r.status_code == 400 and "seq_id" in r.json()["error"]
-    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-2}})
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                       "adam_params": {"learning_rate": 1e-2}})
     assert "metrics" in _retrieve(served, r.json()["request_id"])  # nothing was queued behind a gap
 
 
@@ -489,8 +526,9 @@ def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
     tokens = _tokens(tokenizer)
 
     def sample(params: str) -> str:
-        return (f'{{"sampling_session_id": "{sampler_id}", "num_samples": 1, "prompt": {{"chunks": [{{"type": '
-                f'"encoded_text", "tokens": {tokens}}}]}}, "sampling_params": {params}}}')
+        return (f'{{"sampling_session_id": "{sampler_id}", "num_samples": 1, '
+                f'"prompt": {{"chunks": [{{"type": "encoded_text", "tokens": {tokens}}}]}}, '
+                f'"sampling_params": {params}}}')
 
     def optim(seq: int, params: str) -> str:
         return f'{{"model_id": "{model_id}", "seq_id": {seq}, "adam_params": {params}}}'
@@ -511,7 +549,8 @@ def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
         (_raw(http, "/optim_step", optim(1, '{"learning_rate": 0.01, "beta2": 1.5}')), "beta2"),
         (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": "c" * 300}), "name"),
         (http.post("/save_weights", json={"model_id": model_id, "seq_id": 1, "path": ".hidden"}), "name"),
-        (http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "a b"}), "name"),
+        (http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 1, "path": "a b"}),
+         "name"),
         (http.post("/create_model", json={"session_id": session, "model_seq_id": 10 ** 30,
                                           "base_model": tiny_model_dir}), "model_seq_id"),
         (http.get("/training_runs", params={"limit": "9" * 5000}), "limit"),
@@ -523,11 +562,14 @@ def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
     d = _datum(tokens, "importance_sampling")
     d.loss_fn_inputs["advantages"] = types.TensorData(data=[float("nan")] * len(tokens), dtype="float32",
                                                       shape=[len(tokens)])
-    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [d], "importance_sampling"), headers=PROTO)
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [d], "importance_sampling"),
+                  headers=PROTO)
     assert r.status_code == 400 and "advantages" in r.json()["error"] and "finite" in r.json()["error"]
     # none of it reached the model: it still trains, and its weights are finite
-    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]), headers=PROTO)
-    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
+    r = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]),
+                  headers=PROTO)
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3,
+                                       "adam_params": {"learning_rate": 1e-2}})
     assert np.isfinite(_retrieve(served, r.json()["request_id"])["metrics"]["grad_norm:mean"])
     r = http.post("/save_weights", json={"model_id": model_id, "seq_id": 4, "path": "fine_name-1.0"})
     path = _retrieve(served, r.json()["request_id"])["path"]
@@ -537,13 +579,15 @@ def test_bad_values_get_a_clear_4xx(served, tiny_model_dir, tokenizer):
 
 
 def _sparse(shape: list[int], rows: int | None = None) -> types.TensorData:
-    """A sparse loss input that declares ``shape`` and lists no value: small on the wire, huge if densified."""
+    """A sparse loss input that declares ``shape`` and lists no value: small on the wire, huge if
+    densified."""
     rows = shape[0] if rows is None else rows
     return types.TensorData(data=[], dtype="float32", shape=shape, sparse_crow_indices=[0] * (rows + 1),
                             sparse_col_indices=[])
 
 
-def test_declared_shapes_are_checked_before_anything_is_allocated(served, training, tiny_model_dir, tokenizer):
+def test_declared_shapes_are_checked_before_anything_is_allocated(served, training, tiny_model_dir,
+                                                                   tokenizer):
     """A small request whose sparse ``weights`` declares [20000, 20000] (1.6 GB dense) is a 400 naming the
     field, the shape and the bound, and the server's memory stays where it was; so is every other shape
     that does not fit its datum. A sparse input that fits trains."""
@@ -555,7 +599,8 @@ def test_declared_shapes_are_checked_before_anything_is_allocated(served, traini
     assert len(_fwdbwd_body(training.model_id, 1, [huge])) > 150_000  # the row offsets are most of it
     with pytest.raises(tinker.BadRequestError) as err:  # the real SDK sends it
         training.forward_backward([huge], "cross_entropy").result(timeout=60)
-    assert "loss_fn_inputs['weights']" in str(err.value) and "[20000, 20000]" in str(err.value), str(err.value)
+    assert "loss_fn_inputs['weights']" in str(err.value) and "[20000, 20000]" in str(err.value), \
+        str(err.value)
     assert f"the datum's {n} tokens" in str(err.value)
 
     def with_input(name: str, td: types.TensorData) -> types.Datum:
@@ -563,22 +608,22 @@ def test_declared_shapes_are_checked_before_anything_is_allocated(served, traini
         d.loss_fn_inputs[name] = td
         return d
 
-    unsorted = types.TensorData(data=[1.0, 1.0], dtype="float32", shape=[n, 4], sparse_crow_indices=[0, 2] + [2] * n,
-                                sparse_col_indices=[3, 1])
+    unsorted = types.TensorData(data=[1.0, 1.0], dtype="float32", shape=[n, 4],
+                                sparse_crow_indices=[0, 2] + [2] * n, sparse_col_indices=[3, 1])
     cases = [  # (datum, the field, what the error says)
-        (with_input("weights", _sparse([60000, 60000])), "weights", f"[60000, 60000]; a loss input is (N,) or (N, K) "
-                                                                    f"with N the datum's {n} tokens"),
-        (with_input("weights", _sparse([n, 10**6])), "weights", f"[{n}, 1000000]; its K (second dimension) must be "
-                                                                "between 1 and 128"),
+        (with_input("weights", _sparse([60000, 60000])), "weights",
+         f"[60000, 60000]; a loss input is (N,) or (N, K) with N the datum's {n} tokens"),
+        (with_input("weights", _sparse([n, 10**6])), "weights",
+         f"[{n}, 1000000]; its K (second dimension) must be between 1 and 128"),
         (with_input("weights", _sparse([n, 0])), "weights", "between 1 and 128"),
         (with_input("weights", _sparse([n, -4])), "weights", "between 1 and 128"),
         (with_input("weights", _sparse([n], rows=n)), "weights", f"sparse but declares shape [{n}]"),
         (with_input("weights", _sparse([n, 4], rows=n + 5)), "weights", "not a valid sparse (CSR) tensor"),
         (with_input("weights", unsorted), "weights", "not a valid sparse (CSR) tensor"),
-        (with_input("weights", types.TensorData(data=[0.5] * n * 200, dtype="float32", shape=[n, 200])), "weights",
-         "between 1 and 128"),
-        (with_input("weights", types.TensorData(data=[0.5] * 8 * n, dtype="float32", shape=[n, 2, 4])), "weights",
-         f"[{n}, 2, 4]"),
+        (with_input("weights", types.TensorData(data=[0.5] * n * 200, dtype="float32", shape=[n, 200])),
+         "weights", "between 1 and 128"),
+        (with_input("weights", types.TensorData(data=[0.5] * 8 * n, dtype="float32", shape=[n, 2, 4])),
+         "weights", f"[{n}, 2, 4]"),
         (with_input("target_tokens", types.TensorData(data=tokens + [1], dtype="int64", shape=[n + 1])),
          "target_tokens", f"[{n + 1}]"),
         (with_input("target_tokens", types.TensorData(data=tokens + [1, 2], dtype="int64")), "target_tokens",
@@ -595,8 +640,8 @@ def test_declared_shapes_are_checked_before_anything_is_allocated(served, traini
     grown = served.rss_bytes() - rss_before
     assert grown < 200 << 20, f"server memory grew by {grown >> 20} MiB"
     # a sparse (N, 1) weights input that fits is used as it is; the model trains on
-    weights = types.TensorData(data=[0.5] * n, dtype="float32", shape=[n, 1], sparse_crow_indices=list(range(n + 1)),
-                               sparse_col_indices=[0] * n)
+    weights = types.TensorData(data=[0.5] * n, dtype="float32", shape=[n, 1],
+                               sparse_crow_indices=list(range(n + 1)), sparse_col_indices=[0] * n)
     out = training.forward_backward([with_input("weights", weights)], "cross_entropy").result(timeout=60)
     assert np.isfinite(out.metrics["loss:sum"])
     r = http.post("/optim_step", json={"model_id": model_id, "seq_id": len(cases) + 1,
@@ -604,7 +649,7 @@ def test_declared_shapes_are_checked_before_anything_is_allocated(served, traini
     assert "metrics" in _retrieve(served, r.json()["request_id"])  # the refused requests held nothing up
 
 
-# ------------------------------------------------------------------ limits: per request, per key, slow clients
+# ------------------------------------------------------------- limits: per request, per key, slow clients
 @pytest.fixture(scope="module")
 def limited(tiny_model_dir, tmp_path_factory):
     """A server with small limits, to reach each of them."""
@@ -636,8 +681,9 @@ def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limit
     def wide(n: int) -> types.Datum:  # 16 tokens, three (16, 4) inputs: 192 values
         d = _datum(list(range(5, 5 + n)), "cross_entropy")
         for name in ("target_tokens", "weights", "mask"):
-            d.loss_fn_inputs[name] = types.TensorData(data=[1] * n * 4, dtype="int64" if name == "target_tokens"
-                                                      else "float32", shape=[n, 4])
+            d.loss_fn_inputs[name] = types.TensorData(data=[1] * n * 4,
+                                                      dtype="int64" if name == "target_tokens" else "float32",
+                                                      shape=[n, 4])
         return d
 
     narrow = _datum([5, 6, 7, 8, 9], "cross_entropy")
@@ -646,10 +692,13 @@ def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limit
     cases = [
         ([narrow] * 5, "holds 5 datums; this server takes at most 4 per request (--max-request-datums)"),
         ([_datum(long, "cross_entropy")], "holds 65 tokens; this server takes at most 64 per request"),
-        ([too_wide], "declares shape [5, 5]; its K (second dimension) must be between 1 and 4 (--max-target-k)"),
-        ([wide(16)] * 4, "hold 768 values (sparse ones counted dense); this server takes at most 512 per request"),
-        ([narrow, types.Datum(model_input=types.ModelInput(chunks=[]), loss_fn_inputs={})], "data[1]: model_input "
-         "is empty"),  # a datum costs a token at least, so the limits on tokens bound datums too
+        ([too_wide], "declares shape [5, 5]; its K (second dimension) must be between 1 and 4 "
+                     "(--max-target-k)"),
+        ([wide(16)] * 4, "hold 768 values (sparse ones counted dense); this server takes at most 512 "
+                         "per request"),
+        # a datum costs a token at least, so the limits on tokens bound datums too
+        ([narrow, types.Datum(model_input=types.ModelInput(chunks=[]), loss_fn_inputs={})],
+         "data[1]: model_input is empty"),
     ]
     for seq, (data, words) in enumerate(cases, start=1):
         r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, data), headers=PROTO)
@@ -660,7 +709,8 @@ def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limit
     http.post("/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": 0,
                                                 "base_model": tiny_model_dir})
     for tokens, n, words in ((long, 1, "prompt of 65 tokens is longer than this server takes (64"),
-                             ([5, 6], 9, "num_samples 9 is more than this server lets a key have in flight (8")):
+                             ([5, 6], 9, "num_samples 9 is more than this server lets a key have in flight "
+                                         "(8")):
         r = http.post("/asample", json={"sampling_session_id": f"{session}:sample:0", "num_samples": n,
                                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
                                         "sampling_params": {"max_tokens": 2}})
@@ -685,13 +735,14 @@ def test_a_key_with_too_many_samples_in_flight_gets_429_and_the_sdk_waits(limite
     session = _session(limited)
     model_id = _create_model(limited, tiny_model_dir, session)
     # a sampler of weights that an operation waiting for seq_id 1 will save: its samples stay in flight
-    r = http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 2, "sampling_session_seq_id": 0})
+    r = http.post("/save_weights_for_sampler", json={"model_id": model_id, "seq_id": 2,
+                                                     "sampling_session_seq_id": 0})
     assert r.status_code == 200, r.text
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
 
     def asample(client: httpx.Client, sampler: str, n: int) -> httpx.Response:
-        return client.post("/asample", json={"sampling_session_id": sampler, "num_samples": n, "prompt": prompt,
-                                             "sampling_params": {"max_tokens": 2}})
+        return client.post("/asample", json={"sampling_session_id": sampler, "num_samples": n,
+                                             "prompt": prompt, "sampling_params": {"max_tokens": 2}})
 
     held = asample(http, f"{session}:sample:0", 5)
     assert held.status_code == 200, held.text
@@ -710,14 +761,16 @@ def test_a_key_with_too_many_samples_in_flight_gets_429_and_the_sdk_waits(limite
         types.ModelInput.from_ints([5, 6, 7]), 4, types.SamplingParams(max_tokens=2)).future()
     time.sleep(2)
     assert not waiting.done()  # refused (429) and retrying: nothing can finish while the 5 samples are held
-    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                       "adam_params": {"learning_rate": 1e-3}})
     assert "metrics" in _retrieve(limited, r.json()["request_id"])  # seq_id 1 came: the held samples run
     assert len(_retrieve(limited, held.json()["request_id"])["sequences"]) == 5
     assert len(waiting.result(timeout=120).sequences) == 4
     sdk.close("success").result()
 
 
-def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_would_wait(limited, tiny_model_dir):
+def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_would_wait(limited,
+                                                                                       tiny_model_dir):
     """A key's forward_backward data and prompts not yet done count against its tokens in flight. Past it,
     a request that would run now gets 429 (the SDK waits and resubmits); data that would wait for an
     earlier seq_id gets 400 (the SDK sends a call's first chunk only once its later ones are accepted, so
@@ -734,8 +787,8 @@ def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_woul
     queued = [fwdbwd(2), fwdbwd(3)]  # both wait for seq_id 1: 120 tokens
     assert all(r.status_code == 200 for r in queued), [r.text for r in queued]
     r = fwdbwd(4)
-    assert r.status_code == 400 and "waiting for earlier seq_ids would reach 180 tokens, past its limit of 128 " \
-        "(--max-tokens-in-flight)" in r.json()["error"], r.text
+    assert r.status_code == 400 and "waiting for earlier seq_ids would reach 180 tokens, past its limit " \
+        "of 128 (--max-tokens-in-flight)" in r.json()["error"], r.text
     first = fwdbwd(1)
     assert first.status_code == 200, first.text
     for r in [first, *queued]:
@@ -743,16 +796,18 @@ def test_a_key_with_too_many_tokens_in_flight_gets_429_or_400_for_data_that_woul
 
     # two sampling prompts held in flight (their sampler waits for another model's seq_id 1) ...
     other_model = _create_model(limited, tiny_model_dir, session, seq=1)
-    http.post("/save_weights_for_sampler", json={"model_id": other_model, "seq_id": 2, "sampling_session_seq_id": 0})
+    http.post("/save_weights_for_sampler", json={"model_id": other_model, "seq_id": 2,
+                                                 "sampling_session_seq_id": 0})
     held = [http.post("/asample", json={"sampling_session_id": f"{session}:sample:0", "num_samples": 1,
                                         "prompt": {"chunks": [{"type": "encoded_text", "tokens": sixty}]},
                                         "sampling_params": {"max_tokens": 1}}) for _ in range(2)]
     assert all(r.status_code == 200 for r in held), [r.text for r in held]
     r = fwdbwd(5)  # ... so data that would run now waits: 429
     assert r.status_code == 429 and float(r.headers["Retry-After"]) > 0, r.text
-    assert "this key has 120 tokens (forward_backward data and sampling prompts) in flight; 60 more would pass " \
-           "its limit of 128 (--max-tokens-in-flight)" in r.json()["error"]
-    http.post("/optim_step", json={"model_id": other_model, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+    assert "this key has 120 tokens (forward_backward data and sampling prompts) in flight; 60 more " \
+           "would pass its limit of 128 (--max-tokens-in-flight)" in r.json()["error"]
+    http.post("/optim_step", json={"model_id": other_model, "seq_id": 1,
+                                   "adam_params": {"learning_rate": 1e-3}})
     for r in held:
         assert len(_retrieve(limited, r.json()["request_id"])["sequences"]) == 1
     r = _post_until_admitted(http, "/forward_backward", headers=PROTO,
@@ -781,9 +836,10 @@ def test_a_key_keeps_at_most_max_checkpoints(limited, tiny_model_dir):
     for kind in ("save_weights", "save_weights_for_sampler"):
         r = save("one-too-many", kind)
         assert r.status_code == 403 and r.json()["category"] == "user", r.text
-        assert "this key keeps 3 checkpoints, the most this server allows per key (--max-checkpoints 3); delete some" \
-            in r.json()["error"]
-    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": seq, "adam_params": {"learning_rate": 1e-3}})
+        assert "this key keeps 3 checkpoints, the most this server allows per key (--max-checkpoints 3); " \
+            "delete some" in r.json()["error"]
+    r = http.post("/optim_step", json={"model_id": model_id, "seq_id": seq,
+                                       "adam_params": {"learning_rate": 1e-3}})
     seq += 1
     assert "metrics" in _retrieve(limited, r.json()["request_id"])  # the refused saves held nothing up
     r = save("c0", "save_weights_for_sampler")  # replaces one: allowed
@@ -823,7 +879,8 @@ def _drip_until_closed(sock, drip: bytes, bound_s: float = 30.0) -> tuple[float,
             except (BrokenPipeError, ConnectionResetError):
                 return time.monotonic() - start, answer
             sent += 1
-    raise AssertionError(f"the server kept a slow client's connection open for {bound_s} s ({sent} bytes sent)")
+    raise AssertionError(f"the server kept a slow client's connection open for {bound_s} s "
+                         f"({sent} bytes sent)")
 
 
 def _exchange(sock, request: bytes) -> bytes:
@@ -835,7 +892,8 @@ def _exchange(sock, request: bytes) -> bytes:
         assert chunk, f"connection closed; got {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     return head.split(b"\r\n")[0]
@@ -890,15 +948,18 @@ def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tin
         return body
 
     async def sample_base(session: str, seq: int) -> dict:
-        server.create_sampling_session(P.CreateSamplingSessionReq(session_id=session, sampling_session_seq_id=seq,
+        server.create_sampling_session(P.CreateSamplingSessionReq(session_id=session,
+                                                                  sampling_session_seq_id=seq,
                                                                   base_model=tiny_model_dir), me)
-        rid = server.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt, num_samples=2,
-                                        sampling_params={"max_tokens": 3, "seed": 1}), me)["request_id"]
+        rid = server.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt,
+                                        num_samples=2, sampling_params={"max_tokens": 3, "seed": 1}),
+                            me)["request_id"]
         return await result(rid)
 
     async def use_a_session() -> str:
         session = server.create_session(P.CreateSessionReq(), me)["session_id"]
-        r = server.create_model(P.CreateModelReq(session_id=session, model_seq_id=0, base_model=tiny_model_dir,
+        r = server.create_model(P.CreateModelReq(session_id=session, model_seq_id=0,
+                                                 base_model=tiny_model_dir,
                                                  lora_config={"rank": 2, "seed": 0}), me)
         await result(r["request_id"])
         await sample_base(session, 0)
@@ -929,13 +990,17 @@ def test_operations_run_in_seq_order_once_each(served, tiny_model_dir, tokenizer
     model_id = _create_model(served, tiny_model_dir, _session(served))
     tokens = _tokens(tokenizer)
     # chunks of one forward_backward (seq 1, 2) and the optimizer step (seq 3) arrive in reverse order
-    r3 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-2}})
-    r2 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r3 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 3,
+                                        "adam_params": {"learning_rate": 1e-2}})
+    r2 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum(tokens, "cross_entropy")]),
+                   headers=PROTO)
     # nothing can run before seq 1 arrives: the long poll answers 408 with try_again
     r = http.post("/retrieve_future", json={"request_id": r3.json()["request_id"]})
     assert r.status_code == 408 and r.json()["type"] == "try_again"
-    r1 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
-    dup = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]), headers=PROTO)
+    r1 = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]),
+                   headers=PROTO)
+    dup = http.post("/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum(tokens, "cross_entropy")]),
+                    headers=PROTO)
     assert dup.json()["request_id"] == r1.json()["request_id"]  # a retried POST is not run twice
     out1 = _retrieve(served, r1.json()["request_id"], proto=True)
     out2 = _retrieve(served, r2.json()["request_id"], proto=True)
@@ -950,10 +1015,12 @@ def test_operations_run_in_seq_order_once_each(served, tiny_model_dir, tokenizer
     assert stale.json()["request_id"] == r2.json()["request_id"]
 
     # a seq_id that never arrives holds later operations only until the gap timeout (6 s here)
-    r5 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 1e-2}})
+    r5 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 5,
+                                        "adam_params": {"learning_rate": 1e-2}})
     failed = _retrieve(served, r5.json()["request_id"], deadline_s=30)
     assert "seq_id(s) [4]" in failed["error"] and failed["category"] == "user"
-    r6 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 6, "adam_params": {"learning_rate": 1e-2}})
+    r6 = http.post("/optim_step", json={"model_id": model_id, "seq_id": 6,
+                                        "adam_params": {"learning_rate": 1e-2}})
     assert "metrics" in _retrieve(served, r6.json()["request_id"])
 
 
@@ -1001,7 +1068,8 @@ def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         state = tc.save_state("before-restart").result()
         sampler_path = tc.save_weights_for_sampler("before-restart").result().path
-        ref = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        ref = tc.forward([_datum(tokens, "cross_entropy")],
+                         "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
         run_id = tc.model_id
         sc.close("success").result()
     finally:
@@ -1010,10 +1078,12 @@ def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
     try:
         rest = tinker.RestClient(base_url=second.url, api_key=KEY)
         assert rest.get_training_run(run_id).result().user_metadata == {"renderer_name": "qwen3"}
-        assert {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints} == {state.path, sampler_path}
+        assert {c.tinker_path
+                for c in rest.list_checkpoints(run_id).result().checkpoints} == {state.path, sampler_path}
         sc = tinker.ServiceClient(base_url=second.url, api_key=KEY)
         tc = sc.create_training_client_from_state_with_optimizer(state.path).result()
-        got = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        got = tc.forward([_datum(tokens, "cross_entropy")],
+                         "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
         np.testing.assert_allclose(got.to_numpy(), ref.to_numpy(), atol=1e-6)
         tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -1055,8 +1125,8 @@ def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_d
     monkeypatch.setenv("TINKER_API_KEY", KEY)
 
     def run(name, **over):
-        cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=4, max_steps=3, max_tokens=6, save_every=2,
-                          learning_rate=3e-3, log_path=str(tmp_path / name), seed=3,
+        cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=4, max_steps=3, max_tokens=6,
+                          save_every=2, learning_rate=3e-3, log_path=str(tmp_path / name), seed=3,
                           environments={"letter": {"type": "serve_test_letter", "num_rollouts": 4}}, **over)
         train(cfg, ConsoleLog(enabled=False))
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -1075,11 +1145,17 @@ def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_d
 
 
 # --------------------------------------------------------------------- tinker-cookbook, unmodified
-def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: str = "delete") -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
-    return subprocess.run([sys.executable, "-m", module, f"base_url={served.url}", f"log_path={tmp_path / 'log'}",
-                           f"behavior_if_log_dir_exists={log_dir}", *args],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def _cookbook(module: str, served: Served, tmp_path: Path, *args: str, log_dir: str = "delete",
+              cwd: Path | None = None, log_dir_arg: bool = True) -> subprocess.CompletedProcess:
+    """A tinker-cookbook module run as its users run it, logging to ``tmp_path / 'log'``; ``cwd`` (default
+    ``tmp_path``) is where relative model and data set names resolve; ``log_dir_arg=False`` for a recipe
+    without a ``behavior_if_log_dir_exists`` option."""
+    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0",
+           "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets-cache")}
+    log_args = [f"behavior_if_log_dir_exists={log_dir}"] if log_dir_arg else []
+    cmd = [sys.executable, "-m", module, f"base_url={served.url}", f"log_path={tmp_path / 'log'}", *log_args,
+           *args]
+    return subprocess.run(cmd, env=env, cwd=cwd or tmp_path, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -1107,8 +1183,9 @@ def test_cookbook_supervised_recipe(served, tiny_model_dir, tmp_path):
     import tinker_cookbook
 
     data = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
-    done = _cookbook("tinker_cookbook.recipes.chat_sl.train", served, tmp_path, f"model_name={tiny_model_dir}",
-                     "renderer_name=qwen3", f"dataset={data}", "batch_size=4", "max_steps=2", "lora_rank=4",
+    done = _cookbook("tinker_cookbook.recipes.chat_sl.train", served, tmp_path,
+                     f"model_name={tiny_model_dir}", "renderer_name=qwen3", f"dataset={data}", "batch_size=4",
+                     "max_steps=2", "lora_rank=4",
                      "eval_every=0", "save_every=1", "max_length=256")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
@@ -1143,7 +1220,8 @@ def test_limits_on_the_command_line_default_to_the_servers():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     given, default = config_from_args(parser.parse_args([]), [KEY]), ServeConfig()
-    names = [f.name for f in dataclasses.fields(ServeConfig) if f.name.startswith("max_") or "timeout" in f.name]
+    names = [f.name for f in dataclasses.fields(ServeConfig)
+             if f.name.startswith("max_") or "timeout" in f.name]
     assert len(names) >= 10
     assert {n: getattr(given, n) for n in names} == {n: getattr(default, n) for n in names}
 
@@ -1183,8 +1261,8 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
             (["--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
         ]
         for args, words in cases:
-            done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY, "--no-preload",
-                                   "--store-dir", str(tmp_path / "store"), *args],
+            done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY,
+                                   "--no-preload", "--store-dir", str(tmp_path / "store"), *args],
                                   capture_output=True, text=True, timeout=120)
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, (args, done.returncode, done.stderr[-2000:])
@@ -1199,8 +1277,9 @@ class Raw(str):
 
 
 EVIL = [Raw("9" * 5000), Raw("-1"), Raw("0"), Raw("3000000"), Raw(str(2**63)), Raw(str(10**30)), Raw("NaN"),
-        Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-0.0"), Raw("1.5"), Raw('""'), Raw(json.dumps("x" * 300)),
-        Raw('".hidden"'), Raw('"../../etc"'), Raw('"a/b"'), Raw('"tinker://../weights/x"'), Raw("null"), Raw("[]"),
+        Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw("-0.0"), Raw("1.5"), Raw('""'),
+        Raw(json.dumps("x" * 300)), Raw('".hidden"'), Raw('"../../etc"'), Raw('"a/b"'),
+        Raw('"tinker://../weights/x"'), Raw("null"), Raw("[]"),
         Raw("{}"), Raw("true"), Raw(json.dumps("\u00e9\u0000\U0001f600")), Raw("[" * 3000 + "]" * 3000),
         Raw('{"type": "dimuon"}'), Raw('[1e308, -1e308]')]
 EVIL_IDS = ["..", "%2e%2e", "a" * 300, "sess-0:train:0", "\u00e9", "-", "x" * 5000, "%00", "sess-0:sample:0"]
@@ -1239,7 +1318,8 @@ class Actor:
     """One API key's client in the fuzz run: its own session, model, sampler and checkpoint, which it
     uses correctly, mutates, or swaps for the other actor's."""
 
-    ID_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "path", "model_path", "tinker_path")
+    ID_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "path", "model_path",
+                 "tinker_path")
 
     def __init__(self, served: Served, key: str, seed: int, model_dir: str):
         import random
@@ -1264,15 +1344,18 @@ class Actor:
         self.model_id = _create_model(self.served, self.model_dir, self.session, http=self.http)
         self.seq = 1
         for _ in range(20):
-            r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(), "path": "seed"})
+            r = self.http.post("/save_weights", json={"model_id": self.model_id, "seq_id": self.next_seq(),
+                                                      "path": "seed"})
             if r.status_code != 403:
                 break
-            # the key keeps as many checkpoints as it may: delete one, as its owner must (the refusal used the seq_id)
+            # the key keeps as many checkpoints as it may: delete one, as its owner must (the refusal used the
+            # seq_id)
             oldest = self.http.get("/checkpoints").json()["checkpoints"][-1]
             run_id = oldest["tinker_path"][len("tinker://"):].split("/")[0]
             self.http.delete(f"/training_runs/{run_id}/checkpoints/{oldest['checkpoint_id']}")
         self.checkpoint = _retrieve(self.served, r.json()["request_id"], http=self.http)["path"]
-        self.http.post("/create_sampling_session", json={"session_id": self.session, "sampling_session_seq_id": 0,
+        self.http.post("/create_sampling_session", json={"session_id": self.session,
+                                                         "sampling_session_seq_id": 0,
                                                          "base_model": self.model_dir})
         self.sampler = f"{self.session}:sample:0"
 
@@ -1291,24 +1374,28 @@ class Actor:
         n, rng = self.n, self.rng
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7, 8]}]}
         kinds = [
-            ("POST", "/create_session", {"tags": ["fuzz"], "sdk_version": "fuzz", "user_metadata": {"n": str(n)}}),
+            ("POST", "/create_session", {"tags": ["fuzz"], "sdk_version": "fuzz",
+                                         "user_metadata": {"n": str(n)}}),
             ("POST", "/session_heartbeat", {"session_id": self.session}),
             ("POST", "/get_info", {"model_id": self.model_id}),
             ("POST", "/forward_backward", "fwdbwd"),
             ("POST", "/optim_step", {"model_id": self.model_id, "seq_id": self.seq,
                                      "adam_params": {"learning_rate": 1e-3, "grad_clip_norm": 1.0}}),
             ("POST", "/save_weights", {"model_id": self.model_id, "seq_id": self.seq, "path": f"c{n}"}),
-            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq, "path": f"s{n}"}),
+            ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq,
+                                                   "path": f"s{n}"}),
             ("POST", "/save_weights_for_sampler", {"model_id": self.model_id, "seq_id": self.seq,
                                                    "sampling_session_seq_id": 1000 + n}),
-            ("POST", "/load_weights", {"session_id": self.session, "model_seq_id": 1000 + n, "path": self.checkpoint,
-                                       "optimizer": rng.random() < 0.5}),
+            ("POST", "/load_weights", {"session_id": self.session, "model_seq_id": 1000 + n,
+                                       "path": self.checkpoint, "optimizer": rng.random() < 0.5}),
             ("POST", "/create_sampling_session", {"session_id": self.session, "sampling_session_seq_id": n,
                                                   "model_path": self.checkpoint}),
             ("POST", "/asample", {"sampling_session_id": self.sampler, "seq_id": n, "prompt": prompt,
-                                  "num_samples": rng.choice([2, 2, 4, 7]),  # past --max-samples-in-flight: 400 or 429
+                                  # past --max-samples-in-flight: 400 or 429
+                                  "num_samples": rng.choice([2, 2, 4, 7]),
                                   "prompt_logprobs": rng.random() < 0.3,
-                                  "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5, "seed": n}}),
+                                  "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5,
+                                                      "seed": n}}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
             ("POST", "/weights_info", {"tinker_path": self.checkpoint}),
@@ -1317,7 +1404,8 @@ class Actor:
             ("GET", f"/training_runs/{self.model_id}", None),
             ("GET", f"/training_runs/{self.model_id}/checkpoints", None),
             ("GET", "/checkpoints", None),
-            ("DELETE", f"/training_runs/{self.model_id}/checkpoints/sampler_weights/s{n - rng.randint(1, 20)}", None),
+            ("DELETE", f"/training_runs/{self.model_id}/checkpoints/sampler_weights/"
+                       f"s{n - rng.randint(1, 20)}", None),
             ("GET", "/get_server_capabilities", None),
         ]
         method, url, body = rng.choice(kinds)
@@ -1332,7 +1420,8 @@ class Actor:
     def fwdbwd(self) -> bytes:
         loss = self.rng.choice(["cross_entropy", "importance_sampling", "ppo"])
         msg = pb.ForwardBackwardRequest()
-        msg.ParseFromString(_fwdbwd_body(self.model_id, self.next_seq(), [_datum([5, 6, 7, 8, 9], loss)], loss))
+        msg.ParseFromString(_fwdbwd_body(self.model_id, self.next_seq(), [_datum([5, 6, 7, 8, 9], loss)],
+                                         loss))
         if self.rng.random() < 0.5:  # mutate the protobuf's fields
             choice = self.rng.randrange(9)
             if choice == 0:
@@ -1349,10 +1438,12 @@ class Actor:
                 msg.data[0].loss_fn_inputs["target_tokens"].shape[:] = [7, 3]
             elif choice in (5, 6, 7):  # a sparse input declaring a shape gigabytes large, in a few bytes
                 self.huge_shapes += 1
-                t = msg.data[0].loss_fn_inputs[self.rng.choice(["weights", "advantages", "target_tokens", "extra"])]
+                t = msg.data[0].loss_fn_inputs[self.rng.choice(["weights", "advantages", "target_tokens",
+                                                                "extra"])]
                 t.Clear()
                 t.dtype = pb.DTYPE_FLOAT32
-                t.shape[:] = self.rng.choice([[20000, 20000], [60000, 60000], [5, 10**9], [5], [-1, 5], [5, 0]])
+                t.shape[:] = self.rng.choice([[20000, 20000], [60000, 60000], [5, 10**9], [5], [-1, 5],
+                                              [5, 0]])
                 t.sparse_csr.crow_indices = np.zeros(max(t.shape[0], 0) + 1, dtype=np.int64).tobytes()
             else:
                 msg.loss_fn_config["clip_low_threshold"] = float("nan")
@@ -1397,7 +1488,8 @@ class Actor:
                 body[rng.choice(["extra", "type", "seq_id"])] = rng.choice(EVIL)
         elif roll < 0.65:  # odd ids in the URL, odd queries
             if method == "GET" and rng.random() < 0.5:
-                limit, offset = rng.choice(["-1", "9" * 5000, "x", "0", "1000000"]), rng.choice(["-5", "9" * 30])
+                limit, offset = (rng.choice(["-1", "9" * 5000, "x", "0", "1000000"]),
+                                 rng.choice(["-5", "9" * 30]))
                 url += f"?limit={limit}&offset={offset}"
             else:
                 parts = url.split("/")
@@ -1405,8 +1497,8 @@ class Actor:
                 url = "/".join(parts)
         elif roll < 0.72:  # a broken body
             text = _dumps(body).encode() if isinstance(body, dict) else body or b""
-            body = rng.choice([text[: rng.randrange(len(text) + 1)], b"", b"[1, 2]", b"\xff\xfe" + text, text * 2,
-                               b'{"a": ' * 2000, bytes(rng.randrange(256) for _ in range(64))])
+            body = rng.choice([text[: rng.randrange(len(text) + 1)], b"", b"[1, 2]", b"\xff\xfe" + text,
+                               text * 2, b'{"a": ' * 2000, bytes(rng.randrange(256) for _ in range(64))])
         return method, url, body, foreign
 
     def send(self, method: str, url: str, body) -> httpx.Response:
@@ -1487,7 +1579,8 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
             assert len(kept) <= 5, [c["tinker_path"] for c in kept]  # ... and held, per key
             for c in kept:  # make room for the SDK's save below
                 run_id = c["tinker_path"][len("tinker://"):].split("/")[0]
-                actor.http.delete(f"/training_runs/{run_id}/checkpoints/{c['checkpoint_id']}").raise_for_status()
+                actor.http.delete(
+                    f"/training_runs/{run_id}/checkpoints/{c['checkpoint_id']}").raise_for_status()
 
         tokens = [5, 6, 7, 8, 9]
         paths = {}

@@ -267,6 +267,32 @@ def test_records_expire_after_a_day_unused_and_are_bounded_per_key():
     assert records.tokens("key") == 0
 
 
+def test_targets_under_a_prompt_span_may_be_placeholders_but_sampled_targets_are_checked():
+    """tinker-cookbook's rl_loop pads the prompt's targets with token 0 (the loss never trains them); the
+    model input and the sampled targets must still hold the recorded tokens."""
+    records = SequenceRecords()
+    prompt = [1, 2, 3, 4]
+    records.add("key", "s1", prompt, [("a", [9, 8], [-1.0, -2.0])])
+
+    def datum(inputs: list[int], targets: list[int]) -> types.Datum:
+        d = types.Datum(model_input=types.ModelInput.from_ints(inputs),
+                        loss_fn_inputs={"target_tokens": targets, "advantages": [0.0] * 3 + [1.0] * 2})
+        return d.with_provenance(
+            model_input=[types.PromptProvenanceSpan(sequence_id="a", length=4),
+                         types.SampledProvenanceSpan(sequence_id="a", length=1)],
+            loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="a", offset=1, length=3),
+                            types.SampledProvenanceSpan(sequence_id="a", length=2)],
+        )
+
+    got = records.resolve("key", "s1", [datum(prompt + [9], [0, 0, 0, 9, 8])])[0]
+    assert got.sampled.tolist() == [False] * 3 + [True] * 2
+    assert got.sampler_logprobs.tolist() == [0, 0, 0, -1, -2]
+    with pytest.raises(ValueError, match="loss_fn_input_spans\\[1\\]: position 4 holds token 7"):
+        records.resolve("key", "s1", [datum(prompt + [9], [0, 0, 0, 9, 7])])
+    with pytest.raises(ValueError, match="model_input_spans\\[0\\]: position 0 holds token 0"):
+        records.resolve("key", "s1", [datum([0, 2, 3, 4, 9], [2, 3, 4, 9, 8])])
+
+
 # ---- the Datums polyrl train builds ---------------------------------------------------------------
 def test_train_datums_carry_the_same_provenance_as_the_cookbooks():
     """A two-turn episode: polyrl's stable_reinforce Datum has the model input, targets and provenance
@@ -277,9 +303,9 @@ def test_train_datums_carry_the_same_provenance_as_the_cookbooks():
 
     ep = Episode("env", "train", 0, 0)
     ep.append([1, 2, 3])
-    ep.append([10, 11], [-0.1, -0.2], "seq-1")
+    ep.append([10, 11], [-0.1, -0.2], runs=[(2, "seq-1")])
     ep.append([4, 5])
-    ep.append([12, 13, 14], [-0.3, -0.4, -0.5], "seq-2")
+    ep.append([12, 13, 14], [-0.3, -0.4, -0.5], runs=[(3, "seq-2")])
     ep.turn_advantages = [0.5, 0.5]
     ours = to_datum(ep, "stable_reinforce")
     transitions = [

@@ -20,7 +20,8 @@ def test_tiny_model_loads_with_auto_classes_and_has_chatml(tmp_path):
         assert len(tok.encode(t, add_special_tokens=False)) == 1, t  # one token each
     assert set(SPECIAL_TOKENS) <= set(tok.all_special_tokens)
     assert not set(ADDED_TOKENS) & set(tok.all_special_tokens)  # plain added tokens, as in Qwen3
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(tok.encode("What is 12 + 345?")) == "What is 12 + 345?"
     assert [tok.decode([i]) for i in tok.encode("345", add_special_tokens=False)] == ["3", "4", "5"]
@@ -28,7 +29,8 @@ def test_tiny_model_loads_with_auto_classes_and_has_chatml(tmp_path):
 
 
 def test_sizes_grow_and_cli_writes_a_model(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", str(tmp_path / "q"), "--size", "quickstart"],
+    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", str(tmp_path / "q"),
+                          "--size", "quickstart"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     big = AutoModelForCausalLM.from_pretrained(tmp_path / "q")

@@ -119,8 +119,10 @@ def test_rebn_discounted_returns_normalized_over_batch():
 def test_rebn_gives_identical_episodes_identical_advantages():
     """Mean reduction: an episode the environment ended and one cut off at max_turns, with the same
     step rewards, get the same per-turn credit (the cut-off one is not rewritten to [1, 1, 1, -2])."""
-    settings = RolloutSettings(max_turns=4, max_tokens=8, temperature=1.0, timeout=30, reward_reduction="mean")
-    ended, cut_off, zero = (_ep(0.0, turns=4, rewards=[r] * 4, done=d) for r, d in ((1.0, True), (1.0, False), (0.0, True)))
+    settings = RolloutSettings(max_turns=4, max_tokens=8, temperature=1.0, timeout=30,
+                               reward_reduction="mean")
+    ended, cut_off, zero = (_ep(0.0, turns=4, rewards=[r] * 4, done=d)
+                            for r, d in ((1.0, True), (1.0, False), (0.0, True)))
     for ep in (ended, cut_off, zero):
         finalize_reward(ep, settings)
     assert ended.reward == cut_off.reward == 1.0
@@ -145,7 +147,8 @@ def test_datums_mask_action_tokens_for_dro_and_gspo():
     ep.turn_advantages = [0.0, 0.0]
     assert adv.to_datum(ep, "dro").loss_fn_inputs["mask"].tolist() == [0, 0, 1, 1, 0, 1]
     assert adv.to_datum(ep, "gspo").loss_fn_inputs["sequence_ratio_mask"].tolist() == [0, 0, 1, 1, 0, 1]
-    assert set(adv.to_datum(ep, "importance_sampling").loss_fn_inputs) == {"target_tokens", "logprobs", "advantages"}
+    assert set(adv.to_datum(ep, "importance_sampling").loss_fn_inputs) == {"target_tokens", "logprobs",
+                                                                           "advantages"}
 
 
 def test_a_torn_checkpoint_row_hides_no_later_row(tmp_path):
@@ -165,7 +168,8 @@ def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
     from polyrl.episode import SamplerError
 
     renderer = get_renderer("qwen3", tokenizer)
-    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2, logprobs=lambda n: None)
+    policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2,
+                             logprobs=lambda n: None)
     eps = [Episode("letter", "train", 0, 0) for _ in range(2)]
     with pytest.raises(SamplerError, match="logprobs"):
         asyncio.run(run_group(LetterBuilder({}), eps, renderer, policy, _settings(), [None, None]))
@@ -182,7 +186,8 @@ def test_rebn_with_normalize_by_std_is_a_config_error(tmp_path):
 def test_no_train_split_is_a_clear_error(tiny_model_dir, tmp_path):
     from polyrl.errors import UserInputError
 
-    cfg = _config(tiny_model_dir, tmp_path, environments={"letter": {"type": "test_letter", "splits": {"train": None}}})
+    cfg = _config(tiny_model_dir, tmp_path,
+                  environments={"letter": {"type": "test_letter", "splits": {"train": None}}})
     with pytest.raises(UserInputError, match="train split"):
         train(cfg, ConsoleLog(enabled=False))
 
@@ -214,7 +219,8 @@ def test_sampling_temperature_is_warned_about_once(tiny_model_dir, tmp_path):
     envs = {"cold": {"type": "test_letter", "num_rollouts": 2, "temperature": 0.7},
             "warm": {"type": "test_letter", "num_rollouts": 2, "temperature": 1.0}}
     console = RecordingConsole()
-    train(_config(tiny_model_dir, tmp_path, max_steps=2, batch_size=1, save_every=0, environments=envs), console)
+    train(_config(tiny_model_dir, tmp_path, max_steps=2, batch_size=1, save_every=0, environments=envs),
+          console)
     warnings = [line for line in console.lines if line.startswith("warning:") and "temperature" in line]
     assert len(warnings) == 1 and "cold" in warnings[0] and "warm" not in warnings[0], console.lines
 
@@ -266,7 +272,6 @@ def _settings(**kw):
 
 def test_tool_episode_is_token_exact_and_env_tokens_get_no_weight(tokenizer):
     from polyrl.envs.builtin import CalculatorBuilder  # noqa: F401 - registered builtin
-
     from polyrl.envs.registry import get_env_builder
 
     builder = get_env_builder("calculator")({}, seed=0)
@@ -282,7 +287,8 @@ def test_tool_episode_is_token_exact_and_env_tokens_get_no_weight(tokenizer):
         assert prompt == ep.tokens[:start]
     # and the prompt of the last turn (tool call + tool result appended) is what the chat
     # template renders for that conversation
-    text = tokenizer.apply_chat_template(ep.messages[:-1], tools=tools, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(ep.messages[:-1], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
     last_start = ep.turn_spans[-1][0]
     assert ep.tokens[:last_start] == tokenizer.encode(text, add_special_tokens=False)
     # only sampled tokens carry logprobs and advantages; tool-result tokens carry none
@@ -339,7 +345,8 @@ def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
     assert errors[0] is None and "exploded" in errors[1] and errors[2] is None and "timeout" in errors[3]
     kept, counts = filter_groups([eps], {"flaky": rt}, remove_constant=False)
     stats = {name: dataclasses.asdict(c) for name, c in counts.items()}
-    assert kept == [] and stats["flaky"] == {"failed_rollouts": 2.0, "dropped_groups": 1.0, "constant_groups": 0.0}
+    assert kept == [] and stats["flaky"] == {"failed_rollouts": 2.0, "dropped_groups": 1.0,
+                                             "constant_groups": 0.0}
     rt.cfg.max_failing_rollouts = 2
     kept, counts = filter_groups([eps], {"flaky": rt}, remove_constant=False)
     stats = {name: dataclasses.asdict(c) for name, c in counts.items()}
@@ -362,14 +369,16 @@ def _config(model_dir, tmp_path, **over) -> TrainConfig:
 def test_short_run_improves_reward(small_model_dir, tmp_path):
     from polyrl.tracking.console import ConsoleLog
 
-    cfg = _config(small_model_dir, tmp_path, max_steps=14, batch_size=8, learning_rate=1e-2, save_every=0, max_tokens=1)
+    cfg = _config(small_model_dir, tmp_path, max_steps=14, batch_size=8, learning_rate=1e-2, save_every=0,
+                  max_tokens=1)
     train(cfg, ConsoleLog(enabled=False))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(14))
     early = np.mean([r["reward/mean"] for r in rows[:3]])
     late = np.mean([r["reward/mean"] for r in rows[-3:]])
     assert late > early + 0.2, (early, late)
-    traj = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / "step_000013.jsonl").read_text().splitlines()]
+    traj = [json.loads(x)
+            for x in (tmp_path / "run" / "trajectories" / "step_000013.jsonl").read_text().splitlines()]
     assert len(traj) == 32 and {"messages", "tokens", "logprobs", "advantages", "reward"} <= set(traj[0])
     cps = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
     assert cps[-1]["name"] == "final" and cps[-1]["state_path"].startswith("tinker://")
@@ -409,7 +418,8 @@ def test_plan_phase_is_a_pure_function_of_step_and_cursors(tiny_model_dir, tmp_p
     plan, after = plan_of(7, cursors)
     assert plan_of(7, cursors) == (plan, after) and cursors == {"letter": 5, "other": 1}
     assert [name for name, _ in plan] == allocate_groups({"letter": 3, "other": 1}, 4, 7)
-    assert after == {"letter": 5 + sum(n == "letter" for n, _ in plan), "other": 1 + sum(n == "other" for n, _ in plan)}
+    assert after == {"letter": 5 + sum(n == "letter" for n, _ in plan),
+                     "other": 1 + sum(n == "other" for n, _ in plan)}
     assert plan != plan_of(7, after)[0]  # the next tasks, not the same ones again
 
 
@@ -439,7 +449,8 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     assert [len(g) for g in first.episodes_G] == [4, 4]
     assert [[ep.task_index for ep in g] for g in first.episodes_G] == [[t] * 4 for _, t in plan]
     same_weights = run.training.save_weights_and_get_sampling_client().result()
-    again = asyncio.run(sample_group(run.runtimes, run.renderer, run.config.seed, 0, 1, *plan[1], same_weights))
+    again = asyncio.run(sample_group(run.runtimes, run.renderer, run.config.seed, 0, 1, *plan[1],
+                                     same_weights))
     assert [ep.tokens for ep in first.episodes_G[1]] == [ep.tokens for ep in again]
 
     # update: nothing to train on changes no weight; a step with signal does
@@ -448,7 +459,8 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
 
     async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
         minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
-        pending = [forward_backward(run.training, minibatch.data_D, run.config)] if minibatch.data_D else []
+        pending = [await forward_backward(run.training, run.guard, minibatch, run.config)] \
+            if minibatch.data_D else []
         adam, optimized = optim_params(run.config, 0), None
         if minibatch.episodes_D:
             optimized = await optimizer_step(run.training, run.guard, pending, minibatch.problem, adam, 0)
@@ -463,7 +475,8 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     for i, ep in enumerate(mixed):
         ep.reward = float(i % 2)  # a signal in every group
     trained = asyncio.run(update(first.episodes_G))
-    assert trained.datums == 8 and trained.metrics["optim/datums"] == 8.0 and "optim/grad_norm" in trained.metrics
+    assert (trained.datums == 8 and trained.metrics["optim/datums"] == 8.0
+            and "optim/grad_norm" in trained.metrics)
     assert any(not torch.equal(a, b) for a, b in zip(before, weights()))
 
     # checkpoint: a new sampler every step, a saved state only when one is due
@@ -494,13 +507,15 @@ def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
                                      limits={"max_no_update_frac": 0.5}), \
         RecordingConsole(), RunState()
     group = [Episode("letter", "train", 0, 0, error="RuntimeError: no backend")] * 2
-    nothing = StepUpdate([], {"letter": GroupCounts(failed_rollouts=2.0, dropped_groups=1.0, constant_groups=0.0)},
+    nothing = StepUpdate([], {"letter": GroupCounts(failed_rollouts=2.0, dropped_groups=1.0,
+                                                    constant_groups=0.0)},
                          0, {}, 0.0)
     trained = StepUpdate([group], {}, 3, {}, 0.0)
     for done in range(1, NO_UPDATE_MIN_STEPS):
         check_learning(config, console, state, done - 1, [group], nothing if done % 2 else trained)
     assert sum("made no update" in line for line in console.lines) == (NO_UPDATE_MIN_STEPS) // 2
-    check_learning(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], trained)  # 5 of 10: not more than half
+    # 5 of 10: not more than half
+    check_learning(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], trained)
     with pytest.raises(RunStoppedError, match="6 of 11 steps made no update.*RuntimeError: no backend"):
         check_learning(config, console, state, NO_UPDATE_MIN_STEPS, [group], nothing)
 
@@ -514,14 +529,16 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
     from polyrl.update import GroupCounts, StepUpdate
 
     group = [Episode("letter", "train", 0, 0), Episode("letter", "train", 0, 0)]
-    equal = StepUpdate([group], {"letter": GroupCounts(failed_rollouts=0.0, dropped_groups=0.0, constant_groups=1.0)},
+    equal = StepUpdate([group], {"letter": GroupCounts(failed_rollouts=0.0, dropped_groups=0.0,
+                                                       constant_groups=1.0)},
                        0, {}, 0.0)
     config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50), RecordingConsole(), RunState()
     for done in range(1, 3 * NO_UPDATE_MIN_STEPS):
         check_learning(config, console, state, done - 1, [group], equal)
     warnings = [line for line in console.lines if "made no update" in line]
     assert len(warnings) == 3 * NO_UPDATE_MIN_STEPS - 1
-    assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), warnings[-1]
+    assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), \
+        warnings[-1]
 
     asked = _config(tiny_model_dir, tmp_path / "asked", max_steps=50, limits={"max_no_signal_frac": 0.5})
     asked_state = RunState()
@@ -558,8 +575,7 @@ def load_environment(**args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("load", ["quiet", "beside_cpu_hogs"])
-def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_dir, tmp_path, load):
+def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_dir, tmp_path):
     """SIGKILL a run again and again (before its first checkpoint, right after one, between two) and
     relaunch it each time: it samples the same tokens as an uninterrupted run and ends with its weights
     (to float32 rounding of the sampler's logprobs, see RESUME_WEIGHTS_RTOL), also beside two busy
@@ -577,7 +593,7 @@ def test_resume_after_kill_repeats_no_step_and_matches_uninterrupted(tiny_model_
         return d
 
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(2 if load == "beside_cpu_hogs" else 0)]
+            for _ in range(2)]
     try:
         _resume_after_kills(write)
     finally:
@@ -652,7 +668,8 @@ def test_cli_config_errors_are_one_line_exit_2(tmp_path):
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2
     assert err.strip().splitlines() == [err.strip()] and "batch_sise" in err and "Traceback" not in err
-    p = _run_cli(["train", "--config_path", "bad.yaml", "--overrides", "batch_sise=null", "learning_rate=fast"], tmp_path)
+    p = _run_cli(["train", "--config_path", "bad.yaml", "--overrides", "batch_sise=null",
+                  "learning_rate=fast"], tmp_path)
     assert p.wait(timeout=60) == 2
 
 
@@ -661,9 +678,12 @@ def test_cli_missing_checkpoints_are_one_line_exit_2(tiny_model_dir, tmp_path):
                                        f"local: {{store_dir: {tmp_path / 'store'}}}\n"
                                        "environments: {arithmetic: {}}\n")
     cases = [
-        (["train", "--overrides", "resume_from=tinker://gone/weights/x"], "error: checkpoint tinker://gone/weights/x not found"),
-        (["train", "--overrides", "resume_from=runs/x"], "error: checkpoint path 'runs/x' must look like tinker://"),
-        (["eval", "--checkpoint", "tinker://gone/sampler_weights/x"], "error: checkpoint tinker://gone/sampler_weights/x not found"),
+        (["train", "--overrides", "resume_from=tinker://gone/weights/x"],
+         "error: checkpoint tinker://gone/weights/x not found"),
+        (["train", "--overrides", "resume_from=runs/x"],
+         "error: checkpoint path 'runs/x' must look like tinker://"),
+        (["eval", "--checkpoint", "tinker://gone/sampler_weights/x"],
+         "error: checkpoint tinker://gone/sampler_weights/x not found"),
     ]
     for args, expected in cases:
         p = _run_cli([args[0], "--config_path", "run.yaml", *args[1:]], tmp_path)

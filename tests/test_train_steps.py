@@ -254,7 +254,8 @@ def test_prepare_minibatch_keeps_groups_within_budget_and_builds_datums_for_the_
     assert minibatch.data_D[0].loss_fn_inputs["advantages"].tolist() == [0.0, 0.5, 0.5, 0.5]
 
     dropped = asyncio.run(prepare_minibatch([[_episode(1.0), _episode(1.0)]], 0,
-                                            _config(tmp_path, advantages={"remove_constant_reward_groups": True}),
+                                            _config(tmp_path,
+                                                    advantages={"remove_constant_reward_groups": True}),
                                             runtimes,
                                             TokenSignals(), ServiceGuard(None, 5.0)))
     assert dropped.kept_G == [] and dropped.episodes_D == [] and dropped.counts["word"].constant_groups == 1
@@ -277,12 +278,19 @@ def test_an_advantage_past_float32_builds_no_datum(tmp_path):
 def test_forward_backward_sends_a_minibatch_with_the_configured_loss(tmp_path):
     calls: list = []
     datum = adv.to_datum(_record(_episode(1.0), [1.0]))
-    future = forward_backward(RecordingTraining(calls), [datum, datum], _config(tmp_path))
+    guard = ServiceGuard(None, 5.0)
+
+    def send(data, config):
+        return asyncio.run(forward_backward(RecordingTraining(calls), guard, Minibatch([], {}, [], data),
+                                            config))
+
+    future = send([datum, datum], _config(tmp_path))
     assert calls == [("forward_backward", 2, "importance_sampling", None)]
     assert future.result().metrics == {"loss:sum": 1.0}
-    forward_backward(RecordingTraining(calls), [datum], _config(tmp_path, loss_fn="ppo",
-                                                                loss_fn_config={"clip_low_threshold": 0.8}))
+    send([datum], _config(tmp_path, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8}))
     assert calls[-1] == ("forward_backward", 1, "ppo", {"clip_low_threshold": 0.8})
+    send([datum], _config(tmp_path, loss_fn="ppo", off_policy={"correction": "icepop"}))
+    assert calls[-1] == ("forward_backward", 1, "ppo", {"icepop_low": 0.5, "icepop_high": 5.0})
 
 
 def _record(ep: Episode, advantages: list[float]) -> Episode:
@@ -544,13 +552,14 @@ def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tm
     assert calls[-1] == ("create_sampling_client", "tinker://run-a/sampler_weights/000002", record)
 
     ep = _episode(1.0)
-    ep.turn_sequence_ids = ["seq-a"]
+    ep.sequence_runs = [(s, e, "seq-a") for s, e in ep.turn_spans]
     datum = adv.to_datum(_record(ep, [0.5]), "stable_reinforce")
     assert datum.model_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", length=2),
                                        types.SampledProvenanceSpan(sequence_id="seq-a", length=2)]
     assert datum.loss_fn_input_spans == [types.PromptProvenanceSpan(sequence_id="seq-a", offset=1, length=1),
                                          types.SampledProvenanceSpan(sequence_id="seq-a", length=3)]
-    ep.turn_sequence_ids = [None]  # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    # a turn sampled outside polyrl's sampler (an OpenAI-compatible env)
+    ep.sequence_runs = [(s, e, None) for s, e in ep.turn_spans]
     with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
         adv.to_datum(ep, "stable_reinforce")
     with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):

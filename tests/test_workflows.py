@@ -14,8 +14,8 @@ from tinker import types
 from polyrl import advantages as adv
 from polyrl.config import ConfigError, EnvConfig, TrainConfig
 from polyrl.config_files import load_config
-from polyrl.renderers import get_renderer
 from polyrl.episode import Episode
+from polyrl.renderers import get_renderer
 from polyrl.rollouts import EnvRuntime, run_group, split_roles
 
 
@@ -32,7 +32,8 @@ class _Policy:
         self.calls.append(("judge" if is_judge else "solver", params.seed))
         reply = self.judge if is_judge else self.solve(text, params.seed)
         tokens = self.renderer.assistant_tokens({"role": "assistant", "content": reply})
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, dtype=np.int32),
+        seq = types.SampledSequence(stop_reason="stop", sequence_id="s",
+                                    tokens_np=np.array(tokens, dtype=np.int32),
                                     logprobs_np=np.full(len(tokens), -0.5, dtype=np.float32))
         return types.SampleResponse(sequences=[seq])
 
@@ -54,9 +55,11 @@ def test_solvers_and_judge_get_their_own_trajectories_and_rewards(tokenizer):
     answers = iter([right, "\\boxed{1+1}", right])
     renderer = get_renderer("qwen3", tokenizer)
     policy = _Policy(renderer, lambda text, seed: next(answers), "Candidate 2 looks wrong; \\boxed{3}")
-    eps = asyncio.run(run_group(builder, [Episode("sj", "train", 7, 0)], renderer, policy, rt.settings, [11]))
+    eps = asyncio.run(run_group(builder, [Episode("sj", "train", 7, 0)], renderer, policy, rt.settings,
+                                [11]))
     assert [e.role for e in eps] == ["solver", "solver", "solver", "judge"]
-    assert [e.reward for e in eps] == [1.0, 0.0, 1.0, 1.0] and [e.success for e in eps] == [True, False, True, True]
+    assert ([e.reward for e in eps] == [1.0, 0.0, 1.0, 1.0]
+            and [e.success for e in eps] == [True, False, True, True])
     assert all(e.error is None and e.num_turns == 1 and e.done_by_env for e in eps)
     seeds = [seed for _, seed in policy.calls]
     assert len(set(seeds)) == 4  # every call of the rollout samples on its own seed stream
@@ -78,7 +81,8 @@ def test_judge_is_rewarded_only_for_picking_a_correct_candidate(tokenizer):
                                    ("\\boxed{1}", 1.0, 1.0)]:
         answers = iter([right, "I think 3*4"])
         policy = _Policy(renderer, lambda text, seed: next(answers), verdict)
-        eps = asyncio.run(run_group(rt.builder, [Episode("sj", "train", 2, 0)], renderer, policy, rt.settings, [1]))
+        eps = asyncio.run(run_group(rt.builder, [Episode("sj", "train", 2, 0)], renderer, policy,
+                                    rt.settings, [1]))
         judge = eps[-1]
         assert (judge.reward, judge.metrics["judge_valid_choice"]) == (reward, valid), verdict
         assert "Candidate 2:\n3*4" in judge.messages[0]["content"]  # judge_sees: answer shows the expressions
@@ -89,10 +93,11 @@ def test_advantages_are_grouped_per_role(tokenizer):
     rt = _runtime(num_solvers=2)
     right = _solution(rt.builder, "train", 0)
     policy = _Policy(renderer, lambda text, seed: right if seed % 3 else "\\boxed{0}", "\\boxed{1}")
-    eps = asyncio.run(run_group(rt.builder, [Episode("sj", "train", 0, 0) for _ in range(4)], renderer, policy,
-                                rt.settings, [1, 2, 3, 4]))
+    eps = asyncio.run(run_group(rt.builder, [Episode("sj", "train", 0, 0) for _ in range(4)], renderer,
+                                policy, rt.settings, [1, 2, 3, 4]))
     groups = split_roles([eps])
-    assert [{e.role for e in g} for g in groups] == [{"solver"}, {"judge"}] and [len(g) for g in groups] == [8, 4]
+    assert ([{e.role for e in g} for g in groups] == [{"solver"}, {"judge"}]
+            and [len(g) for g in groups] == [8, 4])
     adv.record_advantages(groups, adv.compute_advantages(groups, "grpo"))  # as the training step does
     for g in groups:
         mean = sum(e.reward for e in g) / len(g)
@@ -107,8 +112,8 @@ def test_evaluation_reports_each_role_and_the_judges_pick_as_the_answer(tokenize
     rt = _runtime(num_solvers=2)
 
     def solve(text, seed):  # every solver is right
-        index = next(i for i in range(2) if rt.builder.countdown.make("test", i).reset_sync().messages[0]["content"]
-                     in text)
+        index = next(i for i in range(2)
+                     if rt.builder.countdown.make("test", i).reset_sync().messages[0]["content"] in text)
         return _solution(rt.builder, "test", index)
 
     policy = _Policy(renderer, solve, "\\boxed{9}")  # the judge never gives a valid pick
@@ -134,11 +139,13 @@ def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
     from polyrl.tracking.console import ConsoleLog
     from polyrl.train import train
 
-    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8, save_every=0,
-                      log_path=str(tmp_path / "run"), local={"store_dir": str(tmp_path / "store")},
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")},
                       eval_every=2,
                       eval_num_samples=2,
-                      environments={"sj": {"type": "solver_judge", "num_rollouts": 2, "args": {"num_solvers": 3},
+                      environments={"sj": {"type": "solver_judge", "num_rollouts": 2,
+                                           "args": {"num_solvers": 3},
                                            "splits": {"test": {"num_samples": 2}}}})
     train(cfg, ConsoleLog(enabled=False))
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -146,8 +153,10 @@ def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
     for r in rows:
         assert r["episodes/count"] == 2 * 2 * 4 and r["rollouts/failed"] == 0
         assert {"env/sj/solver_accuracy", "env/sj/judge_accuracy", "env/sj/judge_valid_choice"} <= set(r)
-    assert {"test/sj/pass@1", "test/sj/pass@2", "test/sj/solver/pass@2", "test/sj/judge/pass@1"} <= set(rows[-1])
-    traj = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    assert {"test/sj/pass@1", "test/sj/pass@2", "test/sj/solver/pass@2",
+            "test/sj/judge/pass@1"} <= set(rows[-1])
+    traj = [json.loads(x)
+            for x in (tmp_path / "run" / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
     assert [t["role"] for t in traj].count("solver") == 12 and [t["role"] for t in traj].count("judge") == 4
     for t in traj:
         assert t["reward"] in (0.0, 1.0) and len(t["advantages"]) == 1 and t["num_turns"] == 1
@@ -155,10 +164,12 @@ def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
             assert "candidate solutions" in t["messages"][0]["content"]
     final = [json.loads(x) for x in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()][-1]
     (tmp_path / "run.json").write_text(json.dumps(cfg.model_dump()))
-    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path", str(tmp_path / "run.json"),
-                          "--checkpoint", final["sampler_path"]], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "eval", "--config_path",
+                          str(tmp_path / "run.json"), "--checkpoint", final["sampler_path"]],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     printed = dict(line.split() for line in out.stdout.strip().splitlines())
-    expected = {"test/sj/pass@1", "test/sj/pass@2", "test/sj/judge/pass@2", "test/sj/solver/pass@2", "test/pass@1"}
+    expected = {"test/sj/pass@1", "test/sj/pass@2", "test/sj/judge/pass@2", "test/sj/solver/pass@2",
+                "test/pass@1"}
     assert expected <= set(printed), out.stdout
     assert float(printed["test/sj/failed"]) == 0.0  # the checkpoint loads and samples in a fresh process

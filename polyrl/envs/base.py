@@ -6,7 +6,7 @@ Messages are OpenAI-style chat dicts::
 
     {"role": "system" | "user" | "assistant" | "tool", "content": str,
      "tool_calls": [{"id": str, "type": "function", "function": {"name": str, "arguments": dict}}],
-     "tool_call_id": str}   # tool messages answer a call
+     "tool_call_id": str, "name": str}   # tool messages answer a call (see tool_message)
 
 Tool specs are OpenAI function specs: ``{"type": "function", "function": {"name", "description",
 "parameters"}}``. An assistant message handed to ``step`` may carry ``"tool_call_errors"``: a list of
@@ -127,6 +127,19 @@ class EnvBuilder(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         return None
+
+
+def tool_message(call: Any, index: int, content: str) -> Message:
+    """The tool message answering ``call``, the ``index``-th call of an assistant turn: it names the call's
+    id (or ``call_<index>`` when the call has none) and the function, which chat formats such as
+    harmony (gpt-oss) render as the message's author."""
+    call = call if isinstance(call, dict) else {}
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    message: Message = {"role": "tool", "tool_call_id": call.get("id") or f"call_{index}", "content": content}
+    if isinstance(name, str) and name:
+        message["name"] = name
+    return message
 
 
 #: Builder classes by type name, filled by ``@register_env`` (looked up through :mod:`polyrl.envs.registry`).

@@ -16,7 +16,9 @@ message (with GEM's ``info`` prefix/suffix such as "Enter your next guess.", as 
 wrapper adds them; ``info_suffix: false`` leaves them out). The conversation itself carries the
 history, so GEM's history-concatenating observation wrappers (``concat*``) are refused: they would
 repeat it. With the ``qwen3_game`` / ``qwen3_general`` / ``no`` renderers the observations are
-wrapped in GEM's plain templates instead of a chat template.
+wrapped in GEM's plain templates instead of a chat template. An observation that is a mapping with
+``images`` (GEM's visual ``math:`` environments give ``{"problem": ..., "images": [...]}``) becomes a user
+message of image parts followed by its ``problem`` (or ``question``) text, for a vision-language model.
 
 Args: ``wrappers`` (list or comma string of GEM wrapper names), ``env_kwargs``, ``info_suffix``
 (default true), ``success_reward`` (an episode is a success when its final step reward is at least
@@ -149,7 +151,8 @@ class _Spec(GameSpec):
                     "(GEM would try to download it): run `python -m nltk.downloader words` with network "
                     "access, or point NLTK_DATA at a copy"
                 ) from None
-        if module in _HUB_DATASETS and "dataset" not in self.env_kwargs:
+        local = os.path.isdir(os.path.expanduser(str(self.env_kwargs.get("dataset_name") or "")))
+        if module in _HUB_DATASETS and "dataset" not in self.env_kwargs and not local:
             hub = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
                 "HF_DATASETS_OFFLINE", ""
             ) not in ("", "0")
@@ -206,6 +209,11 @@ def _prototype(spec: _Spec, split: str) -> Any:
     return _PROTOTYPES[key]
 
 
+def _obs_text(obs: dict) -> str:
+    """The text of a mapping observation with images: its problem (or question)."""
+    return str(next((obs[k] for k in ("problem", "question", "text") if obs.get(k) is not None), ""))
+
+
 def _message_text(message: Message) -> str:
     content = message.get("content")
     if isinstance(content, list):
@@ -235,6 +243,13 @@ class GemEnv(GameEnv):
         with self.rng.active():
             self.env = self.fresh_game(self.prototype, lambda: _create(self.spec, self.spec.env_kwargs))
             obs, info = self.env.reset(seed=self.seed)
+        if isinstance(obs, dict) and obs.get("images"):
+            observation = self.first_observation(self._observation(_obs_text(obs), info))
+            text = observation.messages[-1]["content"]
+            pictures = obs["images"] if isinstance(obs["images"], (list, tuple)) else [obs["images"]]
+            observation.messages[-1]["content"] = [*({"type": "image", "image": p} for p in pictures),
+                                                   {"type": "text", "text": text}]
+            return observation
         return self.first_observation(self._observation(obs, info))
 
     async def step(self, action: Message) -> StepResult:

@@ -9,8 +9,9 @@ directory such as ``./environments/my_task`` holding an ``__init__.py`` -- or, i
 called once per episode (the object may keep the episode's state). ``initial_observation`` may take
 any of ``index``, ``split``, ``seed`` (the task; ``seed`` derives from the run seed, split and index)
 and returns a string (the user message), a message, a list of messages, or
-``{"messages": [...], "tools": [...]}``. ``step`` gets the assistant reply's text (or the whole
-message, if its parameter is named ``message``) and returns:
+``{"messages": [...], "tools": [...]}``; a message's content may hold image parts
+(``{"type": "image", "image": <PIL image, bytes or path>}``, see :mod:`polyrl.images`). ``step`` gets the
+assistant reply's text (or the whole message, if its parameter is named ``message``) and returns:
 
 - a number: the reward, and the episode ends;
 - a mapping with ``reward`` and optionally ``done`` (default: true unless an ``observation`` /
@@ -22,7 +23,8 @@ An optional ``num_tasks`` (an int, or a method taking the split) bounds the spli
 are unbounded (give ``splits.test.num_samples`` for evaluation).
 
 **Dataset + rubric**: a ``dataset`` of rows with ``prompt`` (a string or messages) or ``question``
-(and whatever else, e.g. ``answer``), optionally an ``eval_dataset`` for the test split and a
+(and whatever else, e.g. ``answer``; a row's ``image`` or ``images`` go before the question, as
+image parts of its user message), optionally an ``eval_dataset`` for the test split and a
 ``system_prompt``, and a ``rubric``: reward functions with weights -- a list of functions, of
 ``(function, weight)`` pairs, a ``{name: function | (function, weight)}`` mapping, or an object with
 ``funcs`` and ``weights`` (verifiers-style). Episodes are single-turn: the reply is scored by every
@@ -186,7 +188,8 @@ class RewardCoercion:
         self.count = 0
 
     def __call__(self, value: Any, metrics: dict[str, float], what: str = "reward") -> float:
-        if isinstance(value, (bool, int, float)) or (hasattr(value, "__float__") and not isinstance(value, (str, bytes))):
+        if isinstance(value, (bool, int, float)) or (hasattr(value, "__float__")
+                                                     and not isinstance(value, (str, bytes))):
             try:
                 number = float(value)
             except (TypeError, ValueError):
@@ -262,7 +265,8 @@ class StepEnv(Env):
         if callable(build) and self.sampler is not None:
             await call_env(build, self.sampler)
         start = self.obj.initial_observation
-        obs = await call_env(start, **accepted(start, {"index": self.index, "split": self.split, "seed": self.seed}))
+        obs = await call_env(start, **accepted(start, {"index": self.index, "split": self.split,
+                                                       "seed": self.seed}))
         messages, tools = as_messages(obs, "initial_observation()")
         return Observation(messages, tools)
 
@@ -314,8 +318,10 @@ def parse_rubric(rubric: Any, where: str) -> list[tuple[str, Callable, float]]:
     else:
         funcs = getattr(rubric, "funcs", None) or getattr(rubric, "reward_funcs", None)
         if funcs is None:
-            raise ValueError(f"{where}: rubric must be reward functions with weights, not {type(rubric).__name__}")
-        weights = getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None) or [1.0] * len(funcs)
+            raise ValueError(f"{where}: rubric must be reward functions with weights, "
+                             f"not {type(rubric).__name__}")
+        weights = (getattr(rubric, "weights", None) or getattr(rubric, "reward_weights", None)
+                   or [1.0] * len(funcs))
         if len(weights) != len(funcs):
             raise ValueError(f"{where}: rubric has {len(funcs)} functions but {len(weights)} weights")
         items = [(named(fn, i), fn, w) for i, (fn, w) in enumerate(zip(funcs, weights))]
@@ -337,7 +343,12 @@ def row_messages(row: Any, system_prompt: str | None, where: str) -> tuple[list[
     if row.get("prompt") is not None:
         messages, tools = as_messages(row["prompt"], "row['prompt']")
     elif row.get("question") is not None:
-        messages, tools = [{"role": "user", "content": str(row["question"])}], []
+        pictures = row.get("images", row.get("image"))
+        pictures = [] if pictures is None else pictures if isinstance(pictures, (list, tuple)) else [pictures]
+        content: Any = str(row["question"])
+        if pictures:
+            content = [*({"type": "image", "image": p} for p in pictures), {"type": "text", "text": content}]
+        messages, tools = [{"role": "user", "content": content}], []
     else:
         raise ValueError(f"{where}: dataset rows need a 'prompt' or a 'question' (got keys {sorted(row)})")
     if system_prompt and not (messages and messages[0].get("role") == "system"):
@@ -364,8 +375,8 @@ class RubricEnv(Env):
         metrics: dict[str, float] = {}
         total = 0.0
         kwargs = dict(completion=text, prompt=self.messages, messages=[*self.messages, action],
-                      answer=self.row.get("answer"), row=self.row, info=self.row.get("info"), index=self.index,
-                      split=self.split, sampling_client=self.sampler)
+                      answer=self.row.get("answer"), row=self.row, info=self.row.get("info"),
+                      index=self.index, split=self.split, sampling_client=self.sampler)
         for name, fn, weight in self.builder.rubric:
             value = self.builder.coerce(await call_env(fn, **accepted(fn, kwargs)), metrics,
                                         f"reward function {name!r} returned")
@@ -464,4 +475,4 @@ class ModuleBuilder(EnvBuilder):
 
     async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         env = self._env(ctx.split, ctx.task_index, ctx.sampler)
-        return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler, ctx.settings, ctx.seed)]
+        return [await run_episode(env, ctx.episode(), ctx.renderer, ctx.sampler_ref, ctx.settings, ctx.seed)]

@@ -20,6 +20,11 @@ converted to chat-completions function specs. Each tool call the renderer parsed
 (metric ``no_tool_call``). Malformed calls and ``ToolCallError`` (unknown tool, invalid input) go
 back to the model as tool errors; ``ToolFailed`` and terminated sessions make the rollout fail.
 
+Images: ORS carries them as ``ImageBlock`` s (base64 ``data`` and a ``mimeType``). In the prompt the SDK's
+``openai`` messages already hold them as ``image_url`` parts (``data:`` URIs); in a tool's output each
+becomes an image part of the tool message (``{"type": "image", "image": "data:<mime>;base64,..."}``)
+beside its text, so a vision-language model sees them (a text-only renderer refuses them).
+
 The SDK is synchronous (it runs its own event loop in a thread): every call runs in a worker thread
 (``asyncio.to_thread``), so episodes stay concurrent.
 """
@@ -54,7 +59,8 @@ def chat_tool_spec(tool: dict) -> dict:
     if isinstance(tool.get("function"), dict):
         return tool
     params = tool.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
+    return {"type": "function", "function": {"name": tool["name"],
+                                             "description": tool.get("description") or "",
                                              "parameters": params}}
 
 
@@ -64,6 +70,23 @@ def blocks_text(blocks: Any) -> str:
         text = getattr(block, "text", None)
         parts.append(text if isinstance(text, str) else f"[{getattr(block, 'type', 'block')}]")
     return "\n".join(parts)
+
+
+def blocks_content(blocks: Any) -> str | list[dict]:
+    """A tool output's blocks as message content: the text when there is no image, else content parts
+    (each ``ImageBlock`` an image part holding its ``data:`` URI, each text block a text part)."""
+    blocks = list(blocks or [])
+    if not any(getattr(b, "type", None) == "image" for b in blocks):
+        return blocks_text(blocks)
+    parts: list[dict] = []
+    for block in blocks:
+        if getattr(block, "type", None) == "image":
+            mime = str(getattr(block, "mimeType", "") or "image/png")
+            parts.append({"type": "image", "image": f"data:{mime};base64,{block.data}"})
+        else:
+            text = getattr(block, "text", None)
+            parts.append({"type": "text", "text": text if isinstance(text, str) else f"[{block.type}]"})
+    return parts
 
 
 def _sdk():
@@ -100,7 +123,8 @@ class OpenRewardEnv(Env):
         try:
             return await asyncio.to_thread(fn, *args), None
         except ToolCallError as exc:
-            return None, exc.reason if exc.reason == "episode_finished" else f"Error ({exc.reason}): {exc.detail}"
+            return None, (exc.reason if exc.reason == "episode_finished"
+                          else f"Error ({exc.reason}): {exc.detail}")
 
     async def step(self, action: Message) -> StepResult:
         out: list[Message] = []
@@ -124,10 +148,11 @@ class OpenRewardEnv(Env):
                 break
             if error is not None:
                 self.counts["tool_errors"] += 1
-                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": error})
+                out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
+                            "content": error})
                 continue
             out.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
-                        "content": blocks_text(result.blocks)})
+                        "content": blocks_content(result.blocks)})
             reward += float(result.reward or 0.0)
             if result.finished:
                 done = True
@@ -137,7 +162,7 @@ class OpenRewardEnv(Env):
             done = True
             if self.terminal is not None:
                 result, error = await self._call(self.session.call_terminal_tool, message_text(action))
-                content = blocks_text(result.blocks) if result is not None else error
+                content = blocks_content(result.blocks) if result is not None else error
                 out.append({"role": "tool", "tool_call_id": "terminal", "name": self.terminal.name,
                             "content": content or ""})
                 reward += float(result.reward or 0.0) if result is not None else 0.0
@@ -162,15 +187,16 @@ class OpenRewardBuilder(EnvBuilder):
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         name = environment_name(type_name)
         if not name or not _NAME.match(name):
-            raise ValueError(f"OpenReward environments are named 'Org/EnvName' (or 'openreward:Org/EnvName'), "
-                             f"not {name!r}")
+            raise ValueError("OpenReward environments are named 'Org/EnvName' "
+                             f"(or 'openreward:Org/EnvName'), not {name!r}")
         unknown = sorted(set(args) - set(ALLOWED_ARGS))
         if unknown:
             raise ValueError(f"unknown OpenReward args {unknown} (allowed: {', '.join(ALLOWED_ARGS)})")
         splits = args.get("splits", {})
         if not isinstance(splits, dict) or not all(k in ("train", "test") and isinstance(v, str) and v
                                                    for k, v in splits.items()):
-            raise ValueError("args.splits maps 'train' / 'test' to OpenReward split names, e.g. {test: validation}")
+            raise ValueError("args.splits maps 'train' / 'test' to OpenReward split names, "
+                             "e.g. {test: validation}")
         if args.get("variant") is not None and not isinstance(args["variant"], str):
             raise ValueError("args.variant must be a string")
         base_url = args.get("base_url")
@@ -202,7 +228,8 @@ class OpenRewardBuilder(EnvBuilder):
                             "test": wanted.get("test") or ("test" if "test" in available else "validation")}
         if self.split_names["train"] not in available:
             raise ValueError(f"OpenReward environment {self.openreward_environment} has no split "
-                             f"{self.split_names['train']!r} (it has {', '.join(available)}); set args.splits.train")
+                             f"{self.split_names['train']!r} (it has {', '.join(available)}); "
+                             "set args.splits.train")
         self.available_splits = available
         self._num: dict[str, int] = {}
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
-from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.envs.base import Env, Message, Observation, StepResult, ToolSpec, register_env, tool_message
 from polyrl.envs.builtin.base import BuiltinBuilder
 from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownTask, countdown_expression, render_tree
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
@@ -144,8 +144,7 @@ class PythonToolEnv(Env):
             code, problem = _code_argument(call)
             content = problem if code is None else await asyncio.to_thread(tool_reply, code, self.limits)
             self.tool_errors += content.startswith("error:")
-            call_id = call.get("id") if isinstance(call, dict) else None
-            replies.append({"role": "tool", "tool_call_id": call_id or f"call_{i}", "content": content})
+            replies.append(tool_message(call, i, content))
         if errors:
             self.tool_errors += len(errors)
             message = "Tool call error: " + "; ".join(str(e) for e in errors)
@@ -231,7 +230,7 @@ class PythonToolBuilder(BuiltinBuilder):
         output = tool_reply(code, self.limits)
         final = final or f"\\boxed{{{output.strip()}}}"
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "call_0", "content": output},
+                     tool_message(call, 0, output),
                      {"role": "assistant", "content": final}]
         return messages, [PYTHON_TOOL]
 

@@ -104,8 +104,8 @@ def _child_config(workdir: str, limits: SandboxLimits, probe: bool, namespaces: 
 
 def _environment(workdir: str) -> dict[str, str]:
     """Nothing from the trainer's environment (API keys stay out)."""
-    return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
+    return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "PYTHONHASHSEED": "0"}
 
 
 def _signal_name(status: int) -> str | None:

@@ -78,7 +78,8 @@ def enter_namespaces(workdir: str, disk_mb: int) -> str:
         os.chdir(workdir)
         return "none"
     try:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                           ("gid_map", f"{gid} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         _check(LIBC.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
@@ -132,7 +133,8 @@ def _fs_rights(abi: int) -> int:
 def apply_landlock(read_paths: list[str], write_paths: list[str], device_paths: list[str]) -> int:
     abi = landlock_abi()
     if abi < 1:
-        raise SandboxSetupError("Landlock is not available (needs Linux >= 5.13 with landlock in its LSM list)")
+        raise SandboxSetupError("Landlock is not available "
+                                "(needs Linux >= 5.13 with landlock in its LSM list)")
     handled_fs = _fs_rights(abi)
     attr = struct.pack("Q", handled_fs)
     if abi >= 4:

@@ -63,8 +63,9 @@ def _get(obj: Any, key: str, default: Any = None) -> Any:
 
 
 def _tool_spec(tool: Any) -> dict:
-    return {"type": "function", "function": {"name": _get(tool, "name"), "description": _get(tool, "description") or "",
-                                             "parameters": _get(tool, "parameters") or {"type": "object", "properties": {}}}}
+    return {"type": "function",
+            "function": {"name": _get(tool, "name"), "description": _get(tool, "description") or "",
+                         "parameters": _get(tool, "parameters") or {"type": "object", "properties": {}}}}
 
 
 @register_env("verifiers:")
@@ -102,8 +103,10 @@ class VerifiersBuilder(EnvBuilder):
 
     def dataset(self, split: str):
         if split not in self._datasets:
-            has_eval = self.env.eval_dataset is not None or getattr(self.env, "eval_dataset_source", None) is not None
-            self._datasets[split] = self.env.get_eval_dataset() if split == "test" and has_eval else self.env.get_dataset()
+            has_eval = (self.env.eval_dataset is not None
+                        or getattr(self.env, "eval_dataset_source", None) is not None)
+            self._datasets[split] = (self.env.get_eval_dataset() if split == "test" and has_eval
+                                     else self.env.get_dataset())
         return self._datasets[split]
 
     def num_tasks(self, split: str) -> int | None:
@@ -129,7 +132,8 @@ class VerifiersBuilder(EnvBuilder):
 
         server = self._ensure_server(ctx.renderer)
         server.set_sampler(ctx.sampler)
-        session = server.open_session(ctx.sampler, ctx.settings.max_tokens, ctx.settings.temperature, ctx.seed)
+        session = server.open_session(ctx.sampler, ctx.settings.max_tokens, ctx.settings.temperature,
+                                      ctx.seed)
         row = dict(self.dataset(ctx.split)[ctx.task_index])
         sampling_args = {k: v for k, v in (self.env.sampling_args or {}).items() if k not in ("n",)}
         sampling_args.update(temperature=ctx.settings.temperature, max_tokens=ctx.settings.max_tokens)
@@ -137,7 +141,8 @@ class VerifiersBuilder(EnvBuilder):
                              timeout=ctx.settings.timeout)
         client = vf.OpenAIChatCompletionsClient(native)
         try:
-            output = await self.env.run_rollout(row, client, "polyrl", sampling_args, state_columns=["trajectory"])
+            output = await self.env.run_rollout(row, client, "polyrl", sampling_args,
+                                                state_columns=["trajectory"])
         finally:
             server.close_session(session)
             await native.close()
@@ -148,7 +153,8 @@ class VerifiersBuilder(EnvBuilder):
         error = output.get("error")
         empty_reply = bool(error) and "EmptyModelResponseError" in str(error.get("error_chain_str", error))
         if error and not empty_reply:
-            raise RuntimeError(f"verifiers rollout failed: {error.get('error_chain_repr') or error.get('message')}")
+            raise RuntimeError("verifiers rollout failed: "
+                               f"{error.get('error_chain_repr') or error.get('message')}")
         prompt = [incoming_message(m) for m in output.get("prompt") or []]
         completion = [incoming_message(m) for m in output.get("completion") or []]
         tools = [_tool_spec(t) for t in output.get("tool_defs") or []]
@@ -192,8 +198,8 @@ class VerifiersBuilder(EnvBuilder):
         prefix: list[int] = []
         for prompt, completion, logprobs, _ in turns:
             if prompt[: len(prefix)] != prefix or len(logprobs) != len(completion):
-                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.turn_spans,
-                             ep.turn_sequence_ids):
+                for part in (ep.tokens, ep.logprobs, ep.action_mask, ep.sampler_steps, ep.turn_spans,
+                             ep.sequence_runs):
                     part.clear()
                 return False
             ep.append(prompt[len(prefix):])
@@ -216,8 +222,8 @@ class VerifiersBuilder(EnvBuilder):
         try:
             logprobs = await ctx.sampler.compute_logprobs(types.ModelInput.from_ints(tokens))
         except Exception as exc:  # noqa: BLE001 - a sampler without compute_logprobs
-            raise SamplerError(f"re-tokenized turns need the sampler's logprobs, but compute_logprobs failed: "
-                               f"{type(exc).__name__}: {exc}") from None
+            raise SamplerError("re-tokenized turns need the sampler's logprobs, but compute_logprobs "
+                               f"failed: {type(exc).__name__}: {exc}") from None
         if any(logprobs[i] is None for i, w in enumerate(weights) if w):
             raise SamplerError("compute_logprobs returned no logprob for some sampled tokens")
         logprobs = [0.0 if x is None else float(x) for x in logprobs]  # None only before the first token

@@ -448,7 +448,8 @@ class Store:
         return sorted(rows, key=lambda r: r["time"] or "")
 
     def runs(self) -> list[str]:
-        return sorted(unquote(p.name) for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
+        return (sorted(unquote(p.name) for p in self.root.iterdir() if p.is_dir())
+                if self.root.is_dir() else [])
 
     def delete(self, path: str) -> None:
         """Remove a checkpoint, and its run's directories once nothing is left in them."""

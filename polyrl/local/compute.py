@@ -20,10 +20,11 @@ from polyrl.local.packing import MicroBatch
 LOGITS_CHUNK_BYTES = 64 << 20
 
 
-def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor,
+                    targets: torch.Tensor) -> torch.Tensor:
     """``log p(targets[j] | hidden[local[j]])`` for each request ``j`` of one chunk."""
-    logits = base.logits(hidden)
-    return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]
+    logits = base.logits(hidden)  # [C, D] -> [C, V]
+    return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]  # [R]
 
 
 def _requests(mb: MicroBatch, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -42,20 +43,21 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
                     chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
     """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order), shaped
     like the datum's targets (``[n]`` or ``[n, K]``)."""
-    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend)
-    gather, target, lengths = _requests(mb, targets)
+    # [B, T] packed rows -> [B, T, D] hidden states (split) or [B, T, V] logits
+    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
+    gather, target, lengths = _requests(mb, targets)  # [R] packed position, [R] target token
     target = target.to(out.device)
-    flat = out.reshape(-1, out.shape[-1])
+    flat = out.reshape(-1, out.shape[-1])  # [B * T, D or V]
 
     def shaped(lp: torch.Tensor) -> list[torch.Tensor]:
         return [x.reshape(t.shape) for x, t in zip(lp.split(lengths), targets)]
 
     if not split:  # full logits came back (an architecture whose unembedding cannot run apart)
-        lp = flat[gather, target] - torch.logsumexp(flat, dim=-1)[gather]
+        lp = flat[gather, target] - torch.logsumexp(flat, dim=-1)[gather]  # [R]
         return shaped(lp)
     # Unique packed positions in chunks; requests (datum tokens) sorted by position so each chunk's
     # requests are one contiguous run.
-    positions, inverse = torch.unique(gather, return_inverse=True)
+    positions, inverse = torch.unique(gather, return_inverse=True)  # unique positions; [R] index into them
     order = torch.argsort(inverse, stable=True)
     inverse_sorted, target_sorted = inverse[order], target[order]
     per_chunk = max(1, chunk_bytes // (4 * base.vocab_size))
@@ -63,12 +65,14 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
     pieces = []
     for start in range(0, len(positions), per_chunk):
         end = min(start + per_chunk, len(positions))
-        lo, hi = torch.searchsorted(inverse_sorted, torch.tensor([start, end], device=inverse_sorted.device)).tolist()
-        hidden = flat[positions[start:end]]
-        local = inverse_sorted[lo:hi] - start
+        lo, hi = torch.searchsorted(inverse_sorted,
+                                    torch.tensor([start, end], device=inverse_sorted.device)).tolist()
+        hidden = flat[positions[start:end]]  # [C, D]: the chunk's unique positions
+        local = inverse_sorted[lo:hi] - start  # [R_chunk] index into the chunk
         if recompute:
-            pieces.append(checkpoint(_chunk_logprobs, base, hidden, local, target_sorted[lo:hi], use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, base, hidden, local, target_sorted[lo:hi],
+                                     use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(base, hidden, local, target_sorted[lo:hi]))
-    lp = torch.cat(pieces)[torch.argsort(order)]
+    lp = torch.cat(pieces)[torch.argsort(order)]  # [R], back in request order
     return shaped(lp)

@@ -9,13 +9,18 @@ gets, per datum, which targets were sampled and their recorded sampler logprobs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tinker import types
 
 from polyrl.local import losses
 from polyrl.local.stability import SampledInputs, check_tiling
+from polyrl.local.vision import ModelImage
+
+if TYPE_CHECKING:
+    from polyrl.local.model import BaseModel
 
 
 @dataclass
@@ -23,6 +28,7 @@ class PreparedDatum:
     tokens: list[int]
     target: torch.Tensor  # int64 [len(tokens)] or [len(tokens), K]
     floats: dict[str, torch.Tensor]  # float32 loss inputs, each [len(tokens)] (weights: like target)
+    images: list[ModelImage] = field(default_factory=list)  # a vision-language model's images
 
     @property
     def k(self) -> int:
@@ -30,17 +36,29 @@ class PreparedDatum:
         return 0 if self.target.dim() == 1 else int(self.target.shape[1])
 
 
-def prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, vocab: int,
+def model_input_tokens(base: BaseModel, model_input: types.ModelInput,
+                       where: str) -> tuple[list[int], list[ModelImage]]:
+    """The tokens of a ``ModelInput`` (image positions: the model's placeholder) and its images, which a
+    vision-language model's processor turns into pixels here."""
+    if base.vision is not None:
+        return base.vision.read_chunks(model_input.chunks, where)
+    tokens: list[int] = []
+    for chunk in model_input.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise ValueError(f"{where} has a {chunk.type!r} chunk, but model {base.name!r} is text-only (a "
+                             "vision-language model takes images)")
+        tokens.extend(int(t) for t in chunk.tokens)
+    return tokens, []
+
+
+def prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, base: BaseModel,
                   sampled: SampledInputs | None = None) -> PreparedDatum:
-    """One datum's tokens, targets and float inputs, validated with clear errors."""
+    """One datum's tokens, targets and float inputs (and a vision-language model's images), validated
+    with clear errors."""
     if not isinstance(datum, types.Datum):
         raise ValueError(f"data[{i}] is a {type(datum).__name__}, not a tinker.types.Datum")
-    tokens: list[int] = []
-    for chunk in datum.model_input.chunks:
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise ValueError(f"data[{i}].model_input has a {chunk.type!r} chunk; the local engine takes text "
-                             "tokens only")
-        tokens.extend(int(t) for t in chunk.tokens)
+    vocab = base.vocab_size
+    tokens, found = model_input_tokens(base, datum.model_input, f"data[{i}].model_input")
     if not tokens:
         raise ValueError(f"data[{i}].model_input is empty")
     inputs = datum.loss_fn_inputs
@@ -93,7 +111,7 @@ def prepare_datum(i: int, datum: types.Datum, spec: losses.LossSpec | None, voca
                              f"no SampledProvenanceSpan covers; {name} trains sampled tokens only")
         floats["sampled"] = torch.from_numpy(sampled.sampled.astype("float32"))
         floats["sampler_logprobs"] = torch.from_numpy(sampled.sampler_logprobs)
-    return PreparedDatum(tokens, target, floats)
+    return PreparedDatum(tokens, target, floats, found)
 
 
 def batch_loss(spec: losses.LossSpec, datums: list[PreparedDatum], lps: list[torch.Tensor], config: dict,

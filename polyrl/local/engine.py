@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import io
 import itertools
+import logging
 import math
 import queue
 import sys
@@ -40,7 +41,11 @@ from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
 from polyrl.local.packing import MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
+from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
+from polyrl.local.vision import keyed
+
+log = logging.getLogger("polyrl.local")
 
 BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
 MAX_BATCH_ROWS = 512
@@ -107,7 +112,7 @@ def _return_large_blocks_to_the_os() -> None:
 
 
 class Engine:
-    """Owns base models, adapters and the worker thread. One per (store, device, dtype)."""
+    """Owns base models, adapters and the worker thread. One per (store, device, dtype, ...)."""
 
     _shared: dict[tuple, "Engine"] = {}
     _shared_lock = threading.RLock()  # also taken in __init__, which shared() calls holding it
@@ -116,28 +121,35 @@ class Engine:
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-               gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None) -> "Engine":
+               gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+               sampler_dtype: str = "auto") -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
-               max_store_bytes)
+               max_store_bytes, sampler_dtype)
         with cls._shared_lock:
             if key not in cls._shared:
                 cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                       max_store_bytes)
+                                       max_store_bytes, sampler_dtype)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None):
+                 gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
+                 sampler_dtype: str = "auto"):
         if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
         if gradient_checkpointing not in ("auto", True, False):
-            raise ValueError(f"gradient_checkpointing must be 'auto', true or false, got {gradient_checkpointing!r}")
+            raise ValueError("gradient_checkpointing must be 'auto', true or false, "
+                             f"got {gradient_checkpointing!r}")
         if max_store_bytes is not None and (type(max_store_bytes) is not int or max_store_bytes < 1):
             raise ValueError(f"max_store_bytes must be a positive integer or None, got {max_store_bytes!r}")
+        if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
+            raise ValueError(f"sampler_dtype must be 'auto' or one of {sorted(DTYPES)}, "
+                             f"got {sampler_dtype!r}")
         _return_large_blocks_to_the_os()
         self.store = Store(store_dir, max_store_bytes)
         self.device_name = device
         self.dtype_name = dtype
+        self.sampler_dtype_name = sampler_dtype
         self.micro_batch_tokens = micro_batch_tokens
         self.gradient_checkpointing = gradient_checkpointing
         self._bases: dict[str, BaseModel] = {}
@@ -168,8 +180,9 @@ class Engine:
 
     # ---- stopping ------------------------------------------------------------------------------
     def stop(self, timeout: float | None = STOP_TIMEOUT_S) -> bool:
-        """Stop the worker: operations still queued are cancelled, the one running finishes. Whether
-        the worker ended within ``timeout`` seconds. The engine takes no more work."""
+        """Stop the worker: operations still queued are cancelled, the one running finishes (sampling
+        ends at its next decode step, failing with ``SamplingStopped``). Whether the worker ended within
+        ``timeout`` seconds. The engine takes no more work."""
         self._stopped = True
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
@@ -188,7 +201,8 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         stopped = True
         for engine in engines:  # each gets what is left of the time
-            stopped = engine.stop(None if deadline is None else max(0.0, deadline - time.monotonic())) and stopped
+            stopped = engine.stop(None if deadline is None
+                                  else max(0.0, deadline - time.monotonic())) and stopped
         return stopped
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -251,9 +265,13 @@ class Engine:
                 if self._generator is None:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
-                with base.use_for_sampling(adapter) if adapter else base.use(None) as model:
-                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
-                                       logits_fn=base.logits if base.split_head else None)
+                with base.use_for_sampling(adapter) as model:
+                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device,
+                                       self._generator,
+                                       logits_fn=(base.sampler_logits if base.split_head or base.vision
+                                                  else None),
+                                       vision=base.vision, decode_fn=base.sampler_decode_step,
+                                       stopping=lambda: self._stopped)
                 for op, res in zip(ops, results):
                     op.future.set_result(res)
             except BaseException as e:  # noqa: BLE001
@@ -264,7 +282,10 @@ class Engine:
     # ---- models (worker thread only) ---------------------------------------------------------
     def base(self, name: str) -> BaseModel:
         if name not in self._bases:
-            self._bases[name] = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing)
+            base = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing,
+                             self.sampler_dtype_name)
+            log.info("%s: %s", name, base.sampler_note)
+            self._bases[name] = base
         return self._bases[name]
 
     def loaded_models(self) -> list[BaseModel]:
@@ -287,21 +308,19 @@ class Engine:
         session recorded (for a loss that needs it, such as ``stable_reinforce``)."""
         spec = losses.get_loss(loss_fn)
         config = dict(loss_fn_config or {})
-        unknown = sorted(set(config) - set(spec.config_keys))
-        if unknown:
-            raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {loss_fn!r} "
-                             f"(it takes: {list(spec.config_keys) or 'none'})")
+        losses.check_config_keys(spec, config)
         sampled: Sequence[SampledInputs | None] = [None] * len(data)
         if spec.provenance:
             if provenance is None:
                 raise ValueError(f"loss {loss_fn!r} needs sequences recorded by this session's samplers "
                                  "(record_stability_info=True)")
             sampled = provenance(data)
-        prepared = [prepare_datum(i, d, spec, st.base.vocab_size, s)
+        prepared = [prepare_datum(i, d, spec, st.base, s)
                     for i, (d, s) in enumerate(zip(data, sampled))]
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
-        with _all_or_nothing(st.params), st.base.use(st.adapter, train=backward), torch.set_grad_enabled(backward):
+        with (_all_or_nothing(st.params), st.base.use(st.adapter, train=backward),
+              torch.set_grad_enabled(backward)):
             for mb in self._micro_batches(st.base, prepared):
                 lps = packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])
                 members = [prepared[i] for i in mb.datums]
@@ -319,12 +338,14 @@ class Engine:
             metrics=reduce_metrics(parts),
         )
 
-    def forward_backward_custom(self, st: TrainerState, data: list[types.Datum], fn) -> types.ForwardBackwardOutput:
-        prepared = [prepare_datum(i, d, None, st.base.vocab_size) for i, d in enumerate(data)]
+    def forward_backward_custom(self, st: TrainerState, data: list[types.Datum],
+                                fn) -> types.ForwardBackwardOutput:
+        prepared = [prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with _all_or_nothing(st.params), st.base.use(st.adapter, train=True):
             for mb in self._micro_batches(st.base, prepared):
-                for i, lp in zip(mb.datums, packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
+                for i, lp in zip(mb.datums,
+                                 packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
                     lps[i] = lp
             loss, user_metrics = fn(data, lps)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -335,12 +356,26 @@ class Engine:
         metrics.update({k if ":" in k else f"{k}:sum": float(v) for k, v in (user_metrics or {}).items()})
         return types.ForwardBackwardOutput(
             loss_fn_output_type="ArrayRecord",
-            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())} for lp in lps],
+            loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(lp.detach().float().cpu())}
+                             for lp in lps],
             metrics=metrics,
         )
 
     def _micro_batches(self, base: BaseModel, prepared: list[PreparedDatum]) -> list[MicroBatch]:
-        return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair, base.device)
+        if not any(p.images for p in prepared):
+            return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
+                                 base.device)
+        # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
+        keys: dict[tuple[str, int], int] = {}
+        sequences = [keyed(p.tokens, p.images, keys) for p in prepared]
+        by_key = {keys[(im.key, im.start)]: im for p in prepared for im in p.images}
+        mrope = [base.vision.rope(p.tokens, p.images)[0] for p in prepared]
+        batches = micro_batches(sequences, self.micro_batch_tokens, base.linear_per_pair, base.device, mrope,
+                                base.vision.image_token_id)
+        for mb in batches:
+            if mb.image_keys:
+                mb.vision = base.vision.inputs([by_key[k] for k in mb.image_keys], base.device)
+        return batches
 
     def optim_step(self, st: TrainerState,
                    params: types.AdamParams | DimuonSettings) -> types.OptimStepResponse:
@@ -365,7 +400,9 @@ class Engine:
         st.optimizer.step()
         st.optimizer.zero_grad(set_to_none=True)
         st.steps += 1
-        return types.OptimStepResponse(metrics={"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate})
+        return types.OptimStepResponse(metrics={"grad_norm:mean": norm,
+                                                "learning_rate:mean": params.learning_rate,
+                                                **sampler_metrics(st.base)})
 
     # ---- checkpoints (worker thread only) ---------------------------------------------------
     def _meta(self, st: TrainerState, user_metadata: dict | None = None) -> dict:
@@ -520,3 +557,10 @@ def _check_finite(st: TrainerState, what: str, optimizer: bool) -> None:
         if sum(_count_not_finite(moments)):
             raise NonFiniteUpdateError(f"{what} refused: the optimizer state is not finite; "
                                        "nothing was written")
+
+
+def sampler_metrics(base: BaseModel) -> dict[str, float]:
+    """The sampler's precision (bits per number) and the memory its own copy of the weights holds (MiB;
+    0 when it samples from the learner's weights), as the engine reports them with each optimizer step."""
+    return {"sampler/dtype_bits:mean": float(torch.finfo(base.sampler_dtype).bits),
+            "sampler/copy_mib:mean": base.sampler_bytes / 2**20}

@@ -7,7 +7,8 @@ log-probabilities of the target tokens of all datums concatenated (shape ``[N]``
 losses). Losses are **sums** over tokens and datums, as in Tinker; a loss returns ``(loss, metrics)``
 with metric keys of the form ``name:reduction``. A loss registered with ``provenance=True`` also gets
 ``sampled`` (1.0 on targets a provenance span names as sampled tokens) and ``sampler_logprobs`` (their
-logprobs as the sampler recorded them; see :mod:`polyrl.local.stability`).
+logprobs as the sampler recorded them; see :mod:`polyrl.local.stability`). A loss registered with a
+``correction`` role also takes the off-policy corrections' ``loss_fn_config`` keys (:data:`CORRECTIONS`).
 
 Adding a loss is one decorated function::
 
@@ -17,6 +18,7 @@ Adding a loss is one decorated function::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -28,6 +30,7 @@ DEFAULT_CLIP_HIGH = 1.2
 DEFAULT_DRO_BETA = 0.05
 DEFAULT_MAX_RATIO = 2.0  # stable_reinforce: importance weights are truncated here
 DEFAULT_KL_COEFF = 0.0
+MAX_LOG_RATIO = 60.0  # log-ratios are clamped here before exp, so a ratio stays finite in float32
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,14 @@ class Segments:
         n = n.index_add(0, self.ids, mask.to(values.dtype))
         return total / n.clamp(min=1)
 
+    def sum(self, values: Tensor) -> Tensor:
+        """Per-datum sum of ``values``; shape ``[count]``."""
+        total = torch.zeros(self.count, dtype=values.dtype, device=values.device)
+        return total.index_add(0, self.ids, values)
 
-LossFn = Callable[[Tensor, Mapping[str, Tensor], Segments, Mapping[str, float]], tuple[Tensor, dict[str, float]]]
+
+LossFn = Callable[[Tensor, Mapping[str, Tensor], Segments, Mapping[str, float]],
+                  tuple[Tensor, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class LossSpec:
     config_keys: tuple[str, ...]
     top_k: bool = False  # takes (N, K) target_tokens and weights
     provenance: bool = False  # needs provenance spans resolved against recorded sequences
+    correction: str | None = None  # how an off-policy correction applies (ANCHOR, WEIGHT, MASK_ONLY)
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -70,12 +80,32 @@ def register_loss(
     config_keys: tuple[str, ...] = (),
     top_k: bool = False,
     provenance: bool = False,
+    correction: str | None = None,
 ) -> Callable[[LossFn], LossFn]:
+    """``correction`` (a loss with sampler logprobs): how the off-policy corrections apply to it; the
+    registered function then takes their ``loss_fn_config`` keys too (see :func:`corrected`)."""
     def deco(fn: LossFn) -> LossFn:
-        LOSSES[name] = LossSpec(name, fn, inputs, optional_inputs, config_keys, top_k, provenance)
+        keys = config_keys + (CORRECTION_KEYS if correction else ())
+        wrapped = corrected(fn, name, correction) if correction else fn
+        LOSSES[name] = LossSpec(name, wrapped, inputs, optional_inputs, keys, top_k, provenance, correction)
         return fn
 
     return deco
+
+
+def check_config_keys(spec: LossSpec, config: Mapping[str, float]) -> None:
+    """Every ``loss_fn_config`` key must be one the loss uses (a ValueError in one line)."""
+    unknown = sorted(set(config) - set(spec.config_keys))
+    corrections = [k for k in unknown if k in CORRECTION_KEYS]
+    if corrections:
+        takers = ", ".join(s.name for s in LOSSES.values() if s.correction)
+        raise ValueError(f"loss_fn_config keys {corrections} are an off-policy correction, which needs the "
+                         f"sampler's logprobs: loss {spec.name!r} has none (corrections apply to {takers})")
+    if unknown:
+        raise ValueError(f"loss_fn_config keys {unknown} are not used by loss {spec.name!r} "
+                         f"(it takes: {list(spec.config_keys) or 'none'})")
+    if spec.correction:
+        parse_correction(config, spec.name, spec.correction)
 
 
 def get_loss(name: str) -> LossSpec:
@@ -84,7 +114,136 @@ def get_loss(name: str) -> LossSpec:
     return LOSSES[name]
 
 
-def _clip_bounds(inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
+# ---- off-policy corrections ------------------------------------------------------------------------
+# The sampler's logprobs q (what was sampled) and the learner's p differ: lower-precision sampling,
+# another engine's numerics, a stale sampler. With rho_t = exp(sg(p_t) - q_t) on the sampled tokens,
+# a correction multiplies each token's advantage by a factor c_t (no gradient; see the README's
+# "Off-policy correction"):
+#   tis      c_t = min(rho_t, cap)                          truncated importance sampling
+#   mis      c_t = 1[low <= rho_t <= high]                  token-level masked importance sampling
+#   seq_mis  c_t = 1[low <= prod_s rho_s <= high]           a whole sequence kept or masked (product)
+#   geo_mis  c_t = 1[low <= exp(mean_s log rho_s) <= high]  the same with the geometric mean
+#   icepop   c_t = rho_t * 1[low <= rho_t <= high]          IcePop's two-sided token mask
+# For a loss whose importance ratio is taken against q (role ANCHOR), the ratio is taken against the
+# learner's own detached logprobs instead: the factor carries the sampler/learner mismatch.
+ANCHOR = "anchor"  # importance_sampling, ppo, cispo, gspo: the ratio's reference becomes sg(p)
+WEIGHT = "weight"  # dro: no importance ratio; its penalty still pulls towards the sampler
+MASK_ONLY = "mask_only"  # stable_reinforce: truncates its own weight (max_ratio), so masks only
+
+CORRECTIONS: dict[str, tuple[str, ...]] = {
+    "tis": ("tis_cap",),
+    "mis": ("mis_low", "mis_high"),
+    "seq_mis": ("seq_mis_low", "seq_mis_high"),
+    "geo_mis": ("geo_mis_low", "geo_mis_high"),
+    "icepop": ("icepop_low", "icepop_high"),
+}
+CORRECTION_KEYS = tuple(key for keys in CORRECTIONS.values() for key in keys)
+
+
+@dataclass(frozen=True)
+class Correction:
+    kind: str  # a key of CORRECTIONS
+    low: float = 0.0
+    high: float = math.inf  # tis: the cap
+
+
+def parse_correction(config: Mapping[str, float], loss: str = "",
+                     role: str | None = ANCHOR) -> tuple[Correction | None, dict[str, float]]:
+    """The correction ``loss_fn_config`` names (at most one, with all its keys) and the loss's own keys;
+    a ValueError in one line for anything else."""
+    own = {k: v for k, v in config.items() if k not in CORRECTION_KEYS}
+    kinds = [kind for kind, keys in CORRECTIONS.items() if any(k in config for k in keys)]
+    if not kinds:
+        return None, own
+    if len(kinds) > 1:
+        raise ValueError(f"loss_fn_config names the off-policy corrections {kinds}; one at a time")
+    kind = kinds[0]
+    missing = [k for k in CORRECTIONS[kind] if k not in config]
+    if missing:
+        raise ValueError(f"loss_fn_config off-policy correction {kind!r} needs {list(CORRECTIONS[kind])}; "
+                         f"{missing} missing")
+    values = [float(config[k]) for k in CORRECTIONS[kind]]
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"loss_fn_config {list(CORRECTIONS[kind])} must be finite, got {values}")
+    if kind == "tis":
+        if not values[0] >= 1:
+            raise ValueError(f"loss_fn_config tis_cap must be >= 1, got {values[0]:g}")
+        if role == MASK_ONLY:
+            raise ValueError(f"loss {loss!r} truncates its importance weight itself (loss_fn_config "
+                             "max_ratio); tis_cap would truncate it twice (use a mask: mis, seq_mis, "
+                             "geo_mis, icepop)")
+        return Correction(kind, high=values[0]), own
+    low, high = values
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"loss_fn_config {kind}_low and {kind}_high must have 0 <= low < 1 < high, got "
+                         f"{low:g} and {high:g}")
+    return Correction(kind, low, high), own
+
+
+def sampled_tokens(inputs: Mapping[str, Tensor]) -> Tensor:
+    """Which targets were sampled (bool): provenance's ``sampled``, else a ``mask`` or
+    ``sequence_ratio_mask`` input, else the targets with a nonzero advantage."""
+    for key in ("sampled", "mask", "sequence_ratio_mask"):
+        if key in inputs:
+            return inputs[key] != 0
+    return inputs["advantages"] != 0
+
+
+def correction_factor(log_ratio: Tensor, active: Tensor, segments: Segments,
+                      correction: Correction) -> tuple[Tensor, dict[str, float]]:
+    """The factor ``c_t`` (1 on tokens that were not sampled) of ``log_ratio`` = log(p / q) per token
+    (detached), and its metrics as sums, maxima and minima over the sampled tokens (``active``)."""
+    log_ratio = (log_ratio * active).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    kind, low, high = correction.kind, correction.low, correction.high
+    truncated = torch.zeros_like(active)
+    if kind == "tis":
+        factor = torch.clamp(ratio, max=high)
+        truncated = (ratio > high) & active
+        keep = torch.ones_like(active)
+    elif kind in ("seq_mis", "geo_mis"):
+        seq_log = segments.sum(log_ratio)
+        if kind == "geo_mis":
+            seq_log = seq_log / segments.sum(active.to(log_ratio.dtype)).clamp(min=1)
+        seq_ratio = torch.exp(seq_log.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        keep = ((seq_ratio >= low) & (seq_ratio <= high))[segments.ids]
+        factor = keep.to(ratio.dtype)
+    else:
+        keep = (ratio >= low) & (ratio <= high)
+        factor = torch.where(keep, ratio, torch.zeros_like(ratio)) if kind == "icepop" \
+            else keep.to(ratio.dtype)
+    factor = torch.where(active, factor, torch.ones_like(factor))
+    n = int(active.sum())
+    metrics = {"is_tokens:sum": float(n), "is_weight:sum": float((ratio * active).sum()),
+               "is_truncated:sum": float(truncated.sum()), "is_masked:sum": float((~keep & active).sum())}
+    if n:
+        metrics["is_weight:max"] = float(ratio[active].max())
+        metrics["is_weight:min"] = float(ratio[active].min())
+    return factor, metrics
+
+
+def corrected(fn: LossFn, name: str, role: str) -> LossFn:
+    """``fn`` with the off-policy correction its ``loss_fn_config`` names applied to each token's
+    advantage; without one, ``fn`` itself (bit for bit)."""
+
+    def loss(logprobs, inputs, segments, config):
+        correction, own = parse_correction(config, name, role)
+        if correction is None:
+            return fn(logprobs, inputs, segments, config)
+        sampler = inputs["sampler_logprobs"] if "sampler_logprobs" in inputs else inputs["logprobs"]
+        factor, metrics = correction_factor(logprobs.detach() - sampler, sampled_tokens(inputs), segments,
+                                            correction)
+        changed = {**inputs, "advantages": inputs["advantages"] * factor}
+        if role == ANCHOR:
+            changed["logprobs"] = logprobs.detach()
+        value, loss_metrics = fn(logprobs, changed, segments, own)
+        return value, {**loss_metrics, **metrics}
+
+    return loss
+
+
+def _clip_bounds(inputs: Mapping[str, Tensor],
+                 config: Mapping[str, float]) -> tuple[Tensor | float, Tensor | float]:
     """Ratio bounds: per-token inputs win over ``loss_fn_config``, which wins over 0.8 / 1.2."""
     low = inputs.get("clip_low_threshold", config.get("clip_low_threshold", DEFAULT_CLIP_LOW))
     high = inputs.get("clip_high_threshold", config.get("clip_high_threshold", DEFAULT_CLIP_HIGH))
@@ -112,7 +271,7 @@ def cross_entropy(logprobs, inputs, segments, config):
     return loss, {"loss:sum": float(loss.detach())}
 
 
-@register_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"))
+@register_loss("importance_sampling", inputs=("target_tokens", "logprobs", "advantages"), correction=ANCHOR)
 def importance_sampling(logprobs, inputs, segments, config):
     ratio = torch.exp(logprobs - inputs["logprobs"])
     loss = -(ratio * inputs["advantages"]).sum()
@@ -124,6 +283,7 @@ def importance_sampling(logprobs, inputs, segments, config):
     inputs=("target_tokens", "logprobs", "advantages"),
     optional_inputs=("clip_low_threshold", "clip_high_threshold"),
     config_keys=("clip_low_threshold", "clip_high_threshold"),
+    correction=ANCHOR,
 )
 def ppo(logprobs, inputs, segments, config):
     low, high = _clip_bounds(inputs, config)
@@ -139,6 +299,7 @@ def ppo(logprobs, inputs, segments, config):
     inputs=("target_tokens", "logprobs", "advantages"),
     optional_inputs=("clip_low_threshold", "clip_high_threshold"),
     config_keys=("clip_low_threshold", "clip_high_threshold"),
+    correction=ANCHOR,
 )
 def cispo(logprobs, inputs, segments, config):
     low, high = _clip_bounds(inputs, config)
@@ -149,7 +310,7 @@ def cispo(logprobs, inputs, segments, config):
 
 
 @register_loss("dro", inputs=("target_tokens", "logprobs", "advantages"), optional_inputs=("mask",),
-               config_keys=("beta",))
+               config_keys=("beta",), correction=WEIGHT)
 def dro(logprobs, inputs, segments, config):
     """The quadratic penalty pulls every token towards its sampler logprob; with ``mask`` only the
     masked (sampled) tokens, so prompt tokens with a 0.0 placeholder logprob are left alone."""
@@ -167,6 +328,7 @@ def dro(logprobs, inputs, segments, config):
     inputs=("target_tokens", "logprobs", "advantages"),
     optional_inputs=("sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold"),
     config_keys=("clip_low_threshold", "clip_high_threshold"),
+    correction=ANCHOR,
 )
 def gspo(logprobs, inputs, segments, config):
     """GSPO-token: every token carries its sequence's geometric-mean ratio (value) with its own
@@ -184,7 +346,7 @@ def gspo(logprobs, inputs, segments, config):
 
 
 @register_loss("stable_reinforce", inputs=("target_tokens", "advantages"), optional_inputs=("logprobs",),
-               config_keys=("kl_coeff", "max_ratio"), provenance=True)
+               config_keys=("kl_coeff", "max_ratio"), provenance=True, correction=MASK_ONLY)
 def stable_reinforce(logprobs, inputs, segments, config):
     """REINFORCE with truncated importance weights against the *recorded* sampler logprobs ``q``, on the
     targets provenance names as sampled (``m``), plus an optional KL term towards the sampler::

@@ -4,6 +4,11 @@ One :class:`BaseModel` per base model per engine: training clients each own an a
 parameters and optimizer); sampling clients hold *snapshots* of adapter weights, which are copied
 into a shared sampling slot before a batch is generated. All methods run on the engine's worker
 thread, so switching the active adapter never races.
+
+Vision-language models (a config with a ``vision_config``) load with ``AutoModelForImageTextToText``;
+``BaseModel.vision`` then turns image chunks into what the model takes (:mod:`polyrl.local.vision`).
+LoRA adapts the language model (its attention, MLP and unembedding) and never the vision tower or its
+projector, which keep their pretrained weights, as Tinker's LoRA does.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Iterator
 import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
+from polyrl.local.sampler_copy import DTYPES, MergeTarget, SamplerCopy, describe, select_sampler_dtype
+from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
 LORA_ALPHA = 32
@@ -27,7 +34,8 @@ CHECKPOINTING_AUTO_PARAMS = 300_000_000
 MASKED_ATTENTION_SLOWDOWN = 2.0
 # Sampling from a LoRA snapshot uses the adapter folded into a copy of the weights it adapts (no side
 # branch per layer: ~8% fewer FLOPs and ~800 fewer ops per decode step on a 30-layer model) when that
-# copy takes at most this much memory; bigger models sample through PEFT's side branches.
+# copy takes at most this much memory; bigger models sample through PEFT's side branches (or, with a
+# sampler copy in another dtype, fold the snapshot over the copy's own weights).
 MERGED_SAMPLING_MAX_BYTES = 2 << 30
 #: Held while a Hugging Face model loads: loading is not thread-safe (a module built on one thread can
 #: land on another load's meta device: "Cannot copy out of meta tensor"). A script that loads models
@@ -49,7 +57,7 @@ def select_device(device: str = "auto") -> torch.device:
 def select_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on GPUs that support it, float32 elsewhere (CPU math is float32)."""
     if dtype != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        return DTYPES[dtype]
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -82,8 +90,8 @@ class BaseModel:
     """A Hugging Face causal LM wrapped by PEFT, holding named LoRA adapters."""
 
     def __init__(self, name: str, device: str = "auto", dtype: str = "auto",
-                 gradient_checkpointing: bool | str = "auto"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto"):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.name = name
         self.path = resolve_model_path(name)
@@ -92,13 +100,16 @@ class BaseModel:
         try:
             with MODEL_LOAD_LOCK:
                 self.config = AutoConfig.from_pretrained(self.path)
-                model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.dtype)
+                vision = is_vision_config(self.config)
+                loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+                model = loader.from_pretrained(self.path, dtype=self.dtype)
         except OSError as e:
             raise ValueError(f"model {name!r} could not be loaded: {e}") from None
         model.to(self.device)
         model.eval()  # no dropout: sampler and learner must compute the same logprobs
         model.requires_grad_(False)
         self.hf_model = model
+        self.vision = Vision(model, self.path, self.config) if is_vision_config(self.config) else None
         self.peft_model = None  # created with the first adapter
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._adapter_specs: dict[str, LoraSpec] = {}
@@ -108,6 +119,14 @@ class BaseModel:
         self._tokenizer = None
         self._linears = self._linear_layers()
         self.num_parameters = sum(p.numel() for p in model.parameters())
+        # the sampler's own copy of the weights when it samples in another dtype (before PEFT wraps the
+        # model and the blocks are wrapped for checkpointing, neither of which the copy shares)
+        self.sampler_dtype, self.sampler_reason = select_sampler_dtype(sampler_dtype, self.device, self.dtype)
+        if self.vision is not None and self.sampler_dtype != self.dtype:  # images go through the learner's
+            self.sampler_dtype = self.dtype
+            self.sampler_reason = "a vision-language model samples in the learner's dtype"
+        self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES)
+                             if self.sampler_dtype != self.dtype else None)
         if gradient_checkpointing == "auto":
             gradient_checkpointing = self.num_parameters >= CHECKPOINTING_AUTO_PARAMS
         self.gradient_checkpointing = bool(gradient_checkpointing)
@@ -128,8 +147,13 @@ class BaseModel:
         return (getattr(self.config, "architectures", None) or [type(self.hf_model).__name__])[0]
 
     @property
+    def text_config(self):
+        """The language model's config (a vision-language model's ``text_config``)."""
+        return getattr(self.config, "text_config", None) or self.config
+
+    @property
     def max_context_length(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
+        return getattr(self.text_config, "max_position_embeddings", None)
 
     # ---- training forward: decoder layers (checkpointed) and the unembedding apart ---------
     def _decoder_layers(self) -> torch.nn.ModuleList | None:
@@ -161,28 +185,36 @@ class BaseModel:
         see :mod:`polyrl.local.packing`): ``2 * params per block`` over ``4 * heads * head_dim``, halved
         because masked attention runs at about half the speed of the matrix multiplies."""
         layers = self._decoder_layers()
-        heads = getattr(self.config, "num_attention_heads", None)
-        hidden = getattr(self.config, "hidden_size", None)
-        head_dim = getattr(self.config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+        heads = getattr(self.text_config, "num_attention_heads", None)
+        hidden = getattr(self.text_config, "hidden_size", None)
+        text = self.text_config
+        head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
         if not layers or not heads or not head_dim:
             return DEFAULT_LINEAR_PER_PAIR
         per_block = sum(p.numel() for p in layers[0].parameters())
         return 2 * per_block / (4 * heads * head_dim) / MASKED_ATTENTION_SLOWDOWN
 
     def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                       attend: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                       attend: torch.Tensor, **vision: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Packed rows through the model with the active adapter, under a boolean ``attend`` mask
         ``[rows, 1, width, width]`` (query attends to key): ``(last hidden states, True)`` when the
-        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``."""
+        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``. ``vision``:
+        the rows' images (``pixel_values``, ``image_grid_thw``) for a vision-language model, whose
+        ``position_ids`` are then ``[4, rows, width]``."""
         mask: torch.Tensor = attend
         if self.hf_model.config._attn_implementation == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(attend.shape, dtype=self.dtype, device=attend.device)
             mask.masked_fill_(~attend, torch.finfo(self.dtype).min)
-        if self.split_head:
-            out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                              use_cache=False)
+        if vision:  # the multimodal model: images encoded and placed, then the language model
+            out = self.vision.inner(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                    use_cache=False, **vision)
             return out.last_hidden_state, True
-        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        if self.split_head:
+            out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                              attention_mask=mask, use_cache=False)
+            return out.last_hidden_state, True
+        out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                            use_cache=False)
         return out.logits.float(), False
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -221,6 +253,8 @@ class BaseModel:
         kinds = {}
         for name, module in self.hf_model.named_modules():
             lowered = name.lower()
+            if self.vision is not None and {"visual", "vision_tower"} & set(lowered.split(".")):
+                continue  # the vision tower and its projector keep their weights
             if isinstance(module, torch.nn.Linear):
                 if module is out_emb:
                     kinds[name] = ("unembed", "module")
@@ -243,8 +277,9 @@ class BaseModel:
         for kind in (k for k, on in wanted.items() if on):
             if not any(k == kind for k, _ in self._linears.values()):
                 raise UserInputError(
-                    f"train_{kind}: model {self.name!r} ({type(self.hf_model).__name__}) has no {kind} layers "
-                    f"that LoRA can train (linear layers or fused expert weights); set train_{kind} to false"
+                    f"train_{kind}: model {self.name!r} ({type(self.hf_model).__name__}) has no {kind} "
+                    f"layers that LoRA can train (linear layers or fused expert weights); "
+                    f"set train_{kind} to false"
                 )
         chosen = [(name, how) for name, (kind, how) in self._linears.items() if wanted[kind]]
         if not chosen:
@@ -295,7 +330,8 @@ class BaseModel:
                 yield self.hf_model
                 return
             if self.peft_model.active_adapter not in self._adapter_specs:
-                # once the last adapter is deleted PEFT keeps naming it active, and disable_adapter() looks it up
+                # once the last adapter is deleted PEFT keeps naming it active, and disable_adapter()
+                # looks it up
                 self.peft_model.set_adapter(next(iter(self._adapter_specs)))
             with self.peft_model.disable_adapter():
                 yield self.peft_model
@@ -316,7 +352,8 @@ class BaseModel:
         slot = self._sampling_slots.get(key)
         if slot is None:
             slot = f"sampler_{len(self._sampling_slots)}"
-            self.add_adapter(slot, LoraSpec(spec.rank, spec.train_mlp, spec.train_attn, spec.train_unembed, seed=0))
+            self.add_adapter(slot, LoraSpec(spec.rank, spec.train_mlp, spec.train_attn, spec.train_unembed,
+                                            seed=0))
             self._sampling_slots[key] = slot
         if self._slot_owner.get(slot) is not owner:
             with torch.no_grad():
@@ -325,11 +362,43 @@ class BaseModel:
             self._slot_owner[slot] = owner
         return slot
 
+    # ---- sampling ---------------------------------------------------------------------------
+    @property
+    def sampler_note(self) -> str:
+        """One line: the sampler's dtype, why, and the memory of its copy of the weights."""
+        return describe(self.sampler_dtype, self.sampler_reason, self.dtype, self.sampler_bytes)
+
+    @property
+    def sampler_bytes(self) -> int:
+        """Memory the sampler holds beside the learner's weights: its copy, with the snapshots folded in."""
+        return self.sampler_copy.nbytes if self.sampler_copy is not None else 0
+
+    @property
+    def sampler_decode_step(self):
+        """A one-token decode step for the sampling model, faster than its forward where there is one."""
+        return self.sampler_copy.fast_step if self.sampler_copy is not None else None
+
+    def sampler_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states of the model :meth:`use_for_sampling` gives."""
+        return self.sampler_copy.logits(hidden) if self.sampler_copy is not None else self.logits(hidden)
+
     @contextlib.contextmanager
-    def use_for_sampling(self, slot: str) -> Iterator[torch.nn.Module]:
-        """The model with sampling slot ``slot``'s adapter, folded into the weights when affordable
-        (:data:`MERGED_SAMPLING_MAX_BYTES`): each adapted layer's base weight is swapped for
-        ``W + scale * B @ A`` (computed once per snapshot) while the adapters are disabled."""
+    def use_for_sampling(self, slot: str | None) -> Iterator[torch.nn.Module]:
+        """The model to sample from, with sampling slot ``slot``'s adapter (``None``: the bare base model).
+
+        With a sampler copy in its own dtype, the copy with the snapshot folded in. Otherwise the learner's
+        model, the adapter folded into its weights when affordable (:data:`MERGED_SAMPLING_MAX_BYTES`): each
+        adapted layer's base weight is swapped for ``W + scale * B @ A`` (computed once per snapshot) while
+        the adapters are disabled."""
+        if self.sampler_copy is not None:
+            owner = self._slot_owner.get(slot) if slot is not None else None
+            with self.sampler_copy.use(slot, owner, lambda: self._merge_targets(slot)) as model:
+                yield model
+            return
+        if slot is None:
+            with self.use(None) as model:
+                yield model
+            return
         merged = self._merged_weights(slot)
         if merged is None:
             with self.use(slot) as model:
@@ -344,6 +413,25 @@ class BaseModel:
         finally:
             for base_layer, weight in originals:
                 base_layer._parameters["weight"] = weight
+
+    def _merge_targets(self, slot: str) -> list[MergeTarget]:
+        """Every weight sampling slot ``slot``'s adapter changes, named as in the bare model."""
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora.layer import ParamWrapper
+
+        targets = []
+        for name, m in self.peft_model.named_modules():
+            if not (hasattr(m, "lora_A") and slot in m.lora_A):
+                continue
+            path = ".".join(p for p in name.removeprefix("base_model.model.").split(".") if p != "base_layer")
+            if isinstance(m, ParamWrapper):  # fused expert weights; wrappers of one module nest
+                targets.append(MergeTarget(path, m.parameter_name, lambda m=m: m.get_delta_weight(slot)))
+            elif isinstance(m, LoraLinear):
+                targets.append(MergeTarget(path, "weight", lambda m=m: m.get_delta_weight(slot)))
+            else:
+                raise ValueError(f"cannot fold the LoRA of {name} ({type(m).__name__}) into the sampler's "
+                                 "weights")
+        return targets
 
     def _merged_weights(self, slot: str) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
         from peft.tuners.lora import Linear as LoraLinear

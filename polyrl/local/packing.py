@@ -14,6 +14,13 @@ when computing it there (its new tokens, attending over the longer row) costs le
 its own; unrelated datums share a row, without padding between them, up to the length of the
 longest datum (which padding would cost anyway). Rows are then grouped, sorted by length, into
 micro-batches of at most ``budget`` padded tokens: the fewest micro-batches, then the least padding.
+
+Images (vision-language models): a datum's image positions hold a negative key for (the image, its
+place) (:func:`polyrl.local.vision.keyed`), so datums share a prefix only where they show the same images
+at the same places, and a shared image is laid (and encoded) once per row. Each packed token carries its
+datum's multimodal positions (``mrope``: ``[3, length]`` per datum), a shared prefix's being the same in
+every datum that shares it; ``MicroBatch.image_keys`` lists the images in the order their placeholders
+appear in the rows, the order the model fills them in. Packing stays exact with images (tested).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class MicroBatch:
     attend: torch.Tensor  # [rows, 1, width, width] bool: query attends to key
     gather: torch.Tensor  # [sum of datum lengths] flat index into rows * width, datum after datum
     lengths: list[int]  # token count of each datum in ``datums``
+    image_keys: list[int] = field(default_factory=list)  # images, in the order their placeholders appear
+    vision: dict = field(default_factory=dict)  # the images' pixel values and grids (set by the engine)
 
     @property
     def tokens(self) -> int:
@@ -61,7 +70,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def pack_rows(sequences: list[list[int]], max_row: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
+def pack_rows(sequences: list[list[int]], max_row: int,
+              linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
     """Rows holding every sequence, sharing common prefixes of sequences adjacent in sorted order.
 
     Cost of a row of length ``L`` with ``T`` packed tokens: ``linear_per_pair * T + L**2``. A sequence
@@ -122,16 +132,23 @@ def group_rows(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def micro_batches(sequences: list[list[int]], budget: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR,
-                  device: torch.device | str = "cpu") -> list[MicroBatch]:
-    """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens."""
+                  device: torch.device | str = "cpu", mrope: list[torch.Tensor | None] | None = None,
+                  placeholder: int = 0) -> list[MicroBatch]:
+    """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens. With ``mrope``
+    (vision-language models), negative tokens are image keys (laid as ``placeholder``) and positions are
+    ``[4, rows, width]``: the token's index, then its datum's multimodal positions."""
     rows = pack_rows(sequences, budget, linear_per_pair)
-    return [_tensors([rows[i] for i in idx], device) for idx in group_rows([len(r) for r in rows], budget)]
+    return [_tensors([rows[i] for i in idx], device, mrope, placeholder)
+            for idx in group_rows([len(r) for r in rows], budget)]
 
 
-def _tensors(rows: list[Row], device) -> MicroBatch:
+def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = None,
+             placeholder: int = 0) -> MicroBatch:
     width = max(len(r) for r in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
+    multimodal = pos.unsqueeze(0).repeat(3, 1, 1) if mrope is not None else None
+    image_keys: list[int] = []
     attend = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)
     # padding attends to itself only, so no attention row is empty (an empty one is NaN in softmax)
     attend[:, 0].diagonal(dim1=-2, dim2=-1).fill_(True)
@@ -139,8 +156,14 @@ def _tensors(rows: list[Row], device) -> MicroBatch:
     for r, row in enumerate(rows):
         ids[r, : len(row)] = torch.tensor(row.tokens)
         pos[r, : len(row)] = torch.tensor(row.positions)
+        if multimodal is not None:
+            multimodal[:, r, : len(row)] = pos[r, : len(row)]
+            tokens = row.tokens
+            image_keys += [t for k, t in enumerate(tokens) if t < 0 and (k == 0 or tokens[k - 1] != t)]
         for d, path in row.paths.items():
             p = torch.tensor(path)
+            if multimodal is not None and mrope[d] is not None:
+                multimodal[:, r, p] = mrope[d]
             # token k of the datum attends to tokens 0..k of the same datum
             causal = torch.ones((len(p), len(p)), dtype=torch.bool).tril_()
             block = attend[r, 0][p.unsqueeze(1), p.unsqueeze(0)]
@@ -148,4 +171,8 @@ def _tensors(rows: list[Row], device) -> MicroBatch:
             datums.append(d)
             gather.append(p + r * width)
             lengths.append(len(p))
-    return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device), lengths)
+    if multimodal is not None:
+        ids = ids.masked_fill(ids < 0, placeholder)
+        pos = torch.cat([pos.unsqueeze(0), multimodal])
+    return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device),
+                      lengths, image_keys)

@@ -20,12 +20,18 @@ Sampling is by inverse CDF: one uniform number per row per step, vectorised over
 seeded request's rows draw theirs from a counter-based hash of (row seed, step), so a sample never
 depends on its batch, and nothing loops over rows in Python (on a GPU, a per-row generator would
 be one kernel launch per row per step).
+
+Images (vision-language models, ``vision``): prompts are the same when their tokens and images are; a
+batch with images is prefilled through the multimodal model (vision tower, then the language model at
+each token's multimodal positions, ``[4, rows, width]``), and each row decodes at its text position plus
+its prompt's rope delta, on every axis, as the model's own generation does.
 """
 
 from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +39,14 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
+from polyrl.local.cpu_decode import DECODE_ATTENTION
+
 MAX_LOGPROBS_K = 128  # widest top-K / target / alternative-token request (also bounded by the vocabulary)
 TOPK_MASK_LOGPROB = -99999.0  # Tinker's filler for a top-K row with nothing in it (token 0)
 PROMPT_CHUNK_BYTES = 64 << 20  # float32 logits of prompt positions alive at once
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
+PADDED_DECODE_CAPACITY = 64  # the same for a padded cache (see _BufferLayer)
 
 
 @dataclass
@@ -58,12 +67,20 @@ class SampleJob:
     target_prompt: torch.Tensor | None = None  # int64 [len(prompt) - 1, K], -1: nothing asked
     target_layout: types.TensorData | None = None  # a sparse request's layout, which the answer keeps
     alt_k: int = 0  # tokens drawn at each prompt position after the first
+    images: tuple = ()  # a vision-language model's images (polyrl.local.vision.ModelImage)
+    mrope: torch.Tensor | None = None  # [3, len(prompt)] multimodal positions, with images
+    rope_delta: int = 0  # how far decoding's positions run ahead of the token count
 
     @property
     def wants_prompt(self) -> bool:
         """Whether the prefill must unembed every prompt position for this job."""
         return (self.include_prompt_logprobs or self.prompt_only or self.topk_prompt > 0
                 or self.target_prompt is not None or self.alt_k > 0)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two prompts the same: tokens and images (content and place)."""
+        return (tuple(self.prompt), tuple((im.key, im.start) for im in self.images))
 
 
 @functools.cache
@@ -73,33 +90,57 @@ def _buffer_layer_class():
 
     class _BufferLayer(DynamicLayer):
         """A ``DynamicLayer`` that appends into a preallocated buffer (grown by doubling) and returns
-        views of it, instead of concatenating the whole cache on every decode step."""
+        views of it, instead of concatenating the whole cache on every decode step.
 
-        def __init__(self, capacity: int):
+        ``padded``: a one-token step gets the whole buffer instead (zeros past the cached positions, which
+        the attention mask then masks, as for Hugging Face's static cache): a contiguous tensor, which the
+        batched products of :func:`polyrl.local.cpu_decode.decode_attention` need to run at speed in
+        bfloat16 (a view of part of the buffer is copied on every call). The buffer then grows by a quarter,
+        not by doubling, as attention runs over all of it."""
+
+        def __init__(self, capacity: int, padded: bool = False):
             super().__init__()
             self.capacity = capacity
+            self.padded = padded
             self.length = 0
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
             cap = max(self.capacity, key_states.shape[-2])
-            self._k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            new = key_states.new_zeros if self.padded else key_states.new_empty
+            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))  # [B, KV, cap, D]
+            self._v = new((*value_states.shape[:-2], cap, value_states.shape[-1]))
             self.is_initialized = True
+
+        def _reserve(self, end: int) -> None:
+            if end > self._k.shape[-2]:
+                cap = self._k.shape[-2]
+                cap = max(end, cap + max(64, cap // 4) if self.padded else 2 * cap)
+
+                def grow(b: torch.Tensor) -> torch.Tensor:
+                    more = b.new_zeros((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))
+                    return torch.cat([b, more], dim=-2)
+
+                self._k, self._v = grow(self._k), grow(self._v)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.length + key_states.shape[-2]
-            if end > self._k.shape[-2]:
-                cap = max(end, 2 * self._k.shape[-2])
-                grow = lambda b: torch.cat([b, b.new_empty((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))], dim=-2)  # noqa: E731
-                self._k, self._v = grow(self._k), grow(self._v)
+            self._reserve(end)
             self._k[..., self.length : end, :] = key_states
             self._v[..., self.length : end, :] = value_states
             self.length = end
             self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+            if self.padded and key_states.shape[-2] == 1:
+                return self._k, self._v
             return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            if self.padded and query_length == 1 and self.is_initialized:
+                self._reserve(self.length + 1)  # here, so that the mask has the length update returns
+                return self._k.shape[-2], 0
+            return super().get_mask_sizes(query_length)
 
         def get_seq_length(self) -> int:
             return self.length
@@ -110,6 +151,16 @@ def _buffer_layer_class():
                 self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
 
     return _BufferLayer
+
+
+def new_cache(capacity: int, padded: bool = False):
+    """A Hugging Face ``DynamicCache`` whose layers are ``_BufferLayer`` objects of ``capacity`` positions."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    layer_class = _buffer_layer_class()
+    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
+    return cache
 
 
 @dataclass
@@ -141,17 +192,18 @@ def resolve_stops(stop, tokenizer, eos_ids: list[int]) -> tuple[frozenset[int], 
     return frozenset(ids), tuple(strings)
 
 
-def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _filtered_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k and top-p masking, row by row (vectorised)."""
-    x = logits / temps.clamp(min=1e-5).unsqueeze(1)
+    x = logits / temps.clamp(min=1e-5).unsqueeze(1)  # [B, V] / [B, 1]
     needs_k = top_k > 0
     needs_p = top_p < 1.0
     if bool(needs_k.any()) or bool(needs_p.any()):
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # [B, V] each, best first
         vocab = x.shape[-1]
-        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)
-        k = torch.where(needs_k, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
-        drop = ranks >= k
+        ranks = torch.arange(vocab, device=x.device).unsqueeze(0)  # [1, V]
+        k = torch.where(needs_k, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)  # [B, 1]
+        drop = ranks >= k  # [B, V], in sorted order
         probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(-1) - probs  # mass of strictly better tokens
         drop |= before >= top_p.unsqueeze(1)
@@ -196,65 +248,87 @@ def _row_uniforms(seeds: torch.Tensor, seeded: torch.Tensor, step: int, generato
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row ``i``'s token: the first whose cumulative probability reaches ``u[i]`` of the row's total."""
-    cdf = probs.cumsum(-1)
-    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)
-    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    cdf = probs.cumsum(-1)  # [B, V]
+    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)  # [B, 1]
+    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [B]
+
+
+class SamplingStopped(RuntimeError):
+    """The engine is stopping (Ctrl-C, interpreter exit): a decode loop ends at its next step instead of
+    running its jobs to the end, so the worker stops within one step."""
 
 
 @torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
-             logits_fn=None) -> list[types.SampleResponse]:
+             logits_fn=None, vision=None, decode_fn=None,
+             stopping: Callable[[], bool] | None = None) -> list[types.SampleResponse]:
     """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
-    unembeds every position only of the prompts whose logprobs were asked for."""
+    unembeds every position only of the prompts whose logprobs were asked for. ``vision``: a
+    vision-language model's :class:`polyrl.local.vision.Vision` (then ``logits_fn`` is required).
+    ``decode_fn(tokens, positions, mask, cache)``, if given, computes a one-token step's logits in the
+    model's place for rows without multimodal positions (:class:`polyrl.local.cpu_decode.FastDecode`).
+    ``stopping()``, asked before each decode step, ends the loop with :class:`SamplingStopped`."""
     # ---- prefill unique prompts (left-padded) -------------------------------------------------
-    unique: dict[tuple[int, ...], int] = {}
+    unique: dict[tuple, int] = {}
+    first: dict[int, SampleJob] = {}
     for job in jobs:
-        unique.setdefault(tuple(job.prompt), len(unique))
-    prompts = list(unique)
+        first.setdefault(unique.setdefault(job.key, len(unique)), job)
+    prompts = [first[i].prompt for i in range(len(unique))]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     width = int(lengths.max())
-    pad = 0
+    pad = 0  # ids and mask: [B, T], B the unique prompts, left-padded to T = width
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p, device=device)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    lp_prompts = sorted({unique[tuple(j.prompt)] for j in jobs if j.wants_prompt})
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
+    lp_prompts = sorted({unique[j.key] for j in jobs if j.wants_prompt})
+    with_images = [first[i] for i in range(len(prompts)) if first[i].images]
+    deltas = torch.tensor([first[i].rope_delta for i in range(len(prompts))], device=device)
     # decode writes into preallocated per-layer buffers instead of concatenating every step
     # (sized for the expected length, capped so a huge max_tokens does not reserve memory up front)
-    capacity = width + min(INITIAL_DECODE_CAPACITY, max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
-    layer_class = _buffer_layer_class()
-    cache.layer_class_to_replicate = lambda: layer_class(capacity)
-    split = logits_fn is not None and bool(lp_prompts)
-    out = (model.get_decoder() if split else model)(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
-    )
+    capacity = width + min(INITIAL_DECODE_CAPACITY,
+                           max((j.max_tokens for j in jobs if not j.prompt_only), default=0))
+    padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
+    if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
+        capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
+    cache = new_cache(capacity, padded)
+    split = logits_fn is not None and (bool(lp_prompts) or bool(with_images))
+    if with_images:  # the multimodal model: images encoded and placed, multimodal positions
+        multimodal = positions.unsqueeze(0).repeat(3, 1, 1)  # [3, B, T]: time, height, width
+        for i in range(len(prompts)):
+            if first[i].mrope is not None:
+                multimodal[:, i, width - len(prompts[i]):] = first[i].mrope.to(device)
+        out = vision.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                           position_ids=torch.cat([positions.unsqueeze(0), multimodal]),  # [4, B, T]
+                           **vision.inputs([im for job in with_images for im in job.images], device))
+    else:
+        out = (model.get_decoder() if split else model)(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
+        )
     if split:  # unembed the last position of every prompt, every position of the asked-for ones
-        hidden = out.last_hidden_state
-        last_logits = logits_fn(hidden[:, -1, :])
+        hidden = out.last_hidden_state  # [B, T, D]
+        last_logits = logits_fn(hidden[:, -1, :])  # [B, V]
 
         def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
             return logits_fn(hidden[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi])
     else:
-        logits = out.logits
-        last_logits = logits[:, -1, :].float()
+        logits = out.logits  # [B, T, V], or [B, 1, V] when only the last position is kept
+        last_logits = logits[:, -1, :].float()  # [B, V]
 
         def row_logits(i: int, lo: int, hi: int) -> torch.Tensor:
             return logits[i, width - len(prompts[i]) + lo: width - len(prompts[i]) + hi].float()
     prompt_out: dict[int, dict] = {}
     for i in lp_prompts:
-        members = [j for j, job in enumerate(jobs) if unique[tuple(job.prompt)] == i and job.wants_prompt]
+        members = [j for j, job in enumerate(jobs) if unique[job.key] == i and job.wants_prompt]
         prompt_out.update(_prompt_outputs(prompts[i], [jobs[j] for j in members], members,
                                           lambda lo, hi, i=i: row_logits(i, lo, hi), last_logits.shape[-1],
                                           generator))
@@ -274,12 +348,14 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
             seeds = torch.randint(0, 2**62, (job.num_samples,), generator=parent).tolist()
         for seed in seeds:
             rows.append(_Row(job=j))
-            row_prompt.append(unique[tuple(job.prompt)])
+            row_prompt.append(unique[job.key])
             row_seed.append(seed)
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device, generator)
+        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
+                generator, deltas if bool(deltas.any()) else None,
+                decode_fn, stopping)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -320,7 +396,7 @@ def _prompt_outputs(prompt: list[int], jobs: list[SampleJob], ids: list[int], ro
     chunk = max(1, PROMPT_CHUNK_BYTES // (4 * vocab))
     for p in range(start, n, chunk):
         hi = min(n, p + chunk)
-        logits = row_logits(p - 1, hi - 1)  # predicts prompt[p:hi]
+        logits = row_logits(p - 1, hi - 1)  # [C, V]: predicts prompt[p:hi]
         logp = torch.log_softmax(logits, dim=-1)
         picked = logp.gather(-1, torch.tensor(prompt[p:hi], device=logp.device).unsqueeze(-1)).squeeze(-1)
         for out in outs:
@@ -398,19 +474,22 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
     likely token at temperature 0), with the model's logprobs (temperature 1) of them."""
     k, temperature = job.alt_k, job.params.temperature
     if temperature <= 0:
-        tokens = logits.argmax(-1, keepdim=True).expand(-1, k)
+        tokens = logits.argmax(-1, keepdim=True).expand(-1, k)  # [C, K]
     else:
         probs = torch.softmax(logits / temperature, dim=-1)
         tokens = torch.multinomial(probs, k, replacement=True, generator=generator)
     return tokens.cpu().numpy(), logp.gather(-1, tokens).cpu().numpy()
 
 
-def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits, tokenizer, device, generator):
-    index = torch.tensor(row_prompt, device=device)
+def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
+            tokenizer, device, generator, prompt_deltas=None,
+            decode_fn=None, stopping=None):
+    index = torch.tensor(row_prompt, device=device)  # [B]: each sample row's prompt (B is now the samples)
     cache.batch_select_indices(index)
-    mask = prompt_mask[index]
+    mask = prompt_mask[index]  # [B, T]
     next_pos = prompt_lengths[index]
-    logits = prompt_last_logits[index]
+    delta = prompt_deltas[index] if prompt_deltas is not None else None  # multimodal positions run ahead
+    logits = prompt_last_logits[index]  # [B, V]
     temps = torch.tensor([jobs[r.job].params.temperature for r in rows], device=device, dtype=torch.float32)
     top_k = torch.tensor([jobs[r.job].params.top_k or -1 for r in rows], device=device)
     top_p = torch.tensor([jobs[r.job].params.top_p for r in rows], device=device, dtype=torch.float32)
@@ -420,8 +499,9 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     in_cache = list(range(len(rows)))
     any_greedy = bool((temps <= 0).any())
     plain = bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
-    # the attention mask of every step is a view of one buffer (no per-step concatenation)
-    mask_buf = torch.ones((len(rows), mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
+    # the attention mask of every step is a view of one buffer (no per-step concatenation): [B, T + room]
+    mask_buf = torch.ones((len(rows),
+                           mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
                           dtype=mask.dtype, device=device)
     mask_buf[:, : mask.shape[1]] = mask
     width = mask.shape[1]
@@ -431,16 +511,19 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
 
     while True:
-        u = _row_uniforms(seeds[sel], seeded[sel], step, generator)
-        logp = torch.log_softmax(logits, dim=-1)
+        if stopping is not None and stopping():
+            raise SamplingStopped("the local engine is stopping: sampling ended early")
+        u = _row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
+        logp = torch.log_softmax(logits, dim=-1)  # [B, V]
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
             sampled = _inverse_cdf(logp.exp(), u)
         else:
-            sampled = _inverse_cdf(torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
+            sampled = _inverse_cdf(
+                torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
         tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
         step += 1
-        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        if topk_width:
+        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
+        if topk_width:  # [B, K] each
             top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
         for pos, (row_i, tok, lp) in enumerate(zip(in_cache, tokens.tolist(), token_lp.tolist())):
             row = rows[row_i]
@@ -453,7 +536,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
             if tok in job.stop_ids:
                 row.stop_reason = "stop"
-            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars, tokenizer):
+            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars,
+                                                        tokenizer):
                 row.stop_reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.stop_reason = "length"
@@ -464,19 +548,26 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
             keep = torch.tensor(alive, device=device)
             cache.batch_select_indices(keep)
             mask_buf, next_pos, tokens, sel = mask_buf[keep], next_pos[keep], tokens[keep], sel[keep]
+            delta = delta[keep] if delta is not None else None
             in_cache = [in_cache[pos] for pos in alive]
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
-        out = model(
-            input_ids=tokens.unsqueeze(1),
-            attention_mask=mask_buf[:, :width],
-            position_ids=next_pos.unsqueeze(1),
-            past_key_values=cache,
-            use_cache=True,
-        )
+        if decode_fn is not None and delta is None:
+            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()  # [B, V]
+        else:
+            step_pos = next_pos.unsqueeze(1)  # [B, 1]
+            if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
+                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, B, 1]
+            out = model(
+                input_ids=tokens.unsqueeze(1),  # [B, 1]
+                attention_mask=mask_buf[:, :width],
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :].float()  # [B, 1, V] -> [B, V]
         next_pos = next_pos + 1
-        logits = out.logits[:, -1, :].float()
 
 
 def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], max_chars: int, tokenizer) -> bool:

@@ -23,6 +23,7 @@ from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurre
 from tinker.types.optimizer import OptimParamsBase
 
 from polyrl.local import losses
+from polyrl.local.datums import model_input_tokens
 from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, optimizer_type
@@ -133,8 +134,9 @@ def target_ids(td: types.TensorData, n: int, vocab: int, max_k: int) -> torch.Te
 def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int, params: types.SamplingParams,
                     include_prompt_logprobs: bool = False, prompt_only: bool = False,
                     queries: PromptQueries = PromptQueries(), max_k: int = MAX_LOGPROBS_K) -> SampleJob:
-    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``)."""
-    tokens = prompt.to_ints()
+    """A validated :class:`SampleJob` for ``base`` (shared by the in-process client and ``polyrl serve``); a
+    vision-language model's images are decoded and processed here, on the caller's thread."""
+    tokens, found = model_input_tokens(base, prompt, "prompt")
     if not tokens:
         raise ValueError("prompt is empty")
     if min(tokens) < 0 or max(tokens) >= base.vocab_size:
@@ -155,8 +157,9 @@ def make_sample_job(base: BaseModel, prompt: types.ModelInput, num_samples: int,
     eos = base.hf_model.generation_config.eos_token_id if base.hf_model.generation_config else None
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     stop_ids, stop_strings = resolve_stops(params.stop, base.tokenizer, eos_ids)
+    mrope, delta = base.vision.rope(tokens, found) if found else (None, 0)
     job = SampleJob(tokens, num_samples, params, include_prompt_logprobs, stop_ids, stop_strings,
-                    max_tokens, prompt_only)
+                    max_tokens, prompt_only, images=tuple(found), mrope=mrope, rope_delta=delta)
     return queries.apply(job, base.vocab_size, max_k)
 
 
@@ -170,7 +173,9 @@ class ServiceClient:
     tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
     300M parameters and more) trades recomputation for activation memory. ``max_store_bytes`` caps
     the store (a save past it is refused); ``project_id`` (or ``$TINKER_PROJECT_ID``) is where
-    ``copy_weights`` puts copies, as in the SDK.
+    ``copy_weights`` puts copies, as in the SDK. ``sampler_dtype`` is the dtype sampling computes in
+    (``auto``: bfloat16 where the device runs it fast; see
+    :func:`polyrl.local.sampler_copy.select_sampler_dtype`).
 
     The client is the session: the sequences its samplers record (``record_stability_info=True``) are
     what its training clients' ``stable_reinforce`` datums may name (:mod:`polyrl.local.stability`).
@@ -179,9 +184,9 @@ class ServiceClient:
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-                 project_id: str | None = None, **_ignored: Any):
+                 project_id: str | None = None, sampler_dtype: str = "auto", **_ignored: Any):
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                    max_store_bytes)
+                                    max_store_bytes, sampler_dtype)
         self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self.records = SequenceRecords()
@@ -201,8 +206,9 @@ class ServiceClient:
         return f"{self.session_id}:train:{next(self._counter)}"
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
-                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict[str, str] | None = None, optimizer: Any = None) -> ClientFuture:
+                                    train_mlp: bool = True, train_attn: bool = True,
+                                    train_unembed: bool = True, user_metadata: dict[str, str] | None = None,
+                                    optimizer: Any = None) -> ClientFuture:
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
         if not (train_mlp or train_attn or train_unembed):
@@ -218,12 +224,14 @@ class ServiceClient:
 
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
-                                          weights_access_token: str | None = None, optimizer: Any = None) -> ClientFuture:
+                                          weights_access_token: str | None = None,
+                                          optimizer: Any = None) -> ClientFuture:
         return self._from_state(path, with_optimizer=False, optimizer=optimizer_type(optimizer))
 
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
-                                                         weights_access_token: str | None = None) -> ClientFuture:
+                                                         weights_access_token: str | None = None
+                                                         ) -> ClientFuture:
         return self._from_state(path, with_optimizer=True)
 
     def _from_state(self, path: str, with_optimizer: bool, optimizer: str = "adamw") -> ClientFuture:
@@ -257,6 +265,16 @@ class ServiceClient:
             ]
         )
 
+    def sampler_precision(self) -> list[dict[str, Any]]:
+        """For each base model loaded: the sampler's dtype and the learner's, why (``note``: one line), and
+        the memory of the sampler's own copy of the weights (0 when it samples from the learner's)."""
+        def read() -> list[dict[str, Any]]:
+            return [{"model": b.name, "sampler_dtype": str(b.sampler_dtype).removeprefix("torch."),
+                     "learner_dtype": str(b.dtype).removeprefix("torch."), "copy_bytes": b.sampler_bytes,
+                     "note": b.sampler_note} for b in self.engine.loaded_models()]
+
+        return self.engine.call(read)
+
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)
 
@@ -276,7 +294,8 @@ class ServiceClient:
     async def create_training_client_from_state_async(self, *args, **kwargs) -> "TrainingClient":
         return await self.create_training_client_from_state(*args, **kwargs)
 
-    async def create_training_client_from_state_with_optimizer_async(self, *args, **kwargs) -> "TrainingClient":
+    async def create_training_client_from_state_with_optimizer_async(self, *args,
+                                                                     **kwargs) -> "TrainingClient":
         return await self.create_training_client_from_state_with_optimizer(*args, **kwargs)
 
     async def create_sampling_client_async(self, *args, **kwargs) -> "SamplingClient":
@@ -307,17 +326,20 @@ class TrainingClient:
     def _submit(self, fn) -> APIFuture:
         return AwaitableConcurrentFuture(self._engine.submit(fn))
 
-    def forward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward(self, data: list[types.Datum], loss_fn: str,
+                loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
         return self._submit(lambda: self._engine.forward_backward(
             self._state, data, loss_fn, loss_fn_config, backward=False, provenance=self._provenance))
 
-    def forward_backward(self, data: list[types.Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward_backward(self, data: list[types.Datum], loss_fn: str,
+                         loss_fn_config: dict | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         losses.get_loss(loss_fn)
         return self._submit(lambda: self._engine.forward_backward(
             self._state, data, loss_fn, loss_fn_config, backward=True, provenance=self._provenance))
 
-    def forward_backward_custom(self, data: list[types.Datum], loss_fn, *, loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
+    def forward_backward_custom(self, data: list[types.Datum], loss_fn, *,
+                                loss_type_input: str | None = None) -> APIFuture[types.ForwardBackwardOutput]:
         return self._submit(lambda: self._engine.forward_backward_custom(self._state, data, loss_fn))
 
     def optim_step(self, optim_params: Any = None, *,
@@ -340,7 +362,8 @@ class TrainingClient:
             path=self._engine.save_state(self._state, name, overwrite, user_metadata, ttl_seconds)))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
-                                 user_metadata: dict[str, str] | None = None) -> APIFuture[types.SaveWeightsForSamplerResponse]:
+                                 user_metadata: dict[str, str] | None = None
+                                 ) -> APIFuture[types.SaveWeightsForSamplerResponse]:
         return self._submit(lambda: types.SaveWeightsForSamplerResponse(
             path=self._engine.save_for_sampler(self._state, name, user_metadata, ttl_seconds)))
 
@@ -351,7 +374,8 @@ class TrainingClient:
             path=self._engine.save_external(self._state, name, ttl_seconds, age_encryption_recipients)))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
-                                             record_stability_info: bool = False, kind: str = "snapshot") -> ClientFuture:
+                                             record_stability_info: bool = False,
+                                             kind: str = "snapshot") -> ClientFuture:
         def op() -> SamplerState:
             path = self._engine.save_for_sampler(self._state, name) if name else None
             return self._engine.snapshot_sampler(self._state, path)
@@ -364,10 +388,13 @@ class TrainingClient:
         fut = self._engine.submit(lambda: self._engine.load_sampler(model_path))
         return ClientFuture(_chain(fut, lambda s: self._sampling_client(s, record_stability_info)))
 
-    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state(self, path: str,
+                   weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
         return self._load(path, with_optimizer=False)
 
-    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture[types.LoadWeightsResponse]:
+    def load_state_with_optimizer(self, path: str,
+                                  weights_access_token: str | None = None
+                                  ) -> APIFuture[types.LoadWeightsResponse]:
         return self._load(path, with_optimizer=True)
 
     def _load(self, path: str, with_optimizer: bool) -> APIFuture[types.LoadWeightsResponse]:
@@ -443,8 +470,9 @@ class SamplingClient:
         self.model_path = state.model_path
 
     def sample(self, prompt: types.ModelInput, num_samples: int, sampling_params: types.SamplingParams,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
-               target_prompt_logprobs: types.TensorData | None = None, prompt_alt_tokens_k: int = 0,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+               topk_sample_logprobs: int = 0, target_prompt_logprobs: types.TensorData | None = None,
+               prompt_alt_tokens_k: int = 0,
                prompt_logprobs_last_n: int | None = None) -> APIFuture[types.SampleResponse]:
         queries = PromptQueries(topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
                                 prompt_alt_tokens_k, prompt_logprobs_last_n)
@@ -456,7 +484,8 @@ class SamplingClient:
             fut = _chain(fut, lambda r: record_sequences(records, LOCAL_OWNER, session, job.prompt, r))
         return AwaitableConcurrentFuture(fut)
 
-    def compute_logprobs(self, prompt: types.ModelInput, prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
+    def compute_logprobs(self, prompt: types.ModelInput,
+                         prompt_logprobs_last_n: int | None = None) -> APIFuture[list[float | None]]:
         queries = PromptQueries(prompt_logprobs_last_n=prompt_logprobs_last_n)
         job = make_sample_job(self._state.base, prompt, 1, types.SamplingParams(max_tokens=1),
                               prompt_only=True, queries=queries)

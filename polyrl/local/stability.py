@@ -172,7 +172,9 @@ def _walk(where: str, spans: Sequence[types.PromptProvenanceSpan | types.Sampled
           values: np.ndarray, take: Callable[[str], _Record],
           sampled_out: tuple[np.ndarray, np.ndarray] | None) -> None:
     """Check that ``spans`` tile ``values`` and that each position holds the recorded token; with
-    ``sampled_out``, mark the sampled positions and copy their recorded logprobs."""
+    ``sampled_out`` (the targets), mark the sampled positions and copy their recorded logprobs. Targets
+    under a prompt span are not compared: the loss never trains them, and clients fill them with
+    placeholders (tinker-cookbook's ``rl_loop`` pads them with token 0)."""
     pos = 0
     for k, span in enumerate(spans):
         rec = take(span.sequence_id)
@@ -187,7 +189,7 @@ def _walk(where: str, spans: Sequence[types.PromptProvenanceSpan | types.Sampled
             raise ValueError(f"{where} cover more than the field's {len(values)} positions")
         here = values[pos:pos + span.length]
         recorded = source[span.offset:end]
-        bad = np.flatnonzero(here != recorded)
+        bad = np.flatnonzero(here != recorded) if is_sampled or sampled_out is None else []
         if len(bad):
             j = int(bad[0])
             raise ValueError(f"{where}[{k}]: position {pos + j} holds token {int(here[j])}, but sequence "

@@ -41,7 +41,8 @@ def check_gguf_file(path: str | Path) -> Path:
     with open(file, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise UserInputError(f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        raise UserInputError(f"{str(path)!r} is not a GGUF file "
+                             "(it does not start with the GGUF magic bytes)")
     return file.resolve()
 
 

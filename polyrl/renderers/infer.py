@@ -4,10 +4,12 @@
    The model is looked up by its hub id, and for a local directory by what it tells of its origin
    (``config.json``/``tokenizer_config.json`` names, a hub-cache ``models--org--name`` path, an
    ``org/name`` or ``name`` at the end of the path), names compared without case.
-2. Otherwise the tokenizer's special tokens, for local and tiny models: Llama 3 header tokens ->
-   ``llama3``; ChatML -> ``qwen3`` when the template is Qwen3's (``<think>`` / JSON ``<tool_call>``),
-   else ``chatml``. A ChatML template with Qwen3.5-style XML tool calls, or a name of a Qwen after
-   Qwen3, is not guessed at: Qwen3.5, Qwen3.8 and Nemotron 3 all look like that and differ.
+2. Otherwise the tokenizer's special tokens, for local and tiny models: a Qwen3-VL model directory
+   (``model_type: qwen3_vl``) -> ``qwen3_vl`` when its template thinks (``<think>``), else
+   ``qwen3_vl_instruct``; Llama 3 header tokens -> ``llama3``; ChatML -> ``qwen3`` when the template is
+   Qwen3's (``<think>`` / JSON ``<tool_call>``), else ``chatml``. A ChatML template with Qwen3.5-style
+   XML tool calls, or a name of a Qwen after Qwen3, is not guessed at: Qwen3.5, Qwen3.8 and Nemotron 3
+   all look like that and differ.
 3. Anything else is an error naming the model and the renderer choices: a wrong format silently
    ruins training.
 """
@@ -55,6 +57,8 @@ def infer_renderer(model_name_or_path: str, tokenizer: Any) -> str:
         return single_token_id(tokenizer, token) is not None
 
     choices = f"set `renderer:` in the config to one of: {', '.join(renderer_names())}"
+    if _model_type(str(model_name_or_path)) == "qwen3_vl" and has("<|image_pad|>"):
+        return "qwen3_vl" if "<think>" in template else "qwen3_vl_instruct"
     if has("<|im_start|>") and has("<|im_end|>"):
         if "<function=" in template or any(_AFTER_QWEN3.search(n) for n in names):
             raise UserInputError(
@@ -94,6 +98,16 @@ def _lineup_index() -> dict[str, str]:
             index[f"{attrs.organization}/{version}".lower()] = renderer
             index.setdefault(version.lower(), renderer)
     return index
+
+
+def _model_type(model: str) -> str | None:
+    """``model_type`` of a local model directory's ``config.json``, if it has one."""
+    try:
+        with open(os.path.join(os.path.expanduser(model), "config.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def _candidate_names(model: str) -> list[str]:

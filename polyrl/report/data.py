@@ -102,8 +102,8 @@ CHARTS: list[tuple[str, str, str, list[tuple[str, str]] | PerEnv]] = [
     ("success", "Success (eval pass@k as points)", "", ("success/mean", "success/mean")),
     ("kl", "KL sample → learner", "", [("optim/kl_sample_train_v1", "v1"),
                                          ("optim/kl_sample_train_v2", "v2")]),
-    ("kl_reference", "KL sample → reference (penalized)", "", [("kl/reference", "kl/reference"),
-                                                                ("kl_policy_base", "kl_policy_base (cookbook)")]),
+    ("kl_reference", "KL sample → reference (penalized)", "",
+     [("kl/reference", "kl/reference"), ("kl_policy_base", "kl_policy_base (cookbook)")]),
     ("kl_teacher", "KL sample → teacher (distilled)", "", [("kl/teacher", "kl/teacher"),
                                                           ("teacher_kl", "teacher_kl (cookbook)")]),
     ("entropy", "Entropy (sampled tokens)", "nats", [("optim/entropy", "entropy")]),
@@ -225,12 +225,36 @@ def compact_episode(row: dict, index: int) -> dict:
         "lag": _lag(row),
         "metrics": {k: clean_number(v) for k, v in (row.get("metrics") or {}).items()},
         "dur": clean_number(row.get("duration_s"), 3),
-        "messages": row.get("messages") or [],
+        "messages": [_with_safe_images(m) for m in row.get("messages") or []],
+        "images": [{"start": s["start"], "length": s["length"], "image": s["image"]}
+                   for s in row.get("images") or [] if isinstance(s, dict) and _stored_image(s.get("image"))],
         "text": text,
         "lp": [clean_number(x, 3) if m else 0 for x, m in zip(row.get("logprobs") or [], mask)],
         "mask": mask_runs(mask),
         "spans": row.get("turn_spans") or [],
     }
+
+
+_STORED_IMAGE = re.compile(r"images/[0-9a-f]{32}\.(jpeg|png)")
+
+
+def _stored_image(name: Any) -> bool:
+    """Whether ``name`` is an image the run stored (``images/<hash>.<format>``), the only files the
+    report links to."""
+    return isinstance(name, str) and _STORED_IMAGE.fullmatch(name) is not None
+
+
+def _with_safe_images(message: Any) -> Any:
+    """A message whose image parts name only stored images (any other source shows as a plain image part)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = []
+    for part in message["content"]:
+        if isinstance(part, dict) and part.get("type") in ("image", "image_url"):
+            part = {"type": "image", "image": part.get("image") if _stored_image(part.get("image")) else None,
+                    "width": part.get("width"), "height": part.get("height")}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def _lag(row: dict) -> int | None:

@@ -172,8 +172,8 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        msg = f"{request.method} {request.url.path} is not an endpoint of polyrl serve" if e.status_code in (404, 405) \
-            else str(e.detail)
+        msg = f"{request.method} {request.url.path} is not an endpoint of polyrl serve" \
+            if e.status_code in (404, 405) else str(e.detail)
         return JSONResponse({"error": msg, "category": "user"}, e.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -190,7 +190,8 @@ def create_app(server: Server) -> FastAPI:
         limit = cfg.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body of {int(declared)} bytes exceeds the server's limit of {limit} bytes")
+            raise RequestError(413, f"request body of {int(declared)} bytes exceeds the server's limit "
+                                    f"of {limit} bytes")
         parts, size = [], 0
         try:
             async for chunk in request.stream():
@@ -210,7 +211,8 @@ def create_app(server: Server) -> FastAPI:
                 while chunk := reader.read(1 << 20):
                     out += chunk
                     if len(out) > limit:
-                        raise RequestError(413, f"decompressed body exceeds the server's limit of {limit} bytes")
+                        raise RequestError(413, f"decompressed body exceeds the server's limit "
+                                                f"of {limit} bytes")
             except zstandard.ZstdError as e:
                 raise RequestError(400, f"bad zstd body: {e}") from None
             data = bytes(out)
@@ -330,7 +332,8 @@ def create_app(server: Server) -> FastAPI:
     # ---- sampling ----------------------------------------------------------------------------------
     @app.post(f"{api}/create_sampling_session")
     async def create_sampling_session(request: Request):
-        return ok(server.create_sampling_session(await parse(request, P.CreateSamplingSessionReq), owner(request)))
+        return ok(server.create_sampling_session(await parse(request, P.CreateSamplingSessionReq),
+                                                 owner(request)))
 
     @app.get(api + "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request):
@@ -343,7 +346,8 @@ def create_app(server: Server) -> FastAPI:
     @app.post(f"{api}/retrieve_future")
     async def retrieve_future(request: Request):
         req = await parse(request, P.RetrieveFutureReq)
-        status, payload = await server.retrieve(req, PROTOBUF in request.headers.get("accept", ""), owner(request))
+        status, payload = await server.retrieve(req, PROTOBUF in request.headers.get("accept", ""),
+                                                owner(request))
         return ok(payload, status)
 
     # ---- training runs and checkpoints (REST) --------------------------------------------------------
@@ -405,7 +409,8 @@ def create_app(server: Server) -> FastAPI:
         return ok({})
 
     @app.get(f"{api}/checkpoints")
-    async def user_checkpoints(request: Request, limit: int = Query(100, **page), offset: int = Query(0, **page)):
+    async def user_checkpoints(request: Request, limit: int = Query(100, **page),
+                               offset: int = Query(0, **page)):
         return ok(server.user_checkpoints(limit, offset, owner(request)))
 
     @app.post(f"{api}/weights_info")

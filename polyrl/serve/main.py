@@ -29,6 +29,10 @@ LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's 
     ("--max-request-datums", 1024, "datums in one forward_backward request (the SDK splits larger batches)"),
     ("--max-target-k", 128, "largest K of an (N, K) loss input, such as top-K targets, and of a sampling "
                             "request's top-K, target or alternative-token logprobs"),
+    ("--max-request-images", 64, "images in one forward_backward request, or one prompt"),
+    ("--max-image-bytes", 20 << 20, "encoded bytes of one image (413 past it)"),
+    ("--max-image-pixels", 36_000_000, "declared width x height of one image, read from its header before "
+                                       "anything is decoded (413 past it)"),
     ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done "
                                         "(one forward_backward call's chunks must fit in it together)"),
     ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
@@ -56,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype sampling computes in, apart from training (a copy of the weights); auto: "
+                        "bfloat16 on GPUs and on CPUs with native bfloat16 arithmetic, else --dtype's")
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per forward/backward pass (default {DEFAULT_MICRO_BATCH_TOKENS}); lower it "
                         "if training runs out of memory")
@@ -120,6 +127,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                              f"{args.micro_batch_tokens}")
     checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
     local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
+                              sampler_dtype=args.sampler_dtype,
                               micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
                               gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes)
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,
@@ -127,7 +135,9 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,
                        sample_quiet_ms=args.sample_gather_ms, preload=not args.no_preload,
                        max_request_tokens=args.max_request_tokens, max_request_datums=args.max_request_datums,
-                       max_target_k=args.max_target_k, max_tokens_in_flight=args.max_tokens_in_flight,
+                       max_target_k=args.max_target_k, max_request_images=args.max_request_images,
+                       max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                       max_tokens_in_flight=args.max_tokens_in_flight,
                        max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
                        max_recorded_tokens=args.max_recorded_tokens, sweep_interval_s=args.sweep_interval,
                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)

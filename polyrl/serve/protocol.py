@@ -1,8 +1,8 @@
-"""Tinker's wire formats: JSON request bodies in, protobuf and JSON results out.
+"""Tinker's wire formats in: JSON request bodies and protobuf ``forward_backward`` requests.
 
-Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the encodings mirror the
-SDK's ``request_conv`` (what it sends) and ``response_conv`` (what it decodes); a ``SampleResponse``'s
-are :mod:`polyrl.serve.sample_wire`'s. JSON bodies are
+Protobuf messages are the SDK's own (``tinker.proto.tinker_public_pb2``); the decodings mirror the
+SDK's ``request_conv`` (what it sends); results go out through :mod:`polyrl.serve.output_wire`
+(``forward_backward``) and :mod:`polyrl.serve.sample_wire` (``SampleResponse``). JSON bodies are
 validated with small models that ignore unknown keys (a newer SDK may send more) and reuse the
 SDK's own types for the nested parts (``ModelInput``, ``SamplingParams``, ``AdamParams``, ``LoraConfig``).
 """
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from polyrl import images
 from polyrl.local.optim import DimuonSettings
 
 
@@ -101,11 +102,12 @@ class OptimStepReq(_Req):
         if p is not None:
             for name in ("learning_rate", "eps", "weight_decay"):
                 value = getattr(p, name)
-                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0", value)
+                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0",
+                       value)
             for name in ("beta1", "beta2"):
                 _check(0 <= getattr(p, name) < 1, f"adam_params.{name}", "in [0, 1)", getattr(p, name))
-            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm", "finite (<= 0: no clipping)",
-                   p.grad_clip_norm)
+            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm",
+                   "finite (<= 0: no clipping)", p.grad_clip_norm)
         return self
 
 
@@ -157,10 +159,12 @@ class SampleReq(_Req):
         _check(math.isfinite(p.temperature) and p.temperature >= 0, "sampling_params.temperature",
                "a finite number >= 0", p.temperature)
         _check(0 < p.top_p <= 1, "sampling_params.top_p", "in (0, 1]", p.top_p)
-        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count", p.top_k)
-        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens", "a positive count",
-               p.max_tokens)
-        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer", p.seed)
+        _check(-1 <= p.top_k < 2**31, "sampling_params.top_k", "-1 (no limit), 0 or a positive count",
+               p.top_k)
+        _check(p.max_tokens is None or 1 <= p.max_tokens < 2**31, "sampling_params.max_tokens",
+               "a positive count", p.max_tokens)
+        _check(p.seed is None or -(2**63) <= p.seed < 2**64, "sampling_params.seed", "a 64-bit integer",
+               p.seed)
         return self
 
 
@@ -234,13 +238,15 @@ def peek_json_ids(body: bytes) -> tuple[str, int] | None:
         model_id, seq_id = data["model_id"], data["seq_id"]
     except Exception:  # noqa: BLE001
         return None
-    ok = isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+    ok = (isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool)
+          and seq_id >= 1)
     return (model_id, seq_id) if ok else None
 
 
 def _summarize(e: ValidationError, limit: int = 3) -> str:
     errors = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}" for err in errors[:limit]]
+    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}"
+             for err in errors[:limit]]
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
@@ -321,6 +327,9 @@ class RequestLimits:
     max_tokens: int = 1 << 20  # model_input tokens of all datums
     max_datums: int = 1024
     max_k: int = 128  # K of an (N, K) loss input, such as top-K targets
+    max_images: int = 64  # images of all datums (or of one prompt)
+    max_image_bytes: int = images.MAX_IMAGE_BYTES  # one encoded image
+    max_image_pixels: int = images.MAX_IMAGE_PIXELS  # one image's declared width x height
 
     @property
     def max_values(self) -> int:
@@ -343,13 +352,15 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     try:
         msg.ParseFromString(body)
     except DecodeError as e:
-        raise RequestError(400, f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf: {e}") from None
+        raise RequestError(400, "forward_backward body is not a tinker_public.ForwardBackwardRequest "
+                                f"protobuf: {e}") from None
     if not msg.model_id:
         raise RequestError(400, "forward_backward request has no model_id")
     if msg.seq_id < 1:
         raise RequestError(400, f"forward_backward request needs a seq_id >= 1, got {msg.seq_id}")
     if msg.loss_fn_config_v2:
-        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number) for k, v in msg.loss_fn_config_v2.items()}
+        config = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
+                  for k, v in msg.loss_fn_config_v2.items()}
     else:
         config = dict(msg.loss_fn_config)
     for k, v in config.items():
@@ -358,13 +369,17 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     if len(msg.data) > limits.max_datums:
         raise RequestError(400, f"forward_backward request holds {len(msg.data)} datums; this server takes "
                                 f"at most {limits.max_datums} per request (--max-request-datums)")
-    tokens = values = 0
+    tokens = values = pictures = 0
     for i, d in enumerate(msg.data):
         try:
-            n, v = _datum_size(d, limits.max_k)
+            n, v, k = _datum_size(d, limits)
         except ValueError as e:
-            raise RequestError(400, f"data[{i}]: {e}") from None
-        tokens, values = tokens + n, values + v
+            raise RequestError(413 if isinstance(e, _TooLarge) else 400, f"data[{i}]: {e}") from None
+        tokens, values, pictures = tokens + n, values + v, pictures + k
+        if pictures > limits.max_images:
+            raise RequestError(400, f"forward_backward request holds more than {limits.max_images} images; "
+                                    f"this server takes at most {limits.max_images} per request "
+                                    "(--max-request-images)")
     if tokens > limits.max_tokens:
         raise RequestError(400, f"forward_backward request holds {tokens} tokens; this server takes at most "
                                 f"{limits.max_tokens} per request (--max-request-tokens)")
@@ -381,21 +396,66 @@ def decode_forward_backward(body: bytes, limits: RequestLimits = RequestLimits()
     return ForwardBackwardReq(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only, tokens)
 
 
-def _datum_size(d: pb.Datum, max_k: int) -> tuple[int, int]:
-    """(tokens, loss-input values) of a datum, from what its protobuf declares; a ValueError for a shape
-    that does not fit the datum. Nothing is decoded or allocated here."""
-    n = 0
-    for c in d.model_input:
+class _TooLarge(ValueError):
+    """An image past the server's bytes or pixels bound (413)."""
+
+
+def check_image(data: bytes, fmt: str, expected_tokens: int | None, limits: RequestLimits, where: str) -> int:
+    """An image chunk's token count, once its format, declared size and bytes are within ``limits``
+    (from the header alone: nothing is decoded); a ValueError naming the problem otherwise."""
+    if fmt not in ("png", "jpeg"):
+        raise ValueError(f"{where}: image format must be 'png' or 'jpeg', got {fmt!r}")
+    if not expected_tokens or expected_tokens < 1:
+        raise ValueError(f"{where}: an ImageChunk needs expected_tokens (the image's token count)")
+    try:
+        images.check_header(data, images.ImageLimits(limits.max_image_bytes, limits.max_image_pixels))
+    except images.ImageError as e:
+        too_large = "more than max_image" in str(e)
+        flag = " (--max-image-bytes / --max-image-pixels)" if too_large else ""
+        raise (_TooLarge if too_large else ValueError)(f"{where}: {e}{flag}") from None
+    return int(expected_tokens)
+
+
+def check_prompt_images(model_input: types.ModelInput, limits: RequestLimits, where: str = "prompt") -> None:
+    """The images of a JSON request's ``ModelInput`` within ``limits``: a RequestError (400, 413) naming
+    the first problem; an ``ImageAssetPointerChunk`` (an asset this server has no store for) is refused."""
+    found = [c for c in model_input.chunks if getattr(c, "type", None) != "encoded_text"]
+    if len(found) > limits.max_images:
+        raise RequestError(400, f"{where} holds {len(found)} images; this server takes at most "
+                                f"{limits.max_images} per request (--max-request-images)")
+    for k, chunk in enumerate(model_input.chunks):
+        if chunk.type == "image_asset_pointer":
+            raise RequestError(400, f"{where} chunk {k} is an image_asset_pointer; polyrl serve has no asset "
+                                    "store: send the image's bytes as an ImageChunk")
+        if chunk.type == "image":
+            try:
+                check_image(chunk.data, chunk.format, chunk.expected_tokens, limits, f"{where} chunk {k}")
+            except ValueError as e:
+                raise RequestError(413 if isinstance(e, _TooLarge) else 400, str(e)) from None
+
+
+def _datum_size(d: pb.Datum, limits: RequestLimits) -> tuple[int, int, int]:
+    """(tokens, loss-input values, images) of a datum, from what its protobuf declares; a ValueError for a
+    shape that does not fit the datum. Nothing is decoded or allocated here (an image's header is read)."""
+    n = pictures = 0
+    for k, c in enumerate(d.model_input):
         kind = c.WhichOneof("chunk")
+        if kind == "image":
+            image = c.image
+            n += check_image(image.data, image.format, image.expected_tokens, limits,
+                             f"model_input chunk {k}")
+            pictures += 1
+            continue
         if kind != "encoded_text":
-            raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text tokens only")
+            raise ValueError(f"model_input has a {kind or 'empty'} chunk; this server takes text and image "
+                             "chunks")
         size = len(c.encoded_text.tokens)
         if size % 4:
             raise ValueError(f"model_input tokens are {size} bytes, not a whole number of int32s")
         n += size // 4
     if n == 0:  # every datum costs at least a token, so the limits on tokens bound datums too
         raise ValueError("model_input is empty")
-    return n, sum(_tensor_size(name, t, n, max_k) for name, t in d.loss_fn_inputs.items())
+    return n, sum(_tensor_size(name, t, n, limits.max_k) for name, t in d.loss_fn_inputs.items()), pictures
 
 
 def _tensor_size(name: str, t: pb.Tensor, n: int, max_k: int) -> int:
@@ -438,10 +498,13 @@ def _valid_csr(crow: np.ndarray, col: np.ndarray, nnz: int, shape: list[int]) ->
 
 
 def _decode_datum(d: pb.Datum) -> types.Datum:
-    chunks = [types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
+    chunks = [types.ImageChunk(data=c.image.data, format=c.image.format,
+                               expected_tokens=c.image.expected_tokens)
+              if c.WhichOneof("chunk") == "image" else
+              types.EncodedTextChunk(tokens=np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist())
               for c in d.model_input]
     inputs = {name: _decode_tensor(name, t) for name, t in d.loss_fn_inputs.items()}
-    n = sum(len(c.tokens) for c in chunks)
+    n = sum(c.length for c in chunks)
     spans = {}
     for name in ("model_input_spans", "loss_fn_input_spans"):
         given = getattr(d, name)
@@ -494,49 +557,3 @@ def _decode_tensor(name: str, t: pb.Tensor) -> types.TensorData:
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # one NaN would poison the adapter's weights
         raise ValueError(f"{field} holds values that are not finite (NaN or infinity)")
     return types.TensorData(data=arr, dtype=dtype, shape=shape)
-
-
-# ---- results ----------------------------------------------------------------------------------------
-_OUT_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
-
-
-def encode_forward_backward_output(out: types.ForwardBackwardOutput) -> bytes:
-    """``ForwardBackwardOutput`` as one ``ArrayRecord`` of per-datum arrays (what the SDK decodes)."""
-    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
-    for k, v in out.metrics.items():
-        msg.metrics[k] = float(v)
-    outputs = out.loss_fn_outputs
-    names = list(outputs[0]) if outputs else []
-    trailing = [tuple(tuple(o[name].to_numpy().shape[1:]) for name in names) for o in outputs]
-    start = 0
-    while start < len(outputs):  # one record per run of datums whose outputs share their trailing shapes
-        end = start + 1
-        while end < len(outputs) and trailing[end] == trailing[start]:
-            end += 1
-        record = msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord",
-                                         num_datums=end - start)
-        for name in names:
-            arrays = [np.ascontiguousarray(o[name].to_numpy()) for o in outputs[start:end]]
-            dtype = np.dtype(np.float32) if arrays[0].dtype.kind == "f" else np.dtype(np.int64)
-            arrays = [a.astype(dtype, copy=False) for a in arrays]
-            offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-            offsets[1:] = np.cumsum([a.nbytes for a in arrays])
-            bt = record.fields[name]
-            bt.data = b"".join(a.tobytes() for a in arrays)
-            bt.offsets = offsets.tobytes()
-            bt.dtype = _OUT_DTYPES[dtype]
-            bt.trailing_shape.extend(arrays[0].shape[1:])
-        start = end
-    if not outputs:
-        msg.loss_fn_outputs.add(type_tag=out.loss_fn_output_type or "ArrayRecord", num_datums=0)
-    return msg.SerializeToString()
-
-
-def forward_backward_output_json(out: types.ForwardBackwardOutput) -> dict:
-    return {
-        "loss_fn_output_type": out.loss_fn_output_type,
-        "loss_fn_outputs": [{k: {"data": td.to_numpy().reshape(-1).tolist(), "dtype": td.dtype,
-                                 "shape": list(td.to_numpy().shape)} for k, td in o.items()}
-                            for o in out.loss_fn_outputs],
-        "metrics": dict(out.metrics),
-    }

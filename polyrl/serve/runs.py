@@ -56,8 +56,9 @@ class Runs:
         d = self.store.run_directory(run_id)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps({"training_run_id": run_id, "owner": owner, "base_model": base_model, "lora": lora,
-                                   "user_metadata": _str_dict(user_metadata), "created": _iso(time.time()),
+        tmp.write_text(json.dumps({"training_run_id": run_id, "owner": owner, "base_model": base_model,
+                                   "lora": lora, "user_metadata": _str_dict(user_metadata),
+                                   "created": _iso(time.time()),
                                    **extra}, indent=2))
         os.replace(tmp, d / RUN_FILE)
 
@@ -78,7 +79,8 @@ class Runs:
             return None
 
     def owner(self, run_id: str) -> str | None:
-        """The owner of a run in the store: a key digest, ``""`` for a run no key owns, None if there is no run."""
+        """The owner of a run in the store: a key digest, ``""`` for a run no key owns, None if there is no
+        run."""
         d = self.store.run_directory(run_id)
         if not (d / RUN_FILE).exists():
             return "" if d.is_dir() else None
@@ -134,7 +136,8 @@ class Runs:
         sampler = [c for c in cps if c["checkpoint_type"] == "sampler"]
         return {
             "training_run_id": run_id,
-            "base_model": live.get("base_model") or info.get("base_model") or latest_meta.get("base_model", "unknown"),
+            "base_model": (live.get("base_model") or info.get("base_model")
+                           or latest_meta.get("base_model", "unknown")),
             "model_owner": "local",
             "is_lora": True,
             "corrupted": False,
@@ -142,7 +145,8 @@ class Runs:
             "last_request_time": max(times) if times else _iso(time.time()),
             "last_checkpoint": training[-1] if training else None,
             "last_sampler_checkpoint": sampler[-1] if sampler else None,
-            "user_metadata": _str_dict(live.get("user_metadata") if "user_metadata" in live else info.get("user_metadata")),
+            "user_metadata": _str_dict(live.get("user_metadata") if "user_metadata" in live
+                                       else info.get("user_metadata")),
         }
 
     def _meta(self, tinker_path: str) -> dict:

@@ -8,11 +8,12 @@ as for an id that never existed.
 Training operations are closures the engine's worker thread runs in each model's ``seq_id``
 order (:class:`~polyrl.serve.state.OrderedOps`); sampling bypasses that order and is gathered
 into the engine's sampling batches (:class:`~polyrl.serve.state.SampleGate`).
+Its base classes hold the other jobs, one per file: sampling (:mod:`~polyrl.serve.sampling`), per-key
+quotas (:mod:`~polyrl.serve.quotas`) and the checkpoint lifecycle (:mod:`~polyrl.serve.lifecycle`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -29,20 +30,22 @@ from polyrl.local import losses
 from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.optim import check_kind, optimizer_type
-from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import CheckpointLifecycle
+from polyrl.serve.output_wire import encode_forward_backward_output, forward_backward_output_json
 from polyrl.serve.protocol import RequestError
+from polyrl.serve.quotas import Quotas
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
-from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
+from polyrl.serve.sampling import Sampling
 from polyrl.serve.state import (
-    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, chain,
-    error_body, wait_done,
+    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, error_body,
+    wait_done,
 )
 
 log = logging.getLogger("polyrl.serve")
-TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce",
+                 "custom")
 
 
 @dataclass
@@ -64,6 +67,11 @@ class ServeConfig:
     max_request_tokens: int = 1 << 20
     max_request_datums: int = 1024
     max_target_k: int = 128
+    # Images of one request (400 past it), and one image's encoded bytes and declared pixels (413 past them:
+    # read from its header before anything is queued or decoded).
+    max_request_images: int = 64
+    max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 36_000_000
     # What one API key may have at once, so that no key starves the others: tokens of forward_backward
     # data and sampling prompts accepted and not yet done, and samples likewise (429 with Retry-After past
     # them: the SDK waits and retries; 400 for data that would wait for an earlier seq_id, which a 429
@@ -82,16 +90,18 @@ def _json(model: Any) -> dict:
     return model.model_dump(mode="json", exclude_none=True)
 
 
-class Server(CheckpointLifecycle):
+class Server(CheckpointLifecycle, Sampling, Quotas):
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
         local = config.local
         self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
-                                       local.gradient_checkpointing, local.max_store_bytes)
+                                       local.gradient_checkpointing, local.max_store_bytes,
+                                       local.sampler_dtype)
         self.runs = Runs(self.engine.store)
         self.futures = Futures()
         self.sessions: dict[str, Session] = {}
-        self.finished: OrderedDict[str, str] = OrderedDict()  # recently finished session id -> owner (for 410s)
+        # recently finished session id -> owner (for 410s)
+        self.finished: OrderedDict[str, str] = OrderedDict()
         self.models: dict[str, ModelRecord] = {}
         self.samplers: dict[str, SamplerRecord] = {}
         self.outstanding = Outstanding()
@@ -99,12 +109,14 @@ class Server(CheckpointLifecycle):
         self.saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
         self.records = SequenceRecords(config.max_recorded_tokens)  # sampled sequences, by key and session
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
-                                      config.max_target_k)
+                                      config.max_target_k, config.max_request_images, config.max_image_bytes,
+                                      config.max_image_pixels)
         quiet = config.sample_quiet_ms / 1000
         self.gate = SampleGate(self._submit_sample, self.outstanding.__bool__, quiet, 3 * quiet, 100 * quiet)
         self.served: dict[str, str] = {}  # any spelling of a served model -> its canonical name
         for name in config.models:
-            canonical = os.path.realpath(os.path.expanduser(name)) if os.path.isdir(os.path.expanduser(name)) else name
+            expanded = os.path.expanduser(name)
+            canonical = os.path.realpath(expanded) if os.path.isdir(expanded) else name
             self.served[name] = self.served[canonical] = canonical
         self._init_lifecycle()
 
@@ -131,9 +143,11 @@ class Server(CheckpointLifecycle):
                 raise RequestError(400, str(e)) from None
             return name
         expanded = os.path.expanduser(name)
-        canonical = self.served.get(name) or (self.served.get(os.path.realpath(expanded)) if os.path.isdir(expanded) else None)
+        canonical = self.served.get(name) or (self.served.get(os.path.realpath(expanded))
+                                              if os.path.isdir(expanded) else None)
         if canonical is None:
-            raise RequestError(400, f"base model {name!r} is not served here; served: {sorted(set(self.served.values()))}")
+            raise RequestError(400, f"base model {name!r} is not served here; "
+                                    f"served: {sorted(set(self.served.values()))}")
         return canonical
 
     def capabilities(self) -> dict:
@@ -159,7 +173,8 @@ class Server(CheckpointLifecycle):
         if s is None or s.owner != owner:
             if self.finished.get(session_id) == owner:
                 raise RequestError(410, f"session {session_id} has finished")
-            raise RequestError(404, f"unknown session_id {session_id!r} (sessions do not survive a server restart)")
+            raise RequestError(404, f"unknown session_id {session_id!r} "
+                                    "(sessions do not survive a server restart)")
         s.last_seen = time.monotonic()
         return s
 
@@ -226,7 +241,8 @@ class Server(CheckpointLifecycle):
                                owner=session.owner, session_id=session.session_id)
         ops = OrderedOps(self._submit, self.futures, max_ahead=self.config.max_seq_ahead, owner=session.owner,
                          session_id=session.session_id)
-        rec = ModelRecord(model_id, session.session_id, session.owner, base_model, lora, user_metadata, ready, ops, rid)
+        rec = ModelRecord(model_id, session.session_id, session.owner, base_model, lora, user_metadata, ready,
+                          ops, rid)
         self.models[model_id] = rec
         session.models.append(model_id)
         ready.add_done_callback(lambda f: self.runs.forget(model_id) if f.exception() is not None else None)
@@ -334,17 +350,21 @@ class Server(CheckpointLifecycle):
 
             return {"request_id": rec.ops.submit(req.seq_id, load, dict), "model_id": rec.model_id}
         if req.session_id is None or req.model_seq_id is None:
-            raise RequestError(400, "load_weights needs either model_id and seq_id, or session_id and model_seq_id")
+            raise RequestError(400, "load_weights needs either model_id and seq_id, "
+                                    "or session_id and model_seq_id")
         session = self._session(req.session_id, owner)
         model_id = f"{session.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:
             return {"request_id": self.models[model_id].create_request_id, "model_id": model_id}
         source_run = path[len("tinker://"):].split("/")[0]
-        user_metadata = req.user_metadata if req.user_metadata is not None else (self.runs.info(source_run) or {}).get("user_metadata")
+        user_metadata = req.user_metadata
+        if user_metadata is None:
+            user_metadata = (self.runs.info(source_run) or {}).get("user_metadata")
         opt_type = self._optimizer(req.optimizer_config)  # unless the checkpoint's optimizer state comes too
         rid = self._new_model(session, req.model_seq_id, meta["base_model"], meta["lora"], user_metadata,
                               lambda: self.engine.load_trainer(model_id, path, req.optimizer, opt_type))
-        self.futures.get(rid).to_json = lambda st: {"path": path, "model_id": st.model_id, "type": "load_weights"}
+        self.futures.get(rid).to_json = lambda st: {"path": path, "model_id": st.model_id,
+                                                    "type": "load_weights"}
         return {"request_id": rid, "model_id": model_id}
 
     def forward_backward(self, fb: P.ForwardBackwardReq, owner: str) -> dict:
@@ -366,7 +386,8 @@ class Server(CheckpointLifecycle):
 
         def run() -> types.ForwardBackwardOutput:
             if loss_fn not in losses.LOSSES:
-                known = "is one of Tinker's losses but is not implemented by" if loss_fn in TINKER_LOSSES else "is not a loss of"
+                known = ("is one of Tinker's losses but is not implemented by" if loss_fn in TINKER_LOSSES
+                         else "is not a loss of")
                 raise RequestError(400, f"loss_fn {loss_fn!r} {known} polyrl serve; supported: "
                                         f"{', '.join(sorted(losses.LOSSES))}")
             if not data:
@@ -376,48 +397,15 @@ class Server(CheckpointLifecycle):
 
         new, ahead = rec.ops.accepts(fb.seq_id), fb.seq_id > rec.ops.next_seq
         if new and ahead:
-            self._waiting_room(rec, fb.seq_id, fb.tokens)
+            self.waiting_room(rec, fb.seq_id, fb.tokens)
         elif new and not rec.ops.waiting:  # one that others wait for is always let in
-            self._in_flight_room(owner, "tokens", fb.tokens)
-        rid = rec.ops.submit(fb.seq_id, run, P.forward_backward_output_json, P.encode_forward_backward_output)
+            self.in_flight_room(owner, "tokens", fb.tokens)
+        rid = rec.ops.submit(fb.seq_id, run, forward_backward_output_json, encode_forward_backward_output)
         if new:
             self.usage.hold(owner, self.futures.get(rid).future, tokens=fb.tokens)
             if ahead:
                 rec.waiting_tokens[fb.seq_id] = fb.tokens
         return {"request_id": rid, "model_id": rec.model_id}
-
-    def _waiting_room(self, rec: ModelRecord, seq_id: int, tokens: int) -> None:
-        """A 400 (using up ``seq_id``) when data waiting for earlier seq_ids would pass the key's tokens in
-        flight. Not a 429: the SDK sends a call's later chunks first and its first only once all of those
-        are accepted, so a chunk turned away for now would leave the call waiting for good."""
-        waiting = 0
-        for r in self.models.values():
-            if r.owner == rec.owner:
-                r.waiting_tokens = {s: n for s, n in r.waiting_tokens.items() if s in r.ops.waiting}
-                waiting += sum(r.waiting_tokens.values())
-        limit = self.config.max_tokens_in_flight
-        if waiting and waiting + tokens > limit:
-            e = RequestError(400, f"this key's forward_backward data waiting for earlier seq_ids would reach "
-                                  f"{waiting + tokens} tokens, past its limit of {limit} "
-                                  "(--max-tokens-in-flight); a forward_backward call's chunks wait together "
-                                  "for its first: send smaller calls")
-            rec.ops.refuse(seq_id, e)
-            raise e
-
-    _IN_FLIGHT = {"tokens": ("max_tokens_in_flight", "tokens (forward_backward data and sampling prompts)"),
-                  "samples": ("max_samples_in_flight", "samples")}
-
-    def _in_flight_room(self, owner: str, what: str, amount: int) -> None:
-        """A 429 the SDK waits out (Retry-After) when ``amount`` more would pass the key's limit; a key with
-        nothing in flight always gets one request in (that request's own size is bounded elsewhere).
-        Only for requests nothing waits on (see :meth:`_waiting_room`)."""
-        name, label = self._IN_FLIGHT[what]
-        limit, held = getattr(self.config, name), self.usage.held(owner, what)
-        if held and held + amount > limit:
-            flag = "--" + name.replace("_", "-")
-            raise RequestError(429, f"this key has {held} {label} in flight; {amount} more would pass its "
-                                    f"limit of {limit} ({flag}); retry once earlier requests finish",
-                               retry_after=1)
 
     def refuse_op(self, model_id: str, seq_id: int, error: RequestError, owner: str) -> None:
         """A malformed operation still uses up its seq_id, so the model's later operations need not wait."""
@@ -474,7 +462,8 @@ class Server(CheckpointLifecycle):
 
             return self._save(rec, req.seq_id, "sampler_weights", name, run, True, req.ttl_seconds)
         if req.sampling_session_seq_id is None:
-            raise RequestError(400, "save_weights_for_sampler needs a path (name) or a sampling_session_seq_id")
+            raise RequestError(400, "save_weights_for_sampler needs a path (name) "
+                                    "or a sampling_session_seq_id")
         if req.seq_id in rec.ops.seen:
             return {"request_id": rec.ops.seen[req.seq_id], "model_id": rec.model_id}
         session = self._session(rec.session_id, owner)
@@ -488,121 +477,11 @@ class Server(CheckpointLifecycle):
 
         rid = rec.ops.submit(req.seq_id, run, dict)
         self.futures.get(rid).future.add_done_callback(
-            lambda f: None if snapshot.done() else snapshot.set_exception(f.exception() or RuntimeError("no snapshot")))
-        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, rec.base_model, None, snapshot,
-                                                 True))
+            lambda f: None if snapshot.done()
+            else snapshot.set_exception(f.exception() or RuntimeError("no snapshot")))
+        self.add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, rec.base_model, None,
+                                                snapshot, True))
         return {"request_id": rid, "model_id": rec.model_id}
-
-    # ---- sampling ----------------------------------------------------------------------------------
-    def _add_sampler(self, session: Session, rec: SamplerRecord) -> None:
-        self.samplers[rec.sampler_id] = rec
-        session.samplers.append(rec.sampler_id)
-        session.samplers = [s for s in session.samplers if s in self.samplers]
-        excess = len(session.samplers) - self.config.max_samplers_per_session
-        if excess > 0:  # drop the least recently used
-            for sid in sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]:
-                del self.samplers[sid]
-                session.samplers.remove(sid)
-
-    def create_sampling_session(self, req: P.CreateSamplingSessionReq, owner: str) -> dict:
-        session = self._session(req.session_id, owner)
-        sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
-        if sampler_id in self.samplers:
-            return {"sampling_session_id": sampler_id}
-        if req.model_path is not None:
-            meta = self._checkpoint_meta(req.model_path, owner, loading=True)
-            base = self.base_model_name(meta["base_model"])
-            path = req.model_path
-            ready = self._submit(lambda: self.engine.load_sampler(path))
-        elif req.base_model is not None:
-            base = self.base_model_name(req.base_model)
-            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None))
-        else:
-            raise RequestError(400, "create_sampling_session needs model_path or base_model")
-        self._add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path, ready,
-                                                 False))
-        return {"sampling_session_id": sampler_id}
-
-    def get_sampler(self, sampler_id: str, owner: str) -> dict:
-        rec = self.samplers.get(sampler_id)
-        if rec is None or rec.owner != owner:
-            raise RequestError(404, f"unknown sampler {sampler_id!r}")
-        out = {"sampler_id": sampler_id, "base_model": rec.base_model}
-        if rec.model_path:
-            out["model_path"] = rec.model_path
-        return out
-
-    def sample(self, req: P.SampleReq, owner: str) -> dict:
-        if req.sampling_session_id is None:
-            raise RequestError(400, "asample needs a sampling_session_id (create one with create_sampling_session)")
-        rec = self.samplers.get(req.sampling_session_id)
-        if rec is None or rec.owner != owner:
-            raise RequestError(404, f"unknown sampling_session_id {req.sampling_session_id!r} (it expired, its "
-                                    "session finished, or the server restarted)")
-        rec.last_used = time.monotonic()
-        if req.seq_id is not None and req.seq_id in rec.seen:
-            rid, ids = rec.seen[req.seq_id]
-            return {"request_id": rid, "sample_sequence_ids": ids}
-        n_prompt, cfg = req.prompt.length, self.config
-        if n_prompt > cfg.max_request_tokens:
-            raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
-                                    f"({cfg.max_request_tokens}, --max-request-tokens)")
-        if req.num_samples > cfg.max_samples_in_flight:
-            raise RequestError(400, f"num_samples {req.num_samples} is more than this server lets a key "
-                                    f"have in flight ({cfg.max_samples_in_flight}, --max-samples-in-flight); "
-                                    "ask in smaller requests")
-        self._in_flight_room(owner, "samples", req.num_samples)
-        self._in_flight_room(owner, "tokens", n_prompt)
-        ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
-        out: Future = Future()
-        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
-        rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
-                               owner=owner, session_id=rec.session_id)
-        done = out
-        if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
-            done = Future()
-            prompt = req.prompt.to_ints()
-            chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
-        if req.seq_id is not None:
-            rec.seen[req.seq_id] = (rid, ids)
-            if len(rec.seen) > 8192:  # retries only ever repeat recent requests
-                for seq in list(rec.seen)[:4096]:
-                    del rec.seen[seq]
-        loop_add = self.gate.add
-
-        def start(state: SamplerState) -> None:
-            try:
-                if any(getattr(c, "type", None) != "encoded_text" for c in req.prompt.chunks):
-                    raise ValueError("prompt has non-text chunks; this server takes text tokens only")
-                target = None
-                if req.target_prompt_logprobs is not None:
-                    target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
-                                                self.limits.max_values)
-                queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
-                                        req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
-                job = make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
-                                      bool(req.prompt_logprobs), queries=queries, max_k=cfg.max_target_k)
-            except (ValueError, RequestError) as e:
-                out.set_exception(e)
-                return
-            loop_add(state, job, done)
-
-        if rec.ready.done():
-            if rec.ready.exception() is not None:
-                out.set_exception(rec.ready.exception())
-            else:
-                start(rec.ready.result())
-        else:
-            loop = asyncio.get_running_loop()
-
-            def when_ready(f: Future) -> None:
-                if f.exception() is not None:
-                    out.set_exception(f.exception())
-                else:
-                    loop.call_soon_threadsafe(start, f.result())
-
-            rec.ready.add_done_callback(when_ready)
-        return {"request_id": rid, "sample_sequence_ids": ids}
 
     # ---- futures -----------------------------------------------------------------------------------
     async def retrieve(self, req: P.RetrieveFutureReq, accept_proto: bool, owner: str) -> tuple[int, Any]:

@@ -76,8 +76,8 @@ class Futures:
     def __init__(self) -> None:
         self._items: dict[str, Pending] = {}
 
-    def add(self, future: Future, to_json: Callable[[Any], dict], to_proto: Callable[[Any], bytes] | None = None,
-            owner: str = "", session_id: str = "") -> str:
+    def add(self, future: Future, to_json: Callable[[Any], dict],
+            to_proto: Callable[[Any], bytes] | None = None, owner: str = "", session_id: str = "") -> str:
         request_id = uuid.uuid4().hex
         self._items[request_id] = Pending(future, to_json, to_proto, owner=owner, session_id=session_id)
         return request_id
@@ -86,7 +86,8 @@ class Futures:
         return self._items.get(request_id)
 
     def owned(self, request_id: str, owner: str) -> Pending | None:
-        """The result ``request_id`` if ``owner`` asked for it; another key's is as unknown as a made-up id."""
+        """The result ``request_id`` if ``owner`` asked for it; another key's is as unknown as a made-up
+        id."""
         p = self._items.get(request_id)
         return p if p is not None and p.owner == owner else None
 
@@ -166,8 +167,9 @@ class OrderedOps:
         if self.closed:
             raise RequestError(404, self.closed)
         if seq >= self.next_seq + self.max_ahead:
-            raise RequestError(400, f"seq_id {seq} is {seq - self.next_seq} ahead of this model's next operation "
-                                    f"(seq_id {self.next_seq}); at most {self.max_ahead} may wait for earlier ones")
+            raise RequestError(400, f"seq_id {seq} is {seq - self.next_seq} ahead of this model's next "
+                                    f"operation (seq_id {self.next_seq}); at most {self.max_ahead} may wait "
+                                    "for earlier ones")
         fut: Future = Future()
         rid = self._futures.add(fut, to_json, to_proto, **self._tags)
         self.seen[seq] = rid
@@ -273,7 +275,8 @@ class SamplerRecord:
     ready: Future  # of the engine's SamplerState
     ephemeral: bool
     last_used: float = field(default_factory=time.monotonic)
-    seen: dict[int, tuple[str, list[str]]] = field(default_factory=dict)  # seq_id -> (request id, sequence ids)
+    # seq_id -> (request id, sequence ids)
+    seen: dict[int, tuple[str, list[str]]] = field(default_factory=dict)
 
 
 # ---- sampling requests, gathered ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The run directory: ``config.json``, ``metrics.jsonl``, ``trajectories/step_NNNNNN.jsonl``,
+``images/<hash>.jpeg`` (each image of an episode, stored once; trajectories refer to it by that name),
 ``checkpoints.jsonl`` (tinker-cookbook's row format), ``attempts.jsonl`` (the training run id of
 each launch, so a relaunch can find what a killed one left behind), and ``metrics.json`` when asked
 for (:mod:`polyrl.tracking.metrics_json`).
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from polyrl.errors import UserInputError
-from polyrl.fileio import atomic_write_text
+from polyrl.fileio import atomic_write_bytes, atomic_write_text
 from polyrl.secrets import redact, redact_pieces, redact_text
 from polyrl.tracking.metrics_json import MetricsJson
 
@@ -115,6 +116,16 @@ class RunFiles:
     def log_trajectories(self, step: int, rows: Iterable[dict]) -> None:
         text = "".join(redacted_json(r) + "\n" for r in rows)
         atomic_write_text(self.trajectories / step_file(step), text)
+
+    def save_images(self, files: dict[str, bytes]) -> None:
+        """Store each image under its name (``images/<hash>.<format>``) unless it is there already: its
+        content names it, so an image seen in many episodes and steps is written once."""
+        for name, data in files.items():
+            path = self.root / name
+            if not name.startswith("images/") or "/" in name[len("images/"):] or path.exists():
+                continue
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(path, data)
 
     def log_checkpoint(self, row: dict) -> None:
         append_jsonl(self.checkpoints_path, row)

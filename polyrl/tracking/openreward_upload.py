@@ -55,7 +55,8 @@ def episode_events(ep: Any) -> list[tuple[Any, float | None, bool]]:
                 events.append([ToolCall(name=fn.get("name", ""), content=redact_text(args),
                                         call_id=str(call.get("id", ""))), turn])
         elif role == "tool":
-            events.append([ToolResult(content=text, call_id=str(m.get("tool_call_id") or m.get("name") or "")), turn])
+            events.append([ToolResult(content=text,
+                                      call_id=str(m.get("tool_call_id") or m.get("name") or "")), turn])
     last_of_turn = {t: i for i, (_, t) in enumerate(events) if t >= 0}
     out: list[tuple[Any, float | None, bool]] = []
     final = len(ep.step_rewards) - 1
@@ -117,20 +118,22 @@ class OpenRewardUploader:
             environment, variant = self.targets.get(ep.env_name, (ep.env_name, None))
             settings = self.settings.get(ep.env_name)
             metadata = redact({
-                **info, "env": ep.env_name, "task_index": ep.task_index, "group": ep.group_id, "role": ep.role,
-                "reward": ep.reward, "success": ep.success, "step_rewards": ep.step_rewards,
+                **info, "env": ep.env_name, "task_index": ep.task_index, "group": ep.group_id,
+                "role": ep.role, "reward": ep.reward, "success": ep.success, "step_rewards": ep.step_rewards,
                 "advantages": ep.turn_advantages, "num_turns": ep.num_turns, "done_by_env": ep.done_by_env,
                 "error": ep.error, "metrics": ep.metrics,
             })
             rollout = self.rollouts.create(
-                self.run_name, rollout_name=f"step{info['step']}-{ep.env_name}-t{ep.task_index}-g{ep.group_id}",
+                self.run_name,
+                rollout_name=f"step{info['step']}-{ep.env_name}-t{ep.task_index}-g{ep.group_id}",
                 environment=environment, variant=variant, split=ep.split, metadata=metadata)
             rollout_info = RolloutInfo(
                 task_index=ep.task_index, current_step=info["step"], duration_ms=int(ep.duration_s * 1000),
                 temperature=settings.temperature if settings else None,
                 max_tokens=settings.max_tokens if settings else None, harness="polyrl")
             for i, (event, reward, finished) in enumerate(episode_events(ep)):
-                rollout.log(event, reward=reward, is_finished=finished, rollout_info=rollout_info if i == 0 else None)
+                rollout.log(event, reward=reward, is_finished=finished,
+                            rollout_info=rollout_info if i == 0 else None)
             self.uploaded += 1
         except Exception as exc:  # noqa: BLE001 - uploads never stop training
             self.failed += 1

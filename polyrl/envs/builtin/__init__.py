@@ -4,11 +4,12 @@ They exist so polyrl can be tested and demonstrated end to end without any netwo
 package: a tiny model can be warm-started on their demonstrations and then improved by RL.
 
 One environment per module -- :mod:`.arithmetic`, :mod:`.countdown`, :mod:`.guess_number`,
-:mod:`.calculator` -- on the shared machinery of :mod:`.base`; importing this package registers all
-four. Answers are read by :mod:`polyrl.envs.answers`: the content of the last ``\\boxed{...}`` in the
-reply, without a box the last number, or for ``countdown`` the last arithmetic run of the reply
-(:func:`countdown_expression`). Prompts ask for the box and demonstrations use it (``\\boxed{57}``,
-``\\boxed{(3+5)*2}``), except ``guess_number`` whose replies are a bare number (``8``).
+:mod:`.calculator`, and :mod:`.visual` (pictures drawn with Pillow, for vision-language models) -- on
+the shared machinery of :mod:`.base`; importing this package registers all five. Answers are read by
+:mod:`polyrl.envs.answers`: the content of the last ``\\boxed{...}`` in the reply, without a box the
+last number, or for ``countdown`` the last arithmetic run of the reply (:func:`countdown_expression`).
+Prompts ask for the box and demonstrations use it (``\\boxed{57}``, ``\\boxed{(3+5)*2}``), except
+``guess_number`` whose replies are a bare number (``8``).
 
 Tasks are deterministic functions of (builder seed, split, index). Each split has its own random
 stream, and the task space is additionally partitioned by a hash of the task (about 1/8 held out for
@@ -42,6 +43,7 @@ from polyrl.envs.builtin.calculator import (
 )
 from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownEnv, CountdownTask, countdown_expression
 from polyrl.envs.builtin.guess_number import GuessNumberBuilder, GuessNumberEnv
+from polyrl.envs.builtin.visual import VisualBuilder, VisualEnv, VisualTask
 
 __all__ = [
     "CALCULATOR_TOOL",
@@ -57,6 +59,9 @@ __all__ = [
     "ExpressionError",
     "GuessNumberBuilder",
     "GuessNumberEnv",
+    "VisualBuilder",
+    "VisualEnv",
+    "VisualTask",
     "answer_value",
     "arithmetic_mistake",
     "countdown_expression",

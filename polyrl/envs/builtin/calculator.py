@@ -13,7 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
-from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env
+from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env, tool_message
 from polyrl.envs.builtin.base import (BuiltinBuilder, Policy, SyncEnv, assistant_message, demonstrate,
                                       user_message)
 from polyrl.renderers.base import message_text
@@ -98,10 +98,7 @@ class CalculatorEnv(SyncEnv):
             return StepResult([], 0.0, True, {"success": 0.0, "tool_calls": float(self.tool_calls)})
         replies: list[Message] = []
         for i, call in enumerate(calls):
-            call_id = call.get("id") if isinstance(call, dict) else None
-            replies.append(
-                {"role": "tool", "tool_call_id": call_id or f"call_{i}", "content": run_calculator(call)}
-            )
+            replies.append(tool_message(call, i, run_calculator(call)))
         if errors:  # malformed calls have no id to answer, so they get one user message
             replies.append(user_message("Tool call error: " + "; ".join(str(e) for e in errors)))
         return StepResult(replies, 0.0, False)

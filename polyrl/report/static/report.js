@@ -517,8 +517,15 @@
       if (m.reasoning_content) {
         body.push(el("details", { class: "reasoning" }, el("summary", {}, "reasoning"), el("pre", {}, m.reasoning_content)));
       }
-      const text = textOf(m.content);
-      if (text) body.push(el("pre", { class: "content" }, text));
+      if (Array.isArray(m.content) && m.content.some((p) => p && p.type === "image")) {
+        for (const p of m.content) {
+          if (p && p.type === "image") body.push(imageFigure(p));
+          else if (p && p.text) body.push(el("pre", { class: "content" }, p.text));
+        }
+      } else {
+        const text = textOf(m.content);
+        if (text) body.push(el("pre", { class: "content" }, text));
+      }
       for (const call of m.tool_calls || []) {
         const fn = call.function || {};
         names[call.id] = fn.name;
@@ -534,14 +541,31 @@
     return el("div", { class: "turns" }, items);
   }
 
+  // An image part of a message (or of the token sequence): the stored file, in place, with its size.
+  function imageFigure(p, tokens) {
+    const size = p.width && p.height ? `${p.width} × ${p.height}` : "";
+    const caption = [size, tokens ? `${tokens} tokens` : ""].filter(Boolean).join(" · ");
+    if (!p.image) return el("div", { class: "content muted" }, `[image${caption ? " " + caption : ""}]`);
+    return el("figure", { class: "image" },
+      el("img", { src: `../${p.image}`, alt: `image ${caption}`, title: p.image, loading: "lazy" }),
+      caption ? el("figcaption", { class: "muted" }, caption) : null);
+  }
+
   function renderTokens(e) {
     const n = e.text.length;
     const sampled = new Uint8Array(n);
     for (const [a, b] of e.mask) sampled.fill(1, a, b);
     const turnOf = new Int32Array(n).fill(-1);
     e.spans.forEach(([a, b], k) => turnOf.fill(k, a, b));
+    const imageAt = new Map((e.images || []).map((im) => [im.start, im]));
     const frag = document.createDocumentFragment();
     for (let i = 0; i < n; i++) {
+      const im = imageAt.get(i);
+      if (im) {  // one picture stands for its tokens
+        frag.append(imageFigure(im, im.length));
+        i += im.length - 1;
+        continue;
+      }
       const t = e.text[i].replace(/\n/g, "↵\n");
       if (!sampled[i]) { frag.append(t); continue; }
       const lp = e.lp[i] || 0;

@@ -1,0 +1,150 @@
+"""Sampling in ``polyrl serve``: sampling sessions (from a base model or a saved checkpoint) and
+``asample`` requests, checked against the key's quotas and gathered into the engine's sampling batches
+(:class:`~polyrl.serve.state.SampleGate`), bypassing the training clients' ``seq_id`` order.
+
+:class:`Sampling` is part of :class:`~polyrl.serve.server.Server` (a base class of it), kept here so that
+each file has one job. It uses the server's ``engine``, ``config``, ``samplers``, ``futures``, ``usage``,
+``records``, ``gate`` and ``limits``, and its session, checkpoint and quota checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import Future
+
+from polyrl.local.engine import SamplerState
+from polyrl.local.sampler import SampleJob
+from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
+from polyrl.serve import protocol as P
+from polyrl.serve.protocol import RequestError
+from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
+from polyrl.serve.state import SamplerRecord, Session, chain
+
+
+class Sampling:
+    def add_sampler(self, session: Session, rec: SamplerRecord) -> None:
+        self.samplers[rec.sampler_id] = rec
+        session.samplers.append(rec.sampler_id)
+        session.samplers = [s for s in session.samplers if s in self.samplers]
+        excess = len(session.samplers) - self.config.max_samplers_per_session
+        if excess > 0:  # drop the least recently used
+            for sid in sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]:
+                del self.samplers[sid]
+                session.samplers.remove(sid)
+
+    def create_sampling_session(self, req: P.CreateSamplingSessionReq, owner: str) -> dict:
+        session = self._session(req.session_id, owner)
+        sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
+        if sampler_id in self.samplers:
+            return {"sampling_session_id": sampler_id}
+        if req.model_path is not None:
+            meta = self._checkpoint_meta(req.model_path, owner, loading=True)
+            base = self.base_model_name(meta["base_model"])
+            path = req.model_path
+            ready = self._submit(lambda: self.engine.load_sampler(path))
+        elif req.base_model is not None:
+            base = self.base_model_name(req.base_model)
+            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None))
+        else:
+            raise RequestError(400, "create_sampling_session needs model_path or base_model")
+        self.add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path,
+                                                ready, False))
+        return {"sampling_session_id": sampler_id}
+
+    def get_sampler(self, sampler_id: str, owner: str) -> dict:
+        rec = self.samplers.get(sampler_id)
+        if rec is None or rec.owner != owner:
+            raise RequestError(404, f"unknown sampler {sampler_id!r}")
+        out = {"sampler_id": sampler_id, "base_model": rec.base_model}
+        if rec.model_path:
+            out["model_path"] = rec.model_path
+        return out
+
+    def sample(self, req: P.SampleReq, owner: str) -> dict:
+        if req.sampling_session_id is None:
+            raise RequestError(400, "asample needs a sampling_session_id "
+                                    "(create one with create_sampling_session)")
+        rec = self.samplers.get(req.sampling_session_id)
+        if rec is None or rec.owner != owner:
+            raise RequestError(404, f"unknown sampling_session_id {req.sampling_session_id!r} "
+                                    "(it expired, its session finished, or the server restarted)")
+        rec.last_used = time.monotonic()
+        if req.seq_id is not None and req.seq_id in rec.seen:
+            rid, ids = rec.seen[req.seq_id]
+            return {"request_id": rid, "sample_sequence_ids": ids}
+        P.check_prompt_images(req.prompt, self.limits)
+        if req.record_stability_info and any(c.type != "encoded_text" for c in req.prompt.chunks):
+            raise RequestError(400, "record_stability_info takes text prompts only: "
+                                    "stable_reinforce does not train on images")
+        n_prompt, cfg = req.prompt.length, self.config
+        if n_prompt > cfg.max_request_tokens:
+            raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
+                                    f"({cfg.max_request_tokens}, --max-request-tokens)")
+        if req.num_samples > cfg.max_samples_in_flight:
+            raise RequestError(400, f"num_samples {req.num_samples} is more than this server lets a key "
+                                    f"have in flight ({cfg.max_samples_in_flight}, --max-samples-in-flight); "
+                                    "ask in smaller requests")
+        self.in_flight_room(owner, "samples", req.num_samples)
+        self.in_flight_room(owner, "tokens", n_prompt)
+        ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
+        out: Future = Future()
+        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
+        rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
+                               owner=owner, session_id=rec.session_id)
+        done = out
+        if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
+            done = Future()
+            prompt = req.prompt.to_ints()
+            chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
+        if req.seq_id is not None:
+            rec.seen[req.seq_id] = (rid, ids)
+            if len(rec.seen) > 8192:  # retries only ever repeat recent requests
+                for seq in list(rec.seen)[:4096]:
+                    del rec.seen[seq]
+        loop_add = self.gate.add
+
+        loop = asyncio.get_running_loop()
+
+        def prepare(state: SamplerState) -> SampleJob:
+            target = None
+            if req.target_prompt_logprobs is not None:
+                target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
+                                            self.limits.max_values)
+            queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
+                                    req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
+            return make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,
+                                   bool(req.prompt_logprobs), queries=queries, max_k=cfg.max_target_k)
+
+        def start(state: SamplerState) -> None:
+            if any(c.type == "image" for c in req.prompt.chunks):  # decoding images: off the event loop
+                def prepared(f: asyncio.Future) -> None:
+                    if f.exception() is not None:
+                        out.set_exception(f.exception())
+                    else:
+                        loop_add(state, f.result(), done)
+
+                loop.run_in_executor(None, prepare, state).add_done_callback(prepared)
+                return
+            try:
+                job = prepare(state)
+            except (ValueError, RequestError) as e:
+                out.set_exception(e)
+                return
+            loop_add(state, job, done)
+
+        if rec.ready.done():
+            if rec.ready.exception() is not None:
+                out.set_exception(rec.ready.exception())
+            else:
+                start(rec.ready.result())
+        else:
+            def when_ready(f: Future) -> None:
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                else:
+                    loop.call_soon_threadsafe(start, f.result())
+
+            rec.ready.add_done_callback(when_ready)
+        return {"request_id": rid, "sample_sequence_ids": ids}
