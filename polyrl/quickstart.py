@@ -61,6 +61,7 @@ from pathlib import Path
 from polyrl.config import EnvConfig, TrainConfig
 from polyrl.config_checks import check_config
 from polyrl.evaluate import evaluate_checkpoint
+from polyrl.fileio import atomic_write_text
 from polyrl.models.gguf import cached_import, packaged_gguf
 from polyrl.models.tiny import SIZES, build_tiny_model
 from polyrl.sft import SFTConfig, sft_async
@@ -212,7 +213,11 @@ def served(model_dir: Path, store: Path, threads: int) -> Iterator[dict]:
 
 async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", sft_steps: int | None = None,
               rl_steps: int | None = None, seed: int = 0, quiet: bool = False, max_steps_off_policy: int = 0,
-              loss_fn: str = "importance_sampling", serve: bool = False, threads: int | None = None) -> dict:
+              loss_fn: str = "importance_sampling", serve: bool = False, threads: int | None = None,
+              reuse_warm_start: bool = False) -> dict:
+    """One quickstart run in ``workdir``; its summary. ``reuse_warm_start``: keep a warm start that an
+    earlier run with the same model, seed and steps left in ``workdir`` (it is deterministic) instead of
+    training it again."""
     recipe = RECIPES[model]
     sft_steps = recipe.sft_steps if sft_steps is None else sft_steps
     rl_steps = recipe.rl_steps if rl_steps is None else rl_steps
@@ -231,7 +236,11 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
         mark, cpu_mark = now, now_cpu
 
     model_dir = model_dir_for(model, workdir, size)
-    for sub in ("sft", "rl", "store"):  # a fresh warm start and RL run every time
+    warm_key = {"model": model, "size": size, "sft_steps": sft_steps, "seed": seed}
+    warm_marker = workdir / "sft" / "warm_start.json"
+    reuse = bool(reuse_warm_start and sft_steps and warm_marker.exists()
+                 and json.loads(warm_marker.read_text()) == warm_key)
+    for sub in ("rl",) if reuse else ("sft", "rl", "store"):  # else a fresh warm start and RL run
         shutil.rmtree(workdir / sub, ignore_errors=True)
     common = {"model_name": str(model_dir), "lora_rank": recipe.lora_rank, "seed": seed,
               "local": {"store_dir": str(workdir / "store")}}
@@ -240,7 +249,11 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
     lap("setup")
 
     start = before_checkpoint = None  # without a warm start: RL from the base model, evaluated as it is
-    if sft_steps:
+    if reuse:
+        say(f"warm start: reusing the {sft_steps} SFT steps in {workdir / 'sft'}")
+        paths = json.loads((workdir / "sft" / "sft.json").read_text())
+        start, before_checkpoint = paths["state_path"], paths["sampler_path"]
+    elif sft_steps:
         demos = sum(spec["demos"] for spec in recipe.environments.values())
         say(f"warm start: {sft_steps} SFT steps on {demos} demonstrations of "
             + ", ".join(recipe.environments))
@@ -249,6 +262,7 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
                                             environments=env_configs(recipe, "train", demos=True)))
         start = await sft_async(sft_config, console)
         before_checkpoint = json.loads((workdir / "sft" / "sft.json").read_text())["sampler_path"]
+        atomic_write_text(warm_marker, json.dumps(warm_key))
     lap("sft")
 
     before = await evaluate_checkpoint(eval_config, before_checkpoint)
@@ -315,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--serve", action="store_true",
                    help="run the RL phase through `polyrl serve` on 127.0.0.1 (backend tinker) instead of "
                         "the in-process engine")
+    p.add_argument("--reuse-warm-start", action="store_true",
+                   help="keep the warm start an earlier run with the same --model, --size, --seed and "
+                        "--sft-steps left in --workdir instead of training it again (default: a fresh one)")
     p.add_argument("--quiet", action="store_true", help="print only the results")
     args = p.parse_args(argv)
 
@@ -323,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe = RECIPES[args.model]
     torch.set_num_threads(args.threads or recipe.threads)
     s = asyncio.run(run(Path(args.workdir), args.model, args.size, args.sft_steps, args.rl_steps, args.seed,
-                        args.quiet, args.max_steps_off_policy, args.loss_fn, args.serve, args.threads))
+                        args.quiet, args.max_steps_off_policy, args.loss_fn, args.serve, args.threads,
+                        args.reuse_warm_start))
     b, a, t = s["before"], s["after"], s["seconds"]
     for env in recipe.environments:
         print(f"  {env:<13} before {b[env]:.2f} -> after {a[env]:.2f}")

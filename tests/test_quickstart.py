@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -28,10 +29,25 @@ def _quickstart(workdir, *args: str, env: dict[str, str] | None = None,
     return float(line[1]), float(line[2]), proc.stdout
 
 
-@pytest.mark.slow
-def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(tmp_path):
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """One whole quickstart (tiny model, warm start, RL, evaluations), as ``make quickstart`` runs it:
+    its workdir and printed figures. The other tiny quickstart tests start their RL phase from its warm
+    start (deterministic for a model, seed and step count) instead of training the same one again."""
+    workdir = tmp_path_factory.mktemp("quickstart") / "qs"
+    return workdir, *_quickstart(workdir, "--reuse-warm-start")
+
+
+def _from_the_warm_start(quickstart_run, tmp_path):
+    """A workdir holding the quickstart run's model and warm start (not its RL run)."""
     workdir = tmp_path / "qs"
-    before, after, stdout = _quickstart(workdir)
+    shutil.copytree(quickstart_run[0], workdir, ignore=shutil.ignore_patterns("rl", "summary.json"))
+    return workdir
+
+
+@pytest.mark.slow
+def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(quickstart_run):
+    workdir, before, after, stdout = quickstart_run
 
     summary = json.loads((workdir / "summary.json").read_text())
     assert set(summary["before"]) == set(summary["after"]) == {"calculator", "guess_number"}
@@ -50,11 +66,12 @@ def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_learns_as_well_sampling_one_step_ahead(tmp_path):
+def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, tmp_path):
     """The same quickstart with max_steps_off_policy: 1: every step after the first trains on groups
     the previous policy sampled, and held-out success still rises by at least 0.30."""
-    workdir = tmp_path / "qs"
-    before, after, stdout = _quickstart(workdir, "--max-steps-off-policy", "1")
+    workdir = _from_the_warm_start(quickstart_run, tmp_path)
+    before, after, stdout = _quickstart(workdir, "--max-steps-off-policy", "1", "--reuse-warm-start")
+    assert before == quickstart_run[1]  # the same warm start, evaluated the same way
     assert after - before >= 0.30, stdout
     rows = [json.loads(x) for x in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["async/staleness_max"] == 0 and max(r["async/staleness_max"] for r in rows) == 1
@@ -63,13 +80,15 @@ def test_quickstart_learns_as_well_sampling_one_step_ahead(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("serve", [False, True], ids=["in-process", "through-polyrl-serve"])
-def test_quickstart_learns_with_stable_reinforce(tmp_path, serve):
+def test_quickstart_learns_with_stable_reinforce(quickstart_run, tmp_path, serve):
     """The quickstart's RL phase with ``loss_fn: stable_reinforce`` (recording samplers, provenance on
     every Datum), in process and through ``polyrl serve`` (backend tinker, the SDK over 127.0.0.1):
     held-out success rises by at least 0.30."""
-    workdir = tmp_path / "qs"
+    workdir = _from_the_warm_start(quickstart_run, tmp_path)
     through = ["--serve"] if serve else []
-    before, after, stdout = _quickstart(workdir, "--loss-fn", "stable_reinforce", *through)
+    before, after, stdout = _quickstart(workdir, "--loss-fn", "stable_reinforce", "--reuse-warm-start",
+                                        *through)
+    assert before == quickstart_run[1]
     assert after - before >= 0.30, stdout
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["loss_fn"] == "stable_reinforce" and summary["serve"] is serve
