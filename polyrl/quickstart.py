@@ -235,11 +235,13 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
         times[name], cpu[name] = now - mark, now_cpu - cpu_mark
         mark, cpu_mark = now, now_cpu
 
-    model_dir = model_dir_for(model, workdir, size)
     warm_key = {"model": model, "size": size, "sft_steps": sft_steps, "seed": seed}
     warm_marker = workdir / "sft" / "warm_start.json"
-    reuse = bool(reuse_warm_start and sft_steps and warm_marker.exists()
-                 and json.loads(warm_marker.read_text()) == warm_key)
+    warm = json.loads(warm_marker.read_text()) if reuse_warm_start and warm_marker.exists() else {}
+    reuse = bool(sft_steps and {k: warm.get(k) for k in warm_key} == warm_key
+                 and Path(warm.get("model_dir", "")).is_dir())
+    # a warm start belongs to the model directory it was trained on (its checkpoints name it)
+    model_dir = Path(warm["model_dir"]) if reuse else model_dir_for(model, workdir, size)
     for sub in ("rl",) if reuse else ("sft", "rl", "store"):  # else a fresh warm start and RL run
         shutil.rmtree(workdir / sub, ignore_errors=True)
     common = {"model_name": str(model_dir), "lora_rank": recipe.lora_rank, "seed": seed,
@@ -262,7 +264,7 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
                                             environments=env_configs(recipe, "train", demos=True)))
         start = await sft_async(sft_config, console)
         before_checkpoint = json.loads((workdir / "sft" / "sft.json").read_text())["sampler_path"]
-        atomic_write_text(warm_marker, json.dumps(warm_key))
+        atomic_write_text(warm_marker, json.dumps({**warm_key, "model_dir": str(model_dir.resolve())}))
     lap("sft")
 
     before = await evaluate_checkpoint(eval_config, before_checkpoint)

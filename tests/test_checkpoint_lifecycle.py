@@ -236,13 +236,6 @@ def served(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sdk(served):
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
-    yield sc
-    sc.close("success").result()
-
-
-@pytest.fixture(scope="module")
 def training(sdk, tiny_model_dir):
     return sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
 

@@ -39,9 +39,11 @@ def quickstart_run(tmp_path_factory):
 
 
 def _from_the_warm_start(quickstart_run, tmp_path):
-    """A workdir holding the quickstart run's model and warm start (not its RL run)."""
+    """A workdir holding the quickstart run's warm start (not its RL run; the warm start names the model
+    directory it was trained on, which stays where it is)."""
     workdir = tmp_path / "qs"
-    shutil.copytree(quickstart_run[0], workdir, ignore=shutil.ignore_patterns("rl", "summary.json"))
+    shutil.copytree(quickstart_run[0], workdir,
+                    ignore=shutil.ignore_patterns("rl", "summary.json", "model-*"))
     return workdir
 
 

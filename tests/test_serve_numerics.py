@@ -33,13 +33,6 @@ def served(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sdk(served):
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
-    yield sc
-    sc.close("success").result()
-
-
-@pytest.fixture(scope="module")
 def base(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,6 @@ import io
 
 import numpy as np
 import pytest
-import tinker
 from PIL import Image
 from test_serve import KEY, PROTO, Served, _fwdbwd_body, _retrieve, _session
 from test_vision import png_header
@@ -29,13 +28,6 @@ def served(tiny_vl_dir, tmp_path_factory):
                "--max-request-images", "3", "--max-image-pixels", "250000", "--max-image-bytes", "400000")
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def sdk(served):
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
-    yield sc
-    sc.close("success").result()
 
 
 def picture(colour, size=(64, 64)) -> bytes:
