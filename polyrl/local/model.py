@@ -23,7 +23,8 @@ from typing import Iterator
 import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
-from polyrl.local.sampler_copy import DTYPES, MergeTarget, SamplerCopy, describe, select_sampler_dtype
+from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, float_logits,
+                                       select_sampler_dtype)
 from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
@@ -219,11 +220,7 @@ class BaseModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of hidden states (the model's unembedding, with its adapter, and soft-capping)."""
-        logits = self.hf_model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.hf_model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return float_logits(self.hf_model, hidden)
 
     @property
     def split_head(self) -> bool:

@@ -116,6 +116,16 @@ class MergeTarget:
 Values = dict[tuple, torch.Tensor]  # a weight holder of the copy (see SamplerCopy._holder) -> its value
 
 
+def float_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of ``model``'s hidden states: its unembedding (with an adapter, if it has one),
+    then the config's final-logit soft-capping, in float32."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 class SamplerCopy:
     """A bare Hugging Face model's weights in ``dtype``, on its device, with snapshots folded in.
 
@@ -181,11 +191,7 @@ class SamplerCopy:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the copy's hidden states (its unembedding, then soft-capping in float32)."""
-        logits = self.model.get_output_embeddings()(hidden).float()
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return float_logits(self.model, hidden)
 
     # ---- weight holders: a packed linear, a fused group, or a parameter ------------------------------
     def _holders(self) -> Iterator[tuple]:
