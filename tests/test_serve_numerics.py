@@ -53,17 +53,11 @@ def test_topk_target_and_alternative_logprobs_through_serve(sdk, base, tiny_mode
     ids[1, 0], ids[6, 3], ids[7, 1] = 9, 321, 4
     target = types.TensorData.from_torch_sparse(ids, pad_value=-1)
     assert target.sparse_crow_indices is not None
-    r = sampler.sample(
-        types.ModelInput.from_ints(PROMPT),
-        2,
-        types.SamplingParams(max_tokens=5, seed=1),
-        include_prompt_logprobs=True,
-        topk_prompt_logprobs=5,
-        topk_sample_logprobs=3,
-        target_prompt_logprobs=target,
-        prompt_alt_tokens_k=4,
-        prompt_logprobs_last_n=4,
-    ).result()
+    request = dict(prompt=types.ModelInput.from_ints(PROMPT), num_samples=2,
+                   sampling_params=types.SamplingParams(max_tokens=5, seed=1), include_prompt_logprobs=True,
+                   topk_prompt_logprobs=5, topk_sample_logprobs=3, target_prompt_logprobs=target,
+                   prompt_alt_tokens_k=4, prompt_logprobs_last_n=4)
+    r = sampler.sample(**request).result()
     assert [x is None for x in r.prompt_logprobs] == [True] * (len(PROMPT) - 4) + [False] * 4
     want = ref[:-1].gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(r.prompt_logprobs[-4:]), want[-4:], rtol=0, atol=ATOL)
@@ -97,17 +91,7 @@ def test_topk_target_and_alternative_logprobs_through_serve(sdk, base, tiny_mode
         ServiceClient(store_dir=tmp_path)
         .create_sampling_client(base_model=tiny_model_dir)
         .result()
-        .sample(
-            types.ModelInput.from_ints(PROMPT),
-            2,
-            types.SamplingParams(max_tokens=5, seed=1),
-            include_prompt_logprobs=True,
-            topk_prompt_logprobs=5,
-            topk_sample_logprobs=3,
-            target_prompt_logprobs=target,
-            prompt_alt_tokens_k=4,
-            prompt_logprobs_last_n=4,
-        )
+        .sample(**request)
         .result()
     )
     assert [s.tokens for s in local.sequences] == [s.tokens for s in r.sequences]
