@@ -17,16 +17,24 @@ from polyrl.envs.registry import make_env_builder
 from polyrl.quickstart import RECIPES
 
 
+def _command(workdir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "polyrl.quickstart", "--workdir", str(workdir), "--quiet", *args]
+
+
+def _figures(returncode: int, stdout: str, stderr: str) -> tuple[float, float, str]:
+    """The quickstart's printed held-out success before and after RL, and its output."""
+    assert returncode == 0, stderr[-3000:]
+    line = re.search(r"held-out success: before (\d\.\d\d) -> after (\d\.\d\d)", stdout)
+    assert line, stdout
+    return float(line[1]), float(line[2]), stdout
+
+
 def _quickstart(workdir, *args: str, env: dict[str, str] | None = None,
                 timeout: int = 900) -> tuple[float, float, str]:
     """Run the quickstart; its printed held-out success before and after RL, and its output."""
-    cmd = [sys.executable, "-m", "polyrl.quickstart", "--workdir", str(workdir), "--quiet", *args]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = re.search(r"held-out success: before (\d\.\d\d) -> after (\d\.\d\d)", proc.stdout)
-    assert line, proc.stdout
-    return float(line[1]), float(line[2]), proc.stdout
+    proc = subprocess.run(_command(workdir, *args), check=False, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return _figures(proc.returncode, proc.stdout, proc.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +46,38 @@ def quickstart_run(tmp_path_factory):
     return workdir, *_quickstart(workdir, "--reuse-warm-start")
 
 
-def _from_the_warm_start(quickstart_run, tmp_path):
-    """A workdir holding the quickstart run's warm start (not its RL run; the warm start names the model
-    directory it was trained on, which stays where it is)."""
-    workdir = tmp_path / "qs"
-    shutil.copytree(quickstart_run[0], workdir,
-                    ignore=shutil.ignore_patterns("rl", "summary.json", "model-*"))
-    return workdir
+# The quickstart's RL phase again, from quickstart_run's warm start, with other settings
+VARIANTS = {
+    "one-step-ahead": ("--max-steps-off-policy", "1"),
+    "stable-reinforce-in-process": ("--loss-fn", "stable_reinforce"),
+    "stable-reinforce-through-serve": ("--loss-fn", "stable_reinforce", "--serve"),
+}
+
+
+@pytest.fixture(scope="module")
+def variant_runs(quickstart_run, tmp_path_factory):
+    """Each of VARIANTS run once, all at the same time: the tiny recipe runs torch on one thread, so on two
+    cores the three take about half as long as one after another (and each must learn on a loaded machine
+    anyway). Per variant: its workdir and (returncode, stdout, stderr)."""
+    runs = {}
+    for name, args in VARIANTS.items():
+        workdir = tmp_path_factory.mktemp(name) / "qs"
+        shutil.copytree(quickstart_run[0], workdir,  # the warm start (it names its model directory)
+                        ignore=shutil.ignore_patterns("rl", "summary.json", "model-*"))
+        out, err = (open(workdir.parent / f"std{x}.txt", "w+") for x in ("out", "err"))
+        runs[name] = workdir, out, err, subprocess.Popen(_command(workdir, *args, "--reuse-warm-start"),
+                                                         stdout=out, stderr=err, text=True)
+    try:
+        results = {}
+        for name, (workdir, out, err, proc) in runs.items():
+            returncode = proc.wait(timeout=2400)
+            out.seek(0), err.seek(0)
+            results[name] = workdir, (returncode, out.read(), err.read())
+        return results
+    finally:
+        for _, out, err, proc in runs.values():
+            proc.kill()
+            out.close(), err.close()
 
 
 @pytest.mark.slow
@@ -68,11 +101,12 @@ def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(quickstart_run):
 
 
 @pytest.mark.slow
-def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, tmp_path):
+@pytest.mark.timeout(3600)  # the variants' runs share the machine (a hang guard, like the runs' own)
+def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, variant_runs):
     """The same quickstart with max_steps_off_policy: 1: every step after the first trains on groups
     the previous policy sampled, and held-out success still rises by at least 0.30."""
-    workdir = _from_the_warm_start(quickstart_run, tmp_path)
-    before, after, stdout = _quickstart(workdir, "--max-steps-off-policy", "1", "--reuse-warm-start")
+    workdir, result = variant_runs["one-step-ahead"]
+    before, after, stdout = _figures(*result)
     assert before == quickstart_run[1]  # the same warm start, evaluated the same way
     assert after - before >= 0.30, stdout
     rows = [json.loads(x) for x in (workdir / "rl" / "metrics.jsonl").read_text().splitlines()]
@@ -81,15 +115,14 @@ def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("serve", [False, True], ids=["in-process", "through-polyrl-serve"])
-def test_quickstart_learns_with_stable_reinforce(quickstart_run, tmp_path, serve):
+def test_quickstart_learns_with_stable_reinforce(quickstart_run, variant_runs, serve):
     """The quickstart's RL phase with ``loss_fn: stable_reinforce`` (recording samplers, provenance on
     every Datum), in process and through ``polyrl serve`` (backend tinker, the SDK over 127.0.0.1):
     held-out success rises by at least 0.30."""
-    workdir = _from_the_warm_start(quickstart_run, tmp_path)
-    through = ["--serve"] if serve else []
-    before, after, stdout = _quickstart(workdir, "--loss-fn", "stable_reinforce", "--reuse-warm-start",
-                                        *through)
+    workdir, result = variant_runs["stable-reinforce-" + ("through-serve" if serve else "in-process")]
+    before, after, stdout = _figures(*result)
     assert before == quickstart_run[1]
     assert after - before >= 0.30, stdout
     summary = json.loads((workdir / "summary.json").read_text())
