@@ -7,11 +7,12 @@ config field (``backend``). :class:`ServiceGuard` bounds how long it waits on a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from polyrl.aio import in_daemon_thread
 from polyrl.errors import NonFiniteUpdateError, RunStoppedError, ServiceLostError
@@ -34,6 +35,56 @@ def make_service_client(config: Any) -> Any:
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
+
+
+FINISH_WAIT_S = 10.0  # ending a session must not hold up a command
+
+
+async def finish_session(service: Any, status: str, url: str | None, detail: str | None = None) -> None:
+    """End the service's session as ``success``, ``errored`` or ``interrupted``. The SDK tells Tinker
+    the reason and stops the session's heartbeats, which otherwise run as long as the process does
+    (keeping a hosted session alive after its run); the local engine (``url`` None) has nothing to end.
+    Best effort: a service at ``url`` that does not answer is left to expire the session itself, the
+    wait is at most FINISH_WAIT_S, and a failure changes nothing about how the command ends."""
+    try:
+        if url is not None and not await answers(url):
+            return
+        result = service.close(status, detail)
+        if inspect.isawaitable(result):
+            await asyncio.wait_for(_awaited(result), FINISH_WAIT_S)
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger(__name__).debug("finishing the session (%s) failed: %s", status, exc)
+
+
+async def answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether the service at ``url`` gives any HTTP answer (busy is not dead)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            await http.get(f"{url}/api/v1/healthz")
+        return True
+    except httpx.TransportError:
+        return False
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+@contextlib.asynccontextmanager
+async def ending_session(service: Any, url: str | None) -> AsyncIterator[None]:
+    """Ends ``service``'s session (at ``url``, None for the local engine) with the block: ``success``,
+    ``interrupted`` (Ctrl-C, cancelled) or ``errored``."""
+    status = "errored"
+    try:
+        yield
+        status = "success"
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        status = "interrupted"
+        raise
+    finally:
+        await finish_session(service, status, url)
 
 
 def sampler_precision(config: Any, service: Any) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from math import comb
 from typing import Any
 
+from polyrl.backend import ending_session, service_url
 from polyrl.rollouts import EnvRuntime, collect_groups, rollout_bounds
 
 
@@ -77,5 +78,6 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
                 for n, c in config.environments.items()}
     policy = await open_policy(config, model_path=checkpoint)
-    return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
-                                  config.seed)
+    async with ending_session(policy.service, service_url(config)):
+        return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
+                                      config.seed)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from polyrl.backend import ServiceGuard, make_rest_client, sampler_precision, service_url
+from polyrl.backend import ServiceGuard, finish_session, make_rest_client, sampler_precision, service_url
 from polyrl.config import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
 from polyrl.policy import open_policy
@@ -135,6 +135,7 @@ async def reopen_run(run: Run, why: str) -> Run:
     and trackers stay open."""
     run.console.warn(why)
     await run.queue.close()
+    await finish_session(run.service, "errored", run.guard.url, why)
     state = RunState(cursors={name: 0 for name in run.runtimes},
                      wandb_run_id=run.wandb.run_id if run.wandb is not None else None)
     opened = await open_service(run.config, run.console, run.files, run.guard, run.runtimes, run.weights,
@@ -246,9 +247,10 @@ def resume_hint(state: RunState) -> str:
     return f"last checkpoint: {state.checkpoint} (run the same command again to resume from it)"
 
 
-async def close_run(run: Run) -> None:
-    """Stop the groups in flight, then close W&B, the uploader and every environment builder; each on
-    its own, so one that fails neither hides the error that ended the run nor keeps the others open."""
+async def close_run(run: Run, status: str = "errored") -> None:
+    """Stop the groups in flight, then close W&B, the uploader and every environment builder, and end the
+    service's session as ``status``; each on its own, so one that fails neither hides the error that
+    ended the run nor keeps the others open."""
     await run.queue.close()
     closers = [run.wandb.close if run.wandb else None, run.uploader.close if run.uploader else None]
     for close in filter(None, closers):
@@ -257,6 +259,7 @@ async def close_run(run: Run) -> None:
         except Exception as exc:  # noqa: BLE001
             run.console.warn(f"closing failed: {exc}")
     await close_environments(run.runtimes, run.console)
+    await finish_session(run.service, status, run.guard.url)
 
 
 async def close_environments(runtimes: dict[str, EnvRuntime], console: ConsoleLog) -> None:

@@ -70,6 +70,7 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
     close it; returns the last step's metrics row."""
     check_config(config)  # a config built in code meets the checks a loaded one did (environments, models)
     run = await open_run(config, console)
+    status = "errored"  # how the service's session ends
     try:
         row: dict[str, float] = {}
         recoveries = 0
@@ -86,11 +87,15 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
                                             f"relaunch would (recovery {recoveries} of {most})")
         if config.outputs.report:
             refresh_for_training(run.files.root, run.console)
+        status = "success"
         return row
     except RunStoppedError as exc:
         raise RunStoppedError(f"{exc}; {resume_hint(run.state)}") from None
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        status = "interrupted"
+        raise
     finally:
-        await close_run(run)
+        await close_run(run, status)
 
 
 async def train_step(run: Run) -> dict[str, float]:

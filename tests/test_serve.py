@@ -1142,6 +1142,10 @@ def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_d
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), (a["step"], key)
     cps = [json.loads(x) for x in (tmp_path / "remote" / "checkpoints.jsonl").read_text().splitlines()]
     assert cps[-1]["state_path"].startswith("tinker://sess-")
+    # the run ended its session (no heartbeats left running in this process, nothing kept alive)
+    session = cps[-1]["state_path"].removeprefix("tinker://").split(":train:")[0]
+    rest = tinker.RestClient(base_url=served.url, api_key=KEY)
+    assert session.startswith("sess-") and session not in rest.list_sessions(limit=1000).result().sessions
 
 
 # --------------------------------------------------------------------- tinker-cookbook, unmodified
