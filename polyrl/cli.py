@@ -73,9 +73,10 @@ def _config_yaml(config, translation) -> str:
 
 def cmd_train(args) -> None:
     from polyrl.config import TrainConfig
+
+    config = _load(args, TrainConfig)  # a mistake in it is said before the heavy imports below
     from polyrl.train import train
 
-    config = _load(args, TrainConfig)
     row = train(config)
     print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
 
@@ -84,7 +85,6 @@ def cmd_distill(args) -> None:
     """``polyrl train`` with a teacher: the config's ``teacher:`` block, its model named on the command
     line."""
     from polyrl.config import TrainConfig
-    from polyrl.train import train
 
     if args.teacher:
         args.overrides = [f"teacher.model={json.dumps(args.teacher)}", *args.overrides]
@@ -92,6 +92,8 @@ def cmd_distill(args) -> None:
     if config.teacher is None:
         raise UserInputError("distill needs a teacher: give TEACHER (a tinker://<run>/sampler_weights/<name> "
                              "checkpoint or a base model) or a teacher: block in the config")
+    from polyrl.train import train
+
     row = train(config)
     shown = {k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}
     print(json.dumps(redact(shown, False)))
@@ -106,9 +108,10 @@ def cmd_sft(args) -> None:
 
 def cmd_eval(args) -> None:
     from polyrl.config import TrainConfig
-    from polyrl.evaluate import evaluate_checkpoint
 
     config = _load(args, TrainConfig)
+    from polyrl.evaluate import evaluate_checkpoint
+
     metrics = redact(asyncio.run(evaluate_checkpoint(config, args.checkpoint)), False)
     width = max(len(k) for k in metrics) if metrics else 0
     for k, v in sorted(metrics.items()):

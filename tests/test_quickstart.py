@@ -10,10 +10,13 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from polyrl.envs.registry import make_env_builder
+from polyrl.local.checkpoints import CheckpointPath, Store
 from polyrl.quickstart import RECIPES
 
 
@@ -37,16 +40,7 @@ def _quickstart(workdir, *args: str, env: dict[str, str] | None = None,
     return _figures(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory):
-    """One whole quickstart (tiny model, warm start, RL, evaluations), as ``make quickstart`` runs it:
-    its workdir and printed figures. The other tiny quickstart tests start their RL phase from its warm
-    start (deterministic for a model, seed and step count) instead of training the same one again."""
-    workdir = tmp_path_factory.mktemp("quickstart") / "qs"
-    return workdir, *_quickstart(workdir, "--reuse-warm-start")
-
-
-# The quickstart's RL phase again, from quickstart_run's warm start, with other settings
+# The quickstart's RL phase again, from the warm start of the whole quickstart, with other settings
 VARIANTS = {
     "one-step-ahead": ("--max-steps-off-policy", "1"),
     "stable-reinforce-in-process": ("--loss-fn", "stable_reinforce"),
@@ -54,33 +48,75 @@ VARIANTS = {
 }
 
 
+class Started:
+    """A quickstart subprocess, its output going to files beside its workdir."""
+
+    def __init__(self, workdir: Path, *args: str):
+        self.workdir = workdir
+        self.out, self.err = (open(workdir.parent / f"{workdir.name}.std{x}", "w+") for x in ("out", "err"))
+        self.proc = subprocess.Popen(_command(workdir, *args), stdout=self.out, stderr=self.err, text=True)
+
+    def result(self, timeout: float) -> tuple[int, str, str]:
+        returncode = self.proc.wait(timeout=timeout)
+        self.out.seek(0), self.err.seek(0)
+        return returncode, self.out.read(), self.err.read()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.out.close(), self.err.close()
+
+
+def _wait_for_warm_start(run: Started, timeout: float) -> bool:
+    """Whether ``run`` saved its warm start (False once it ended without one)."""
+    deadline = time.monotonic() + timeout
+    while not (run.workdir / "sft" / "warm_start.json").exists():
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def _copy_warm_start(source: Path, workdir: Path) -> None:
+    """The warm start of the quickstart in ``source`` (its run directory and its checkpoints in the store;
+    it names the model directory, which stays where it is) into a fresh ``workdir``."""
+    shutil.copytree(source / "sft", workdir / "sft")
+    run = json.loads((source / "sft" / "sft.json").read_text())["state_path"]
+    checkpoint = Store(source / "store").directory(CheckpointPath.parse(run))
+    shutil.copytree(checkpoint.parent.parent, workdir / "store" / checkpoint.parent.parent.name)
+
+
 @pytest.fixture(scope="module")
-def variant_runs(quickstart_run, tmp_path_factory):
-    """Each of VARIANTS run once, all at the same time: the tiny recipe runs torch on one thread, so on two
-    cores the three take about half as long as one after another (and each must learn on a loaded machine
-    anyway). Per variant: its workdir and (returncode, stdout, stderr)."""
-    runs = {}
-    for name, args in VARIANTS.items():
-        workdir = tmp_path_factory.mktemp(name) / "qs"
-        shutil.copytree(quickstart_run[0], workdir,  # the warm start (it names its model directory)
-                        ignore=shutil.ignore_patterns("rl", "summary.json", "model-*"))
-        out, err = (open(workdir.parent / f"std{x}.txt", "w+") for x in ("out", "err"))
-        runs[name] = workdir, out, err, subprocess.Popen(_command(workdir, *args, "--reuse-warm-start"),
-                                                         stdout=out, stderr=err, text=True)
+def quickstart_runs(tmp_path_factory):
+    """``make quickstart`` once (tiny model, warm start, RL, evaluations) and, from its warm start, the RL
+    phase with each of VARIANTS, started as soon as the warm start is saved: they run beside the whole
+    quickstart's RL. The tiny recipe runs torch on one thread, so on two cores four runs at once take about
+    half as long as one after another (and each must learn on a loaded machine anyway). Per run
+    ("quickstart" and each variant): its workdir and (returncode, stdout, stderr)."""
+    root = tmp_path_factory.mktemp("quickstart")
+    runs = {"quickstart": Started(root / "quickstart", "--reuse-warm-start")}
     try:
-        results = {}
-        for name, (workdir, out, err, proc) in runs.items():
-            returncode = proc.wait(timeout=2400)
-            out.seek(0), err.seek(0)
-            results[name] = workdir, (returncode, out.read(), err.read())
-        return results
+        warm = _wait_for_warm_start(runs["quickstart"], timeout=2400)
+        for name, args in VARIANTS.items():
+            if warm:
+                _copy_warm_start(root / "quickstart", root / name)
+                runs[name] = Started(root / name, *args, "--reuse-warm-start")
+        missing = (-1, "", "no warm start to start from: the whole quickstart failed")
+        return {name: (root / name, runs[name].result(timeout=2400) if name in runs else missing)
+                for name in ("quickstart", *VARIANTS)}
     finally:
-        for _, out, err, proc in runs.values():
-            proc.kill()
-            out.close(), err.close()
+        for run in runs.values():
+            run.close()
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(quickstart_runs):
+    """The whole quickstart's workdir and printed figures (before, after, output)."""
+    workdir, result = quickstart_runs["quickstart"]
+    return workdir, *_figures(*result)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # its set-up runs every tiny quickstart (a hang guard, like the runs' own)
 def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(quickstart_run):
     workdir, before, after, stdout = quickstart_run
 
@@ -101,11 +137,11 @@ def test_quickstart_rl_lifts_held_out_success_by_at_least_0_30(quickstart_run):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # the variants' runs share the machine (a hang guard, like the runs' own)
-def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, variant_runs):
+@pytest.mark.timeout(3600)
+def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, quickstart_runs):
     """The same quickstart with max_steps_off_policy: 1: every step after the first trains on groups
     the previous policy sampled, and held-out success still rises by at least 0.30."""
-    workdir, result = variant_runs["one-step-ahead"]
+    workdir, result = quickstart_runs["one-step-ahead"]
     before, after, stdout = _figures(*result)
     assert before == quickstart_run[1]  # the same warm start, evaluated the same way
     assert after - before >= 0.30, stdout
@@ -117,11 +153,11 @@ def test_quickstart_learns_as_well_sampling_one_step_ahead(quickstart_run, varia
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("serve", [False, True], ids=["in-process", "through-polyrl-serve"])
-def test_quickstart_learns_with_stable_reinforce(quickstart_run, variant_runs, serve):
+def test_quickstart_learns_with_stable_reinforce(quickstart_run, quickstart_runs, serve):
     """The quickstart's RL phase with ``loss_fn: stable_reinforce`` (recording samplers, provenance on
     every Datum), in process and through ``polyrl serve`` (backend tinker, the SDK over 127.0.0.1):
     held-out success rises by at least 0.30."""
-    workdir, result = variant_runs["stable-reinforce-" + ("through-serve" if serve else "in-process")]
+    workdir, result = quickstart_runs["stable-reinforce-" + ("through-serve" if serve else "in-process")]
     before, after, stdout = _figures(*result)
     assert before == quickstart_run[1]
     assert after - before >= 0.30, stdout
