@@ -181,6 +181,44 @@ def test_the_cpu_copy_decodes_in_packed_bfloat16_steps_checked_against_the_model
     assert all(p.dtype == F32 for p in base.hf_model.parameters())  # the learner keeps its own
 
 
+def test_one_token_attention_in_bfloat16_matches_float32_attention_and_ignores_masked_keys():
+    """The copy's one-token attention (grouped-query heads, a left-padding mask) against float32 SDPA:
+    within bfloat16 rounding, and keys/values at masked positions (here huge) change nothing."""
+    from polyrl.local.cpu_decode import mask_bias, one_token_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, dim = 4, 6, 2, 21, 16
+    query = torch.randn(batch, heads, dim, generator=gen)  # [B, H, D]
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=gen) for _ in range(2))
+    mask = torch.ones(batch, length, dtype=torch.bool)  # [B, L]
+    mask[1, :5] = mask[3, :2] = False
+    masked = ~mask[:, None, :, None]  # [B, 1, L, 1]
+    key, value = key.masked_fill(masked, 1e4), value.masked_fill(masked, -1e4)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.unsqueeze(2), key, value, attn_mask=mask[:, None, None, :], enable_gqa=True)  # [B, H, 1, D]
+    got = one_token_attention(query.to(BF16), key.to(BF16), value.to(BF16), dim**-0.5,
+                              mask_bias(mask, kv_heads, BF16))  # [B, KV, H / KV, D]
+    assert got.dtype == BF16
+    torch.testing.assert_close(got.float().reshape(batch, heads, dim), want.squeeze(2), rtol=0, atol=0.05)
+
+
+def test_the_padded_decode_cache_grows_a_few_positions_at_a_time():
+    """Attention of the CPU copy runs over the whole buffer of its padded cache (a one-token step gets
+    all of it), so the buffer stays within 16 positions, or a sixteenth, of what is cached: growing by a
+    quarter or more would multiply the padding attention reads."""
+    from polyrl.local.sampler import new_cache
+
+    cache = new_cache(40, padded=True)
+    prefill = torch.zeros(2, 1, 40, 4)  # [B, KV, L, D]
+    cache.update(prefill, prefill, 0)
+    one = prefill[:, :, :1]
+    for _ in range(300):
+        keys, values = cache.update(one, one, 0)
+        length = cache.get_seq_length()
+        assert length <= keys.shape[2] == values.shape[2] <= length + max(16, length // 16)
+    assert cache.get_seq_length() == 340
+
+
 @pytest.mark.slow
 def test_a_bfloat16_sampler_on_smollm2_is_close_to_the_float32_learner(smollm2_dir, tmp_path):
     """SmolLM2-135M-Instruct (30 layers, 49,152 tokens) with a LoRA after one step: measured, the bfloat16

@@ -5,10 +5,10 @@ weigh as much as their arithmetic. So the copy's linear layers hold their weight
 (:class:`PackedLinear`: no re-layout of the whole matrix on each call, which 32 rows cannot amortise); the
 query/key/value projections of an attention block and the gate/up projections of an MLP are one product
 each (:class:`FusedLinear`); attention of one query token runs as two batched products over the whole
-KV-cache buffer (:func:`decode_attention`; PyTorch's fused CPU attention kernel is several times slower in
-bfloat16 than in float32 for one query token, and the batched product copies any view of part of a
-buffer); and a Llama-family decoder decodes without Hugging Face's per-module dispatch
-(:class:`FastDecode`), checked at build time against the model's own forward.
+KV-cache buffer, which grows a few positions at a time (:func:`decode_attention`; PyTorch's fused CPU
+attention kernel is several times slower in bfloat16 than in float32 for one query token, and the batched
+product copies any view of part of a buffer); and a Llama-family decoder decodes without Hugging Face's
+per-module dispatch (:class:`FastDecode`), checked at build time against the model's own forward.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of one query token per row as two batched matrix products (grouped-query heads share
-    their key/value head without copies), softmax in float32; everything else goes to SDPA. Shapes as
-    Hugging Face's attention interface: ``query [B, H, 1, D]``, ``key/value [B, KV, L, D]``, the mask
-    boolean ``[B, 1, 1, L]`` (True: attend) or None; returns ``[B, 1, H, D]``."""
+    their key/value head without copies); everything else goes to SDPA. Shapes as Hugging Face's
+    attention interface: ``query [B, H, 1, D]``, ``key/value [B, KV, L, D]``, the mask boolean
+    ``[B, 1, 1, L]`` (True: attend) or None; returns ``[B, 1, H, D]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
@@ -113,37 +113,45 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             attention_mask is not None and attention_mask.dtype != torch.bool):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    bias = None if attention_mask is None else mask_bias(attention_mask.reshape(batch, key.shape[2]))
+    bias = None
+    if attention_mask is not None:  # every layer of a forward pass gets the same mask: one bias for all
+        if _last_bias[0] is not attention_mask:
+            _last_bias[:] = [attention_mask, mask_bias(attention_mask.reshape(batch, key.shape[2]),
+                                                       key.shape[1], key.dtype)]
+        bias = _last_bias[1]
     out = one_token_attention(query.reshape(batch, heads, dim), key, value,
                               dim**-0.5 if scaling is None else scaling, bias)
     return out.reshape(batch, 1, heads, dim), None
 
 
+_last_bias: list = [None, None]  # (mask, bias) of the last forward pass through decode_attention
+
+
 def one_token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                         bias: torch.Tensor | None) -> torch.Tensor:
     """``query [B, H, D]`` against ``key/value [B, KV, L, D]`` (contiguous: a view into a larger buffer
-    makes the bfloat16 batched product copy it), ``bias [B, 1, 1, L]`` (0 or -inf) added to the scores;
-    returns ``[B, KV, H / KV, D]``."""
+    makes the bfloat16 batched product copy it), ``bias [B * KV, 1, L]`` (0 or -inf, the keys' dtype, see
+    :func:`mask_bias`) added to the scores; returns ``[B, KV, H / KV, D]``. The scores stay in the keys'
+    dtype: scaling, bias and product are one ``baddbmm``, and a bfloat16 softmax computes in float32 and
+    rounds once, as a float32 softmax cast back would."""
     batch, heads, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query.reshape(batch, kv_heads, heads // kv_heads, dim) * scaling
-    scores = torch.matmul(q, key.transpose(-1, -2))  # [B, KV, group, L]
-    if bias is not None:
-        scores = scores + bias  # float32 from here on
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(probs, value)
+    kv_heads, length = key.shape[1], key.shape[2]
+    q = query.reshape(batch * kv_heads, heads // kv_heads, dim)  # [B * KV, group, D]
+    keys_t = key.reshape(batch * kv_heads, length, dim).transpose(1, 2)  # [B * KV, D, L]
+    if bias is None:
+        scores = torch.bmm(q * scaling, keys_t)  # [B * KV, group, L]
+    else:
+        scores = torch.baddbmm(bias, q, keys_t, alpha=scaling)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, value.reshape(batch * kv_heads, length, dim))  # [B * KV, group, D]
+    return out.reshape(batch, kv_heads, heads // kv_heads, dim)
 
 
-_last_bias: list = [None, None]  # (mask, bias): every layer of a forward pass gets the same mask
-
-
-def mask_bias(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean ``[B, L]`` mask (True: attend) as an additive float32 bias ``[B, 1, 1, L]``, made once
-    per forward pass however many layers ask."""
-    if _last_bias[0] is not mask:
-        bias = torch.zeros((mask.shape[0], 1, 1, mask.shape[1]), dtype=torch.float32, device=mask.device)
-        _last_bias[:] = [mask, bias.masked_fill_(~mask.reshape(bias.shape), float("-inf"))]
-    return _last_bias[1]
+def mask_bias(mask: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``[B, L]`` mask (True: attend) as the additive bias ``[B * KV, 1, L]`` (0 or -inf, in
+    ``dtype``) of :func:`one_token_attention`."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.unsqueeze(1).expand(-1, kv_heads, -1).reshape(-1, 1, mask.shape[1])  # [B * KV, 1, L]
 
 
 @functools.cache
@@ -237,15 +245,15 @@ class FastDecode:
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
             keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2),  # [B, KV, L, D]
                                                       v.reshape(batch, kv_heads, 1, dim))
-            if bias is None:
+            if bias is None:  # one bias for every layer: [B * KV, 1, L]
                 attend = torch.zeros((batch, keys.shape[2]), dtype=torch.bool, device=mask.device)  # [B, L]
                 attend[:, : mask.shape[1]] = mask.bool()
-                bias = mask_bias(attend)
+                bias = mask_bias(attend, kv_heads, keys.dtype)
             # [B, KV, group, D]: the query heads grouped by the key/value head they share
             out = one_token_attention(qk[:, :heads], keys, values, attention.scaling, bias)
             x = x + attention.o_proj(out.reshape(batch, heads * dim))  # [B, hidden]
-            gate, up = mlp.gate_proj.group(layer.post_attention_layernorm(x)).split(mlp.gate_proj.group.sizes,
-                                                                                    dim=-1)
+            gate_up = mlp.gate_proj.group(layer.post_attention_layernorm(x))  # [B, 2 * I]
+            gate, up = gate_up.split(mlp.gate_proj.group.sizes, dim=-1)
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         return self.head(self.decoder.norm(x))  # [B, V]
 

@@ -46,7 +46,8 @@ TOPK_MASK_LOGPROB = -99999.0  # Tinker's filler for a top-K row with nothing in 
 PROMPT_CHUNK_BYTES = 64 << 20  # float32 logits of prompt positions alive at once
 PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
-PADDED_DECODE_CAPACITY = 64  # the same for a padded cache (see _BufferLayer)
+PADDED_DECODE_CAPACITY = 16  # the same for a padded cache (see _BufferLayer), which grows by as much
+CDF_CHUNK = 1024  # tokens per chunk of the two-level inverse-CDF draw (see _inverse_cdf)
 
 
 @dataclass
@@ -95,8 +96,10 @@ def _buffer_layer_class():
         ``padded``: a one-token step gets the whole buffer instead (zeros past the cached positions, which
         the attention mask then masks, as for Hugging Face's static cache): a contiguous tensor, which the
         batched products of :func:`polyrl.local.cpu_decode.decode_attention` need to run at speed in
-        bfloat16 (a view of part of the buffer is copied on every call). The buffer then grows by a quarter,
-        not by doubling, as attention runs over all of it."""
+        bfloat16 (a view of part of the buffer is copied on every call). As attention runs over all of it,
+        the buffer then grows by a few positions at a time (``PADDED_DECODE_CAPACITY``, or a sixteenth of
+        it when longer), not by doubling: each growth copies the cache once, as a step's attention reads
+        it, so padding and copies together cost about as much as a tenth of attention."""
 
         def __init__(self, capacity: int, padded: bool = False):
             super().__init__()
@@ -115,7 +118,7 @@ def _buffer_layer_class():
         def _reserve(self, end: int) -> None:
             if end > self._k.shape[-2]:
                 cap = self._k.shape[-2]
-                cap = max(end, cap + max(64, cap // 4) if self.padded else 2 * cap)
+                cap = max(end, cap + max(PADDED_DECODE_CAPACITY, cap // 16) if self.padded else 2 * cap)
 
                 def grow(b: torch.Tensor) -> torch.Tensor:
                     more = b.new_zeros((*b.shape[:-2], cap - b.shape[-2], b.shape[-1]))
@@ -246,11 +249,30 @@ def _row_uniforms(seeds: torch.Tensor, seeded: torch.Tensor, step: int, generato
     return u
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row ``i``'s token: the first whose cumulative probability reaches ``u[i]`` of the row's total."""
-    cdf = probs.cumsum(-1)  # [B, V]
-    want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)  # [B, 1]
-    return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=probs.shape[-1] - 1)  # [B]
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token: the first whose cumulative weight reaches ``u[i]`` of the row's total.
+
+    ``weights [B, V]`` (probabilities, or any non-negative multiple of them). A cumulative sum along the
+    whole vocabulary is one sequential pass per row, so over a wide vocabulary the draw first picks the
+    chunk of ``CDF_CHUNK`` tokens where the row's cumulative weight reaches its target (from the chunks'
+    sums) and then the token inside that chunk; every row's result depends on that row alone."""
+    batch, vocab = weights.shape
+    if vocab <= 2 * CDF_CHUNK:
+        cdf = weights.cumsum(-1)  # [B, V]
+        want = (u * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)  # [B, 1]
+        return torch.searchsorted(cdf, want).squeeze(1).clamp_(max=vocab - 1)  # [B]
+    whole = vocab // CDF_CHUNK * CDF_CHUNK  # the last chunk may be shorter (or empty)
+    chunk_cdf = torch.cat([weights[:, :whole].reshape(batch, -1, CDF_CHUNK).sum(-1),
+                           weights[:, whole:].sum(-1, keepdim=True)], dim=1).cumsum(-1)  # [B, C]
+    want = (u * chunk_cdf[:, -1].double()).to(chunk_cdf.dtype).unsqueeze(1)  # [B, 1]
+    chunk = torch.searchsorted(chunk_cdf, want).clamp_(max=chunk_cdf.shape[1] - 1)  # [B, 1]
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)  # [B, 1]
+    columns = chunk * CDF_CHUNK + torch.arange(CDF_CHUNK, device=weights.device)  # [B, chunk]
+    inside = weights.gather(1, columns.clamp(max=vocab - 1)).masked_fill_(columns >= vocab, 0.0)
+    cdf = inside.cumsum(-1) + before  # [B, chunk]
+    # the chunk's own sum may round below its entry of chunk_cdf: then its last token of positive weight
+    index = torch.searchsorted(cdf, torch.minimum(want, cdf[:, -1:])).squeeze(1)  # [B]
+    return (chunk.squeeze(1) * CDF_CHUNK + index).clamp_(max=vocab - 1)
 
 
 class SamplingStopped(RuntimeError):
@@ -514,15 +536,18 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
         u = _row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
-        logp = torch.log_softmax(logits, dim=-1)  # [B, V]
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
-            sampled = _inverse_cdf(logp.exp(), u)
+            tokens = _inverse_cdf(probs := torch.softmax(logits, dim=-1), u)  # probs [B, V]
+            # log of the drawn token's probability: a token this draw can reach is no denormal number
+            token_lp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # [B]
+            logp = torch.log_softmax(logits, dim=-1) if topk_width else None  # [B, V]
         else:
             sampled = _inverse_cdf(
                 torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
-        tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
+            tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
+            logp = torch.log_softmax(logits, dim=-1)  # [B, V]
+            token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
         step += 1
-        token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
         if topk_width:  # [B, K] each
             top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
         for pos, (row_i, tok, lp) in enumerate(zip(in_cache, tokens.tolist(), token_lp.tolist())):
