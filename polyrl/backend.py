@@ -51,7 +51,7 @@ async def finish_session(service: Any, status: str, url: str | None, detail: str
             return
         result = service.close(status, detail)
         if inspect.isawaitable(result):
-            await asyncio.wait_for(_awaited(result), FINISH_WAIT_S)
+            await asyncio.wait_for(result, FINISH_WAIT_S)
     except Exception as exc:  # noqa: BLE001
         logging.getLogger(__name__).debug("finishing the session (%s) failed: %s", status, exc)
 
@@ -66,10 +66,6 @@ async def answers(url: str, timeout: float = 2.0) -> bool:
         return True
     except httpx.TransportError:
         return False
-
-
-async def _awaited(awaitable: Awaitable[T]) -> T:
-    return await awaitable
 
 
 @contextlib.asynccontextmanager

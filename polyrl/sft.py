@@ -18,7 +18,7 @@ from tinker import types
 from polyrl.backend import ending_session, service_url
 from polyrl.config import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
 from polyrl.images import next_token_inputs
-from polyrl.policy import open_policy
+from polyrl.policy import OpenPolicy, open_policy
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
 
@@ -72,37 +72,42 @@ async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str
     policy = await open_policy(config, lambda service: service.create_lora_training_client(
         base_model=config.model_name, rank=config.lora_rank, seed=config.seed))
     async with ending_session(policy.service, service_url(config)):
-        training = policy.client
-        datums = demonstration_datums(config, policy.renderer)
-        rng = random.Random(config.seed)
-        order: list[int] = []
-        log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
-        with console.progress("sft", config.max_steps, loss="-") as progress:
-            for step in range(config.max_steps):
-                t0 = time.monotonic()
-                batch = []
-                while len(batch) < config.batch_size:
-                    if not order:
-                        order = list(range(len(datums)))
-                        rng.shuffle(order)
-                    batch.append(datums[order.pop()])
-                lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
-                fwd = training.forward_backward(batch, "cross_entropy")
-                opt = training.optim_step(types.AdamParams(learning_rate=lr))
-                result, _ = await fwd, await opt
-                n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
-                row = {"step": step, "optim/loss": result.metrics["loss:sum"] / max(n_tokens, 1.0),
-                       "optim/lr": lr, "time/total": time.monotonic() - t0}
-                files.log_metrics(row)
-                progress.update(progress.task_ids[0], advance=1, loss=f"{row['optim/loss']:.4f}")
-                if not console.is_terminal and (step % log_every == 0 or step + 1 == config.max_steps):
-                    console.info(f"sft step {step}: loss/token {row['optim/loss']:.4f}")
-        state = await training.save_state(config.save_name)
-        sampler = await training.save_weights_for_sampler(config.save_name)
-        atomic_write_text(files.root / "sft.json",
-                          json.dumps({"state_path": state.path, "sampler_path": sampler.path}))
-        console.info(f"sft checkpoint: {state.path}")
-        return state.path
+        return await _train(config, policy, files, console)
+
+
+async def _train(config: SFTConfig, policy: OpenPolicy, files: RunFiles, console: ConsoleLog) -> str:
+    """The SFT steps on ``policy``'s training client, then its state and sampler checkpoints."""
+    training = policy.client
+    datums = demonstration_datums(config, policy.renderer)
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
+    with console.progress("sft", config.max_steps, loss="-") as progress:
+        for step in range(config.max_steps):
+            t0 = time.monotonic()
+            batch = []
+            while len(batch) < config.batch_size:
+                if not order:
+                    order = list(range(len(datums)))
+                    rng.shuffle(order)
+                batch.append(datums[order.pop()])
+            lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
+            fwd = training.forward_backward(batch, "cross_entropy")
+            opt = training.optim_step(types.AdamParams(learning_rate=lr))
+            result, _ = await fwd, await opt
+            n_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
+            row = {"step": step, "optim/loss": result.metrics["loss:sum"] / max(n_tokens, 1.0),
+                   "optim/lr": lr, "time/total": time.monotonic() - t0}
+            files.log_metrics(row)
+            progress.update(progress.task_ids[0], advance=1, loss=f"{row['optim/loss']:.4f}")
+            if not console.is_terminal and (step % log_every == 0 or step + 1 == config.max_steps):
+                console.info(f"sft step {step}: loss/token {row['optim/loss']:.4f}")
+    state = await training.save_state(config.save_name)
+    sampler = await training.save_weights_for_sampler(config.save_name)
+    atomic_write_text(files.root / "sft.json",
+                      json.dumps({"state_path": state.path, "sampler_path": sampler.path}))
+    console.info(f"sft checkpoint: {state.path}")
+    return state.path
 
 
 def sft(config: SFTConfig, console: ConsoleLog | None = None) -> str:
