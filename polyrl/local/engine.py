@@ -47,7 +47,12 @@ from polyrl.local.vision import keyed
 
 log = logging.getLogger("polyrl.local")
 
-BATCH_WINDOW_S = 0.003  # how long the worker waits for more sampling requests to batch together
+# Sampling requests are batched: after each one, the worker waits BATCH_GAP_S for another, up to
+# BATCH_MAX_WAIT_S after the first. An RL step's requests (one per episode) come from one event loop a few
+# milliseconds apart, longer apart on a busy machine; a fixed window of a few milliseconds split a step's
+# 64 rollouts into two or three decodes run one after another.
+BATCH_GAP_S = 0.010
+BATCH_MAX_WAIT_S = 0.100
 MAX_BATCH_ROWS = 512
 
 
@@ -221,10 +226,11 @@ class Engine:
                 self._execute(op.future, op.fn)
                 continue
             batch = [op]
-            deadline = time.monotonic() + BATCH_WINDOW_S
+            last_call = time.monotonic() + BATCH_MAX_WAIT_S
             while sum(o.job.num_samples for o in batch) < MAX_BATCH_ROWS:
+                wait = min(BATCH_GAP_S, last_call - time.monotonic())
                 try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    nxt = self._queue.get(timeout=max(0.0, wait))
                 except queue.Empty:
                     break
                 (batch if isinstance(nxt, _SampleOp) else pending).append(nxt)
