@@ -16,7 +16,7 @@ import torch
 from tinker import types
 
 from polyrl.local.compute import packed_logprobs
-from polyrl.local.packing import _tensors, group_rows, micro_batches, pack_rows
+from polyrl.local.packing import CPU_CALL_TOKENS, _tensors, group_rows, micro_batches, pack_rows
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adam,
     assert_grads_close,
@@ -147,18 +147,24 @@ def test_rows_are_only_as_long_as_they_pay_for():
     assert all(len(r) <= 64 for r in pack_rows(group, 64, linear_per_pair=1000) if len(r.paths) > 1)
 
 
-def test_micro_batches_are_fewest_then_least_padded():
-    """Against every way of cutting the length-sorted rows into runs, on small random batches."""
+@pytest.mark.parametrize("overhead", [None, 0, 7, 40])
+def test_micro_batches_cost_least(overhead):
+    """Fewest micro-batches then least padding (``overhead=None``), or the least padded tokens plus
+    ``overhead`` per micro-batch: against every way of cutting the length-sorted rows into runs, on small
+    random batches."""
     import itertools
 
     def cost(batches, lengths):
-        return len(batches), sum(max(lengths[i] for i in b) * len(b) for b in batches)
+        padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+        if overhead is None:
+            return len(batches), padded
+        return padded + overhead * len(batches), len(batches)
 
     rng = random.Random(0)
     for _ in range(200):
         lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
         budget = rng.randint(30, 200)
-        got = group_rows(lengths, budget)
+        got = group_rows(lengths, budget, overhead)
         assert sorted(i for b in got for i in b) == list(range(len(lengths)))
         assert all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in got)
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -170,6 +176,27 @@ def test_micro_batches_are_fewest_then_least_padded():
                 if all(len(b) == 1 or max(lengths[i] for i in b) * len(b) <= budget for b in runs):
                     best = min(best or cost(runs, lengths), cost(runs, lengths))
         assert cost(got, lengths) == best, (lengths, budget)
+
+
+def test_a_cpu_micro_batch_does_not_pad_a_short_row_to_a_long_ones_width():
+    """An RL step on SmolLM2 packed into rows of 831 and 143 tokens: one micro-batch of them computes
+    1,662 tokens (2.4x a step of one row), two compute 974 and cost one more call."""
+    rows = [[7] * 831, [8] * 143]  # two unrelated datums, each its own row
+    on_cpu = micro_batches(rows, budget=4096, call_tokens=CPU_CALL_TOKENS)
+    assert sorted(mb.tokens for mb in on_cpu) == [143, 831]
+    assert [mb.tokens for mb in micro_batches(rows, budget=4096)] == [1662]  # where a call costs more (GPUs)
+
+
+def test_the_engine_groups_rows_for_its_device(service, warm, monkeypatch):
+    """The CPU engine passes the CPU's call cost to the grouping (a GPU engine passes none)."""
+    tc = from_state(service, warm["path"])
+    seen = []
+    import polyrl.local.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "micro_batches",
+                        lambda *a, **k: seen.append(k.get("call_tokens")) or micro_batches(*a, **k))
+    tc.forward(shared_prefix_batch(torch.Generator().manual_seed(3)), "cross_entropy").result()
+    assert seen == [CPU_CALL_TOKENS]
 
 
 # ---- exactness ---------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from polyrl.local.compute import packed_logprobs
 from polyrl.local.datums import PreparedDatum, batch_loss, prepare_datum, reduce_metrics
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
-from polyrl.local.packing import MicroBatch, micro_batches
+from polyrl.local.packing import CPU_CALL_TOKENS, MicroBatch, micro_batches
 from polyrl.local.sampler import SampleJob, generate
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
@@ -368,16 +368,19 @@ class Engine:
         )
 
     def _micro_batches(self, base: BaseModel, prepared: list[PreparedDatum]) -> list[MicroBatch]:
+        # on a CPU a padded token costs what a real one does: a short row gets its own call rather than
+        # padding to a long one's width
+        call_tokens = CPU_CALL_TOKENS if base.device.type == "cpu" else None
         if not any(p.images for p in prepared):
             return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
-                                 base.device)
+                                 base.device, call_tokens=call_tokens)
         # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
         keys: dict[tuple[str, int], int] = {}
         sequences = [keyed(p.tokens, p.images, keys) for p in prepared]
         by_key = {keys[(im.key, im.start)]: im for p in prepared for im in p.images}
         mrope = [base.vision.rope(p.tokens, p.images)[0] for p in prepared]
         batches = micro_batches(sequences, self.micro_batch_tokens, base.linear_per_pair, base.device, mrope,
-                                base.vision.image_token_id)
+                                base.vision.image_token_id, call_tokens)
         for mb in batches:
             if mb.image_keys:
                 mb.vision = base.vision.inputs([by_key[k] for k in mb.image_keys], base.device)
