@@ -107,11 +107,11 @@ def pack_rows(sequences: list[list[int]], max_row: int,
     return rows
 
 
-def group_rows(lengths: list[int], budget: int, overhead_tokens: int | None = None) -> list[list[int]]:
+def group_rows(lengths: list[int], budget: int, call_tokens: int | None = None) -> list[list[int]]:
     """Row indices grouped into micro-batches of at most ``budget`` padded tokens (a row longer than
-    that goes alone). ``overhead_tokens=None``: the fewest micro-batches, and among those the least
+    that goes alone). ``call_tokens=None``: the fewest micro-batches, and among those the least
     padding (where a call costs far more than a token, as on a GPU); else the least ``padded tokens +
-    overhead_tokens * micro-batches`` (on a CPU a padded token costs as much as a real one, so a short
+    call_tokens * micro-batches`` (on a CPU a padded token costs as much as a real one, so a short
     row padded to a long one's width can cost more than a call of its own). Rows are sorted by length, so
     each micro-batch is a run of that order; a dynamic program over the runs picks the cuts (a greedy
     fill can pad a short row to a long one where a different cut would not)."""
@@ -120,7 +120,7 @@ def group_rows(lengths: list[int], budget: int, overhead_tokens: int | None = No
     n = len(sizes)
 
     def cost(batches: int, padded: int) -> tuple[int, ...]:
-        return (batches, padded) if overhead_tokens is None else (padded + overhead_tokens * batches, batches)
+        return (batches, padded) if call_tokens is None else (padded + call_tokens * batches, batches)
 
     # best[j]: (micro-batches, padded tokens) for the first j sorted rows; cut[j]: where the last starts
     best: list[tuple[int, int]] = [(0, 0)] + [(n + 1, sum(sizes) * n + 1)] * n  # worse than any cut
@@ -145,7 +145,7 @@ def micro_batches(sequences: list[list[int]], budget: int, linear_per_pair: floa
                   device: torch.device | str = "cpu", mrope: list[torch.Tensor | None] | None = None,
                   placeholder: int = 0, call_tokens: int | None = None) -> list[MicroBatch]:
     """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens, grouped as
-    :func:`group_rows` does with ``overhead_tokens=call_tokens``. With ``mrope`` (vision-language models),
+    :func:`group_rows` does with ``call_tokens``. With ``mrope`` (vision-language models),
     negative tokens are image keys (laid as ``placeholder``) and positions are ``[4, rows, width]``: the
     token's index, then its datum's multimodal positions."""
     rows = pack_rows(sequences, budget, linear_per_pair)
