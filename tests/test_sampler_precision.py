@@ -164,6 +164,55 @@ def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_mode
     assert again.tokens == greedy["one"].tokens and again.logprobs == greedy["one"].logprobs
 
 
+def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weight(tiny_model_dir):
+    """The copy folds a snapshot weight by weight into reused buffers, fused siblings stacked in place:
+    every held weight (packed, fused or plain) must be the learner's weight plus PEFT's own delta of that
+    layer, cast, and a second fold (other buffers' leftovers) must give the same values. ``_add_delta``'s
+    one-product path must equal PEFT's ``get_delta_weight``."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from polyrl.local.cpu_decode import FusedMember
+    from polyrl.local.model import BaseModel, LoraSpec, _add_delta
+
+    base = BaseModel(tiny_model_dir, "cpu", "float32", sampler_dtype="bfloat16")
+    base.add_adapter("a", LoraSpec(rank=4, seed=0))
+    gen = torch.Generator().manual_seed(1)
+    layers = {}
+    with torch.no_grad():
+        for name, m in base.peft_model.named_modules():
+            if isinstance(m, LoraLinear):
+                m.lora_B["a"].weight.copy_(torch.randn(m.lora_B["a"].weight.shape, generator=gen) * 0.5)
+                parts = name.removeprefix("base_model.model.").split(".")
+                layers[".".join(p for p in parts if p != "base_layer")] = m
+    assert len(layers) == 2 * 7 + 1
+    for m in layers.values():
+        w = m.base_layer.weight.detach()
+        got = w.clone()
+        _add_delta(m, "a", got)
+        torch.testing.assert_close(got, w + m.get_delta_weight("a"), rtol=0, atol=1e-5)
+        assert float((got - w).abs().max()) > 1e-2  # the delta is not negligible
+
+    copy = base.sampler_copy
+    targets = base._merge_targets("a")
+    first, second = copy._values(targets), copy._values(list(reversed(targets)))
+    assert len(first) == 2 * 4 + 1  # per block: q/k/v fused, o, gate/up fused, down; the head
+
+    def dense(value: torch.Tensor) -> torch.Tensor:
+        return value.to_dense() if value.is_mkldnn else value
+
+    for holder, value in first.items():
+        torch.testing.assert_close(dense(value), dense(second[holder]), rtol=0, atol=0)
+        paths = ([p for p, m in copy.model.named_modules()  # fused members in their stacking order
+                  if isinstance(m, FusedMember) and m.group is holder[1]]
+                 if holder[0] == "fused" else [holder[1]])
+        want = torch.cat([layers[p].base_layer.weight.detach() + layers[p].get_delta_weight("a")
+                          for p in paths]).to(BF16)
+        got = dense(value)
+        assert got.dtype == BF16 and got.shape == want.shape
+        # one bfloat16 rounding step apart at most (the sum's last float32 bit may differ)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
 def test_the_cpu_copy_decodes_in_packed_bfloat16_steps_checked_against_the_model(tiny_model_dir):
     """Where oneDNN packs exactly, the CPU copy's one-token steps skip the module dispatch (checked at
     build against the model's own forward) and its linear layers hold packed bfloat16 weights."""

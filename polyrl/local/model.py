@@ -14,6 +14,7 @@ projector, which keep their pretrained weights, as Tinker's LoRA does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -422,9 +423,9 @@ class BaseModel:
                 continue
             path = ".".join(p for p in name.removeprefix("base_model.model.").split(".") if p != "base_layer")
             if isinstance(m, ParamWrapper):  # fused expert weights; wrappers of one module nest
-                targets.append(MergeTarget(path, m.parameter_name, lambda m=m: m.get_delta_weight(slot)))
+                targets.append(MergeTarget(path, m.parameter_name, functools.partial(_add_delta, m, slot)))
             elif isinstance(m, LoraLinear):
-                targets.append(MergeTarget(path, "weight", lambda m=m: m.get_delta_weight(slot)))
+                targets.append(MergeTarget(path, "weight", functools.partial(_add_delta, m, slot)))
             else:
                 raise ValueError(f"cannot fold the LoRA of {name} ({type(m).__name__}) into the sampler's "
                                  "weights")
@@ -452,7 +453,7 @@ class BaseModel:
                 if weight is None:
                     weight = torch.nn.Parameter(torch.empty_like(base), requires_grad=False)
                 weight.copy_(base)
-                weight.add_(m.get_delta_weight(slot).to(base.dtype))
+                _add_delta(m, slot, weight)
                 merged.append((m, weight))
         self._merged[slot] = (owner, merged)
         return merged
@@ -484,3 +485,16 @@ class BaseModel:
         missing = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
         if missing:
             raise ValueError(f"checkpoint {directory} does not fit adapter {adapter}: {missing[:3]}")
+
+
+def _add_delta(layer: torch.nn.Module, slot: str, weight: torch.Tensor) -> None:
+    """Add ``layer``'s LoRA delta for adapter ``slot`` to ``weight`` (its base weight or a copy), in place.
+    A plain LoRA linear layer adds ``scale * B @ A`` as one ``addmm_`` (no ``[out, in]`` temporary); other
+    forms (DoRA, fan-in-fan-out, parameter wrappers) go through PEFT's own ``get_delta_weight``."""
+    a, b = getattr(layer.lora_A[slot], "weight", None), getattr(layer.lora_B[slot], "weight", None)
+    if (a is not None and b is not None and a.dim() == b.dim() == 2 and a.dtype == b.dtype == weight.dtype
+            and not getattr(layer, "fan_in_fan_out", False) and not layer.use_dora.get(slot, False)
+            and tuple(weight.shape) == (b.shape[0], a.shape[1])):
+        weight.addmm_(b, a, alpha=layer.scaling[slot])
+    else:
+        weight.add_(layer.get_delta_weight(slot).to(weight.dtype))

@@ -106,11 +106,12 @@ def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) 
 @dataclass(frozen=True)
 class MergeTarget:
     """One weight an adapter changes: the parameter ``name`` of the module at ``path`` (named as in the
-    bare model) and the adapter's delta (computed on demand, in the learner's dtype)."""
+    bare model) and ``add_delta(weight)``, which adds the adapter's delta to a tensor holding that weight
+    (in the learner's dtype), in place."""
 
     path: str
     name: str
-    delta: Callable[[], torch.Tensor]
+    add_delta: Callable[[torch.Tensor], None]
 
 
 Values = dict[tuple, torch.Tensor]  # a weight holder of the copy (see SamplerCopy._holder) -> its value
@@ -232,29 +233,49 @@ class SamplerCopy:
     def _values(self, targets: list[MergeTarget], fold: bool = True) -> Values:
         """The value of every holder ``targets`` touch: the learner's weights plus each target's delta
         (``fold=False``: without), computed in the learner's dtype, then cast and packed as held."""
-        deltas = {(t.path, t.name): t.delta for t in targets} if fold else {}
-
-        def weight(path: str, name: str) -> torch.Tensor:
-            base = self._learner(path, name)
-            delta = deltas.get((path, name))
-            return (base + delta().to(base.dtype) if delta is not None else base).to(self.dtype)
-
+        adds = {(t.path, t.name): t.add_delta for t in targets} if fold else {}
+        scratch: dict[torch.dtype, torch.Tensor] = {}
         values: Values = {}
         with torch.no_grad():
             for t in targets:
                 holder = self._holder(t)
                 if holder in values:
                     continue
+                keys = [(t.path, t.name)]
                 if holder[0] == "fused":
-                    parent = t.path.rpartition(".")[0]
-                    names = next(n for n in FUSED if t.path.rpartition(".")[2] in n)
-                    values[holder] = pack(torch.cat([weight(f"{parent}.{n}" if parent else n, "weight")
-                                                     for n in names]))
-                elif holder[0] == "packed":
-                    values[holder] = pack(weight(t.path, t.name))
+                    parent, _, leaf = t.path.rpartition(".")
+                    names = next(n for n in FUSED if leaf in n)
+                    keys = [(f"{parent}.{n}" if parent else n, "weight") for n in names]
+                folded = self._folded(keys, adds, scratch)  # a view of scratch memory
+                if holder[0] == "param":
+                    values[holder] = torch.nn.Parameter(folded.clone(), requires_grad=False)
                 else:
-                    values[holder] = torch.nn.Parameter(weight(t.path, t.name), requires_grad=False)
+                    packed = pack(folded)  # oneDNN's own tensor, or a plain one where no reorder was needed
+                    shares = not packed.is_mkldnn and packed.data_ptr() == folded.data_ptr()
+                    values[holder] = packed.clone() if shares else packed
         return values
+
+    def _folded(self, keys: list[tuple[str, str]], adds: dict, scratch: dict) -> torch.Tensor:
+        """The learner's weights ``keys`` (module path, parameter name) stacked along their first
+        dimension, each plus its delta where ``adds`` has one (in the learner's dtype), cast to the copy's
+        dtype: a view of ``scratch``'s buffers, which the next call overwrites. Buffers reused from weight
+        to weight spare the fold fresh temporaries, which the OS zeroes page by page (~2 GB a snapshot of
+        SmolLM2-135M when each delta, sum and cast had its own: 1.15 s a fold, 0.4 s now)."""
+        weights = [self._learner(*key) for key in keys]
+        shape = (sum(int(w.shape[0]) for w in weights), *weights[0].shape[1:])
+
+        def buffer(dtype: torch.dtype) -> torch.Tensor:
+            numel = shape[0] * weights[0][0].numel()
+            if dtype not in scratch or scratch[dtype].numel() < numel:
+                scratch[dtype] = torch.empty(numel, dtype=dtype, device=weights[0].device)
+            return scratch[dtype][:numel].view(shape)
+
+        out = buffer(weights[0].dtype)
+        torch.cat(weights, out=out)
+        for key, part in zip(keys, out.split([int(w.shape[0]) for w in weights])):
+            if key in adds:
+                adds[key](part)
+        return out if out.dtype == self.dtype else buffer(self.dtype).copy_(out)
 
     def _swap(self, values: Values) -> Values:
         """Put ``values`` into the copy; return what they replaced."""
