@@ -167,12 +167,13 @@ def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_mode
 def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weight(tiny_model_dir):
     """The copy folds a snapshot weight by weight into reused buffers, fused siblings stacked in place:
     every held weight (packed, fused or plain) must be the learner's weight plus PEFT's own delta of that
-    layer, cast, and a second fold (other buffers' leftovers) must give the same values. ``_add_delta``'s
+    layer, cast, and a second fold (other buffers' leftovers) must give the same values. ``add_delta``'s
     one-product path must equal PEFT's ``get_delta_weight``."""
     from peft.tuners.lora import Linear as LoraLinear
 
     from polyrl.local.cpu_decode import FusedMember
-    from polyrl.local.model import BaseModel, LoraSpec, _add_delta
+    from polyrl.local.lora import add_delta
+    from polyrl.local.model import BaseModel, LoraSpec
 
     base = BaseModel(tiny_model_dir, "cpu", "float32", sampler_dtype="bfloat16")
     base.add_adapter("a", LoraSpec(rank=4, seed=0))
@@ -188,7 +189,7 @@ def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weig
     for m in layers.values():
         w = m.base_layer.weight.detach()
         got = w.clone()
-        _add_delta(m, "a", got)
+        add_delta(m, "a", got)
         torch.testing.assert_close(got, w + m.get_delta_weight("a"), rtol=0, atol=1e-5)
         assert float((got - w).abs().max()) > 1e-2  # the delta is not negligible
 

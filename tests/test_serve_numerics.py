@@ -224,7 +224,9 @@ def test_stable_reinforce_through_serve(served, sdk, base, tiny_model_dir):
         lp = full[len(PROMPT) - 1 : -1].gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0]
         np.testing.assert_allclose(lp.numpy(), seq.logprobs, atol=1e-5)
         want += float(-(adv * lp).sum())
-    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+    # the two sequences' sums nearly cancel at times, so the bound is per token (as above), not relative
+    tokens = sum(len(s.tokens) for s in response.sequences)
+    assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4, abs=1e-5 * tokens)
     assert out.metrics["sampled_tokens:sum"] == sum(len(s.tokens) for s in response.sequences)
     assert training.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"] > 0
 

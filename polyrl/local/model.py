@@ -291,6 +291,8 @@ class BaseModel:
         """Create adapter ``adapter`` (B=0, A random from ``spec.seed``) and return its parameters."""
         from peft import LoraConfig, get_peft_model
 
+        from polyrl.local.lora import fuse
+
         config = LoraConfig(
             r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, bias="none", **self.lora_targets(spec)
         )
@@ -301,6 +303,7 @@ class BaseModel:
                 self.peft_model = get_peft_model(self.hf_model, config, adapter_name=adapter)
             else:
                 self.peft_model.add_adapter(adapter, config)
+        fuse(self.peft_model)
         self._adapter_specs[adapter] = spec
         params = self.adapter_params(adapter)
         for p in params:
@@ -417,15 +420,17 @@ class BaseModel:
         from peft.tuners.lora import Linear as LoraLinear
         from peft.tuners.lora.layer import ParamWrapper
 
+        from polyrl.local.lora import add_delta
+
         targets = []
         for name, m in self.peft_model.named_modules():
             if not (hasattr(m, "lora_A") and slot in m.lora_A):
                 continue
             path = ".".join(p for p in name.removeprefix("base_model.model.").split(".") if p != "base_layer")
             if isinstance(m, ParamWrapper):  # fused expert weights; wrappers of one module nest
-                targets.append(MergeTarget(path, m.parameter_name, functools.partial(_add_delta, m, slot)))
+                targets.append(MergeTarget(path, m.parameter_name, functools.partial(add_delta, m, slot)))
             elif isinstance(m, LoraLinear):
-                targets.append(MergeTarget(path, "weight", functools.partial(_add_delta, m, slot)))
+                targets.append(MergeTarget(path, "weight", functools.partial(add_delta, m, slot)))
             else:
                 raise ValueError(f"cannot fold the LoRA of {name} ({type(m).__name__}) into the sampler's "
                                  "weights")
@@ -433,6 +438,8 @@ class BaseModel:
 
     def _merged_weights(self, slot: str) -> list[tuple[torch.nn.Module, torch.nn.Parameter]] | None:
         from peft.tuners.lora import Linear as LoraLinear
+
+        from polyrl.local.lora import add_delta
 
         owner = self._slot_owner.get(slot)
         cached = self._merged.get(slot)
@@ -453,7 +460,7 @@ class BaseModel:
                 if weight is None:
                     weight = torch.nn.Parameter(torch.empty_like(base), requires_grad=False)
                 weight.copy_(base)
-                _add_delta(m, slot, weight)
+                add_delta(m, slot, weight)
                 merged.append((m, weight))
         self._merged[slot] = (owner, merged)
         return merged
@@ -486,15 +493,3 @@ class BaseModel:
         if missing:
             raise ValueError(f"checkpoint {directory} does not fit adapter {adapter}: {missing[:3]}")
 
-
-def _add_delta(layer: torch.nn.Module, slot: str, weight: torch.Tensor) -> None:
-    """Add ``layer``'s LoRA delta for adapter ``slot`` to ``weight`` (its base weight or a copy), in place.
-    A plain LoRA linear layer adds ``scale * B @ A`` as one ``addmm_`` (no ``[out, in]`` temporary); other
-    forms (DoRA, fan-in-fan-out, parameter wrappers) go through PEFT's own ``get_delta_weight``."""
-    a, b = getattr(layer.lora_A[slot], "weight", None), getattr(layer.lora_B[slot], "weight", None)
-    if (a is not None and b is not None and a.dim() == b.dim() == 2 and a.dtype == b.dtype == weight.dtype
-            and not getattr(layer, "fan_in_fan_out", False) and not layer.use_dora.get(slot, False)
-            and tuple(weight.shape) == (b.shape[0], a.shape[1])):
-        weight.addmm_(b, a, alpha=layer.scaling[slot])
-    else:
-        weight.add_(layer.get_delta_weight(slot).to(weight.dtype))
