@@ -15,7 +15,7 @@ import pytest
 import torch
 from tinker import types
 
-from polyrl.local.compute import packed_logprobs
+from polyrl.local.compute import TargetLogprobs, packed_logprobs
 from polyrl.local.packing import CPU_CALL_TOKENS, _tensors, group_rows, micro_batches, pack_rows
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adam,
@@ -219,6 +219,23 @@ def test_shared_prefix_packing_matches_separate_computation(service, warm, loss_
     loss, coefs = reference_loss(loss_fn, [lp.double() for lp in want_lps], data, {})
     assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5, abs=1e-5)
     assert_grads_close(got_grads, ref_grads(ref, data, coefs), rtol=1e-5)
+
+
+def test_target_logprobs_give_autograds_own_values_and_gradients():
+    """The one-buffer backward of target logprobs, against finite differences and log_softmax, with
+    positions shared by several requests and one (position, target) pair asked twice."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, dtype=torch.float64, generator=gen, requires_grad=True)
+    local = torch.tensor([0, 0, 2, 4, 4, 4, 1])
+    targets = torch.tensor([3, 3, 0, 10, 1, 5, 7])
+    assert torch.autograd.gradcheck(lambda x: TargetLogprobs.apply(x, local, targets), (logits,))
+    coef = torch.randn(len(local), dtype=torch.float64, generator=gen)
+    got = TargetLogprobs.apply(logits, local, targets)
+    (got_grad,) = torch.autograd.grad((coef * got).sum(), logits)
+    want = torch.log_softmax(logits, dim=-1)[local, targets]
+    (want_grad,) = torch.autograd.grad((coef * want).sum(), logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
 
 
 def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm):

@@ -20,11 +20,31 @@ from polyrl.local.packing import MicroBatch
 LOGITS_CHUNK_BYTES = 64 << 20
 
 
+class TargetLogprobs(torch.autograd.Function):
+    """``logits[local[j], targets[j]] - logsumexp(logits[local[j]])`` for each request ``j`` (``[R]``) of
+    float32 ``logits [C, V]``. Its backward writes the logits' gradient into one ``[C, V]`` tensor (each
+    position's softmax times minus its requests' total gradient, plus each request's gradient at its
+    target) where autograd's own builds four (a scattered one-hot, the softmax, its product and the sum)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, local: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, dim=-1)  # [C]
+        ctx.save_for_backward(logits, lse, local, targets)
+        return logits[local, targets] - lse[local]  # [R]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # grad [R]
+        logits, lse, local, targets = ctx.saved_tensors
+        total = torch.zeros_like(lse).index_add_(0, local, grad.to(lse.dtype))  # [C]
+        out = torch.sub(logits, lse.unsqueeze(1)).exp_().mul_(-total.unsqueeze(1))  # [C, V]
+        out.index_put_((local, targets), grad.to(out.dtype), accumulate=True)
+        return out, None, None
+
+
 def _chunk_logprobs(base: BaseModel, hidden: torch.Tensor, local: torch.Tensor,
                     targets: torch.Tensor) -> torch.Tensor:
     """``log p(targets[j] | hidden[local[j]])`` for each request ``j`` of one chunk."""
-    logits = base.logits(hidden)  # [C, D] -> [C, V]
-    return logits[local, targets] - torch.logsumexp(logits, dim=-1)[local]  # [R]
+    return TargetLogprobs.apply(base.logits(hidden), local, targets)  # [C, D] -> [C, V] -> [R]
 
 
 def _requests(mb: MicroBatch, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -53,7 +73,7 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
         return [x.reshape(t.shape) for x, t in zip(lp.split(lengths), targets)]
 
     if not split:  # full logits came back (an architecture whose unembedding cannot run apart)
-        lp = flat[gather, target] - torch.logsumexp(flat, dim=-1)[gather]  # [R]
+        lp = TargetLogprobs.apply(flat, gather, target)  # [R]
         return shaped(lp)
     # Unique packed positions in chunks; requests (datum tokens) sorted by position so each chunk's
     # requests are one contiguous run.
