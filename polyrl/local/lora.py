@@ -32,11 +32,12 @@ class FusedLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         active = [name for name in self.active_adapters if name in self.lora_A]
-        if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
+        if (args or kwargs or self.disable_adapters or self.merged or len(active) != 1
+                or not _plain(self, active[0])):
             return super().forward(x, *args, **kwargs)
         slot = active[0]
         a, b = self.lora_A[slot].weight, self.lora_B[slot].weight
-        if not _plain(self, slot) or x.dtype != a.dtype or self.base_layer.weight.dtype != a.dtype:
+        if not x.dtype == self.base_layer.weight.dtype == a.dtype:
             return super().forward(x, *args, **kwargs)
         result = self.base_layer(x)  # [..., out]
         low = torch.nn.functional.linear(x, a)  # [..., r]

@@ -492,4 +492,3 @@ class BaseModel:
         missing = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
         if missing:
             raise ValueError(f"checkpoint {directory} does not fit adapter {adapter}: {missing[:3]}")
-

@@ -263,9 +263,9 @@ class SamplerCopy:
         SmolLM2-135M when each delta, sum and cast had its own: 1.15 s a fold, 0.4 s now)."""
         weights = [self._learner(*key) for key in keys]
         shape = (sum(int(w.shape[0]) for w in weights), *weights[0].shape[1:])
+        numel = shape[0] * weights[0][0].numel()
 
         def buffer(dtype: torch.dtype) -> torch.Tensor:
-            numel = shape[0] * weights[0][0].numel()
             if dtype not in scratch or scratch[dtype].numel() < numel:
                 scratch[dtype] = torch.empty(numel, dtype=dtype, device=weights[0].device)
             return scratch[dtype][:numel].view(shape)
