@@ -531,13 +531,19 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     sel = torch.arange(len(rows), device=device)
     step = 0
     topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
+    # a step's float32 logits and probabilities ([B, V] each, B rows still in the cache) go into these two
+    # buffers: a fresh tensor of that size is fresh pages every step (the engine's mmap threshold)
+    logit_buf, prob_buf = (torch.empty((len(rows), logits.shape[-1]), dtype=torch.float32, device=device)
+                           for _ in range(2))
 
     while True:
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
         u = _row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
-            tokens = _inverse_cdf(probs := torch.softmax(logits, dim=-1), u)  # probs [B, V]
+            # PyTorch's softmax kernel itself, writing into the buffer (the public function has no `out`)
+            probs = torch._softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
+            tokens = _inverse_cdf(probs, u)
             # log of the drawn token's probability: a token this draw can reach is no denormal number
             token_lp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # [B]
             logp = torch.log_softmax(logits, dim=-1) if topk_width else None  # [B, V]
@@ -545,7 +551,7 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
             sampled = _inverse_cdf(
                 torch.softmax(_filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
             tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
-            logp = torch.log_softmax(logits, dim=-1)  # [B, V]
+            logp = torch._log_softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
             token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
         step += 1
         if topk_width:  # [B, K] each
@@ -579,7 +585,7 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
         if decode_fn is not None and delta is None:
-            logits = decode_fn(tokens, next_pos, mask_buf[:, :width], cache).float()  # [B, V]
+            logits = _float32(decode_fn(tokens, next_pos, mask_buf[:, :width], cache), logit_buf)  # [B, V]
         else:
             step_pos = next_pos.unsqueeze(1)  # [B, 1]
             if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
@@ -591,8 +597,13 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 past_key_values=cache,
                 use_cache=True,
             )
-            logits = out.logits[:, -1, :].float()  # [B, 1, V] -> [B, V]
+            logits = _float32(out.logits[:, -1, :], logit_buf)  # [B, 1, V] -> [B, V]
         next_pos = next_pos + 1
+
+
+def _float32(logits: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` as float32: themselves, or cast into the first ``B`` rows of ``buffer``."""
+    return logits if logits.dtype == torch.float32 else buffer[: len(logits)].copy_(logits)
 
 
 def _hits_stop_string(tokens: list[int], stops: tuple[str, ...], max_chars: int, tokenizer) -> bool:
