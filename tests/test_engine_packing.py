@@ -238,7 +238,9 @@ def test_target_logprobs_give_autograds_own_values_and_gradients():
     torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-12)
 
 
-def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm):
+def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm, monkeypatch):
+    """Chunked unembedding, with every chunk's logits recomputed in backward or the first ones kept, gives
+    the values and gradients of one chunk; a recomputed chunk is unembedded twice, a kept one once."""
     tc = from_state(service, warm["path"])
     st, base = tc._state, tc._state.base
     gen = torch.Generator().manual_seed(9)
@@ -248,16 +250,32 @@ def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm):
     targets = [data[i].loss_fn_inputs["target_tokens"].to_torch().long() for i in mb.datums]
     coef = [torch.randn(len(t), generator=gen) for t in targets]
 
+    unembeddings = []
+    real_logits = base.logits
+
+    def counted_logits(hidden: torch.Tensor) -> torch.Tensor:
+        unembeddings.append(len(hidden))
+        return real_logits(hidden)
+
+    monkeypatch.setattr(base, "logits", counted_logits)
     results = []
-    for chunk_bytes in (1 << 40, 4 * base.vocab_size * 3):  # one chunk; three positions per chunk
+    row = 4 * base.vocab_size  # one position's float32 logits
+    # one chunk; three positions per chunk, every chunk recomputed in backward; the first two kept
+    for chunk_bytes, kept_bytes in ((1 << 40, None), (3 * row, 0), (3 * row, 7 * row)):
+        unembeddings.clear()
         with base.use(st.adapter, train=True):
-            lps = packed_logprobs(base, mb, targets, chunk_bytes=chunk_bytes)
+            lps = packed_logprobs(base, mb, targets, chunk_bytes=chunk_bytes, kept_bytes=kept_bytes)
             sum((c * lp).sum() for c, lp in zip(coef, lps)).backward()
-        results.append(([lp.detach() for lp in lps], take_grads(tc)))
-    (lp_a, g_a), (lp_b, g_b) = results
-    for a, b in zip(lp_a, lp_b):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert_grads_close(g_b, g_a, rtol=1e-5)
+        results.append(([lp.detach() for lp in lps], take_grads(tc), list(unembeddings)))
+    (lp_a, g_a, once), *chunked = results
+    positions = sum(once)
+    assert len(once) == 1 and positions > 9
+    chunks = -(-positions // 3)
+    for (lp_b, g_b, calls), recomputed in zip(chunked, (chunks, chunks - 2)):
+        assert len(calls) == chunks + recomputed and sum(calls[:chunks]) == positions
+        for a, b in zip(lp_a, lp_b):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert_grads_close(g_b, g_a, rtol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(service, warm):

@@ -4,8 +4,11 @@ lives for the whole micro-batch.
 The decoder runs once over the packed rows (:mod:`polyrl.local.packing`); the unembedding, the
 log-sum-exp and the target gather then run over chunks of the packed positions. In backward each
 chunk's logits are recomputed from its hidden states (activation checkpointing), so at most one
-chunk of float32 logits exists at a time. A packed position shared by several datums (a common
-prefix) is unembedded once and gathered for each datum's own target.
+chunk of float32 logits exists at a time; except, when the model itself is not checkpointed, the first
+chunks, up to ``KEPT_LOGITS_BYTES`` of logits a micro-batch, which keep theirs for backward (recomputing
+is a second unembedding, the largest product of a small model: ~7% of a SmolLM2 training pass). A
+packed position shared by several datums (a common prefix) is unembedded once and gathered for each
+datum's own target.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from polyrl.local.packing import MicroBatch
 
 # Float32 logits alive at once: 64 MiB is ~110 positions of a 150k vocabulary, ~340 of a 49k one.
 LOGITS_CHUNK_BYTES = 64 << 20
+# Float32 logits kept for backward instead of recomputed, per micro-batch of a model trained without
+# activation checkpointing: four chunks.
+KEPT_LOGITS_BYTES = 256 << 20
 
 
 class TargetLogprobs(torch.autograd.Function):
@@ -60,9 +66,13 @@ def _requests(mb: MicroBatch, targets: list[torch.Tensor]) -> tuple[torch.Tensor
 
 
 def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor],
-                    chunk_bytes: int = LOGITS_CHUNK_BYTES) -> list[torch.Tensor]:
+                    chunk_bytes: int | None = None, kept_bytes: int | None = None) -> list[torch.Tensor]:
     """Log-probability of every target token of each datum of ``mb`` (in ``mb.datums`` order), shaped
-    like the datum's targets (``[n]`` or ``[n, K]``)."""
+    like the datum's targets (``[n]`` or ``[n, K]``). ``chunk_bytes``: ``LOGITS_CHUNK_BYTES`` unless given;
+    ``kept_bytes``: ``KEPT_LOGITS_BYTES``, or 0 for a checkpointed model, unless given."""
+    chunk_bytes = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if kept_bytes is None:
+        kept_bytes = 0 if base.gradient_checkpointing else KEPT_LOGITS_BYTES
     # [B, T] packed rows -> [B, T, D] hidden states (split) or [B, T, V] logits
     out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
     gather, target, lengths = _requests(mb, targets)  # [R] packed position, [R] target token
@@ -80,11 +90,14 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
     positions, inverse = torch.unique(gather, return_inverse=True)  # unique positions; [R] index into them
     order = torch.argsort(inverse, stable=True)
     inverse_sorted, target_sorted = inverse[order], target[order]
-    per_chunk = max(1, chunk_bytes // (4 * base.vocab_size))
-    recompute = torch.is_grad_enabled() and len(positions) > per_chunk
+    row_bytes = 4 * base.vocab_size  # one position's float32 logits
+    per_chunk = max(1, chunk_bytes // row_bytes)
+    kept_rows = kept_bytes // row_bytes // per_chunk * per_chunk  # whole chunks
     pieces = []
     for start in range(0, len(positions), per_chunk):
         end = min(start + per_chunk, len(positions))
+        # one chunk in all is kept: there is no other to save memory for
+        recompute = torch.is_grad_enabled() and len(positions) > per_chunk and end > kept_rows
         lo, hi = torch.searchsorted(inverse_sorted,
                                     torch.tensor([start, end], device=inverse_sorted.device)).tolist()
         hidden = flat[positions[start:end]]  # [C, D]: the chunk's unique positions
