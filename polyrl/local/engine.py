@@ -321,7 +321,7 @@ class Engine:
                 if self._generator is None:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
-                with base.use_for_sampling(adapter) as model, _heap_for_the_pass():
+                with _heap_for_the_pass(), base.use_for_sampling(adapter) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device,
                                        self._generator,
                                        logits_fn=(base.sampler_logits if base.split_head or base.vision
