@@ -4,15 +4,14 @@ model's pass keeps the fixed mmap threshold."""
 
 from __future__ import annotations
 
-import resource
+import json
+import os
+import subprocess
 import sys
 
-import psutil
 import pytest
-import torch
 
 from polyrl.local import engine as engine_mod
-from test_local_engine import random_datum, service, store  # noqa: F401 - fixtures shared with that module
 
 pytestmark = [pytest.mark.skipif(sys.platform != "linux" or engine_mod._glibc() is None,
                                  reason="glibc's allocator settings"),
@@ -20,68 +19,83 @@ pytestmark = [pytest.mark.skipif(sys.platform != "linux" or engine_mod._glibc() 
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 BLOCK = 1 << 20  # 1 MiB: above the fixed mmap threshold, below the pass's heap threshold
-KEPT: list[torch.Tensor] = []  # a block that outlives the pass (then dropped by the test)
 
+# In a fresh interpreter (a long-lived one's heap may hold free blocks from earlier work, which glibc hands
+# out whatever the threshold): the minor page faults of 50 fresh 1 MiB blocks, each written and freed,
+# inside a training pass (a custom loss runs on the engine's worker thread, within the pass), with the
+# pass's heap, with the fixed threshold in its place, and for a checkpointed model; then the resident
+# memory a pass leaves after freeing 64 MiB below a block that outlives it (a hole in the heap, not its
+# top, which glibc trims by itself).
+SCRIPT = """
+import json, resource, sys
+import psutil, torch
+from polyrl.local import ServiceClient
+from polyrl.local import engine as engine_mod
+from test_local_engine import random_datum
 
-def _faults() -> int:
+BLOCK = %d
+service = ServiceClient(store_dir=sys.argv[2])
+tc = service.create_lora_training_client(sys.argv[1], rank=4, seed=0).result()
+datum = random_datum(torch.Generator().manual_seed(0), 8)
+kept = []
+
+def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # fill_ runs on torch's threads too
 
-
-def _pass_faults(tc) -> int:
-    """Minor page faults of 50 fresh 1 MiB blocks, each written and freed, inside a training pass (a custom
-    loss runs on the engine's worker thread, within the pass)."""
+def pass_faults():
     seen = {}
-
     def loss_fn(data, logprobs):
-        before = _faults()
+        before = faults()
         for _ in range(50):
             torch.empty(BLOCK // 4, dtype=torch.float32).fill_(1.0)
-        seen["faults"] = _faults() - before
+        seen["faults"] = faults() - before
         return -sum(lp.sum() for lp in logprobs), {}
-
-    tc.forward_backward_custom([random_datum(torch.Generator().manual_seed(0), 8)], loss_fn).result()
+    tc.forward_backward_custom([datum], loss_fn).result()
     return seen["faults"]
 
+def hole(data, logprobs):
+    blocks = [torch.empty(BLOCK // 4, dtype=torch.float32).fill_(1.0) for _ in range(64)]
+    kept.append(torch.empty(BLOCK // 4, dtype=torch.float32).fill_(1.0))
+    del blocks
+    return -sum(lp.sum() for lp in logprobs), {}
 
-def test_a_training_pass_reuses_freed_blocks(service, tiny_model_dir, monkeypatch):
-    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
+result = {"heap": pass_faults()}
+engine_mod.PASS_HEAP_BLOCK_BYTES = engine_mod.LARGE_BLOCK_BYTES
+result["fixed"] = pass_faults()
+engine_mod.PASS_HEAP_BLOCK_BYTES = 4 << 20
+tc._state.base.gradient_checkpointing = True
+result["checkpointed"] = pass_faults()
+tc._state.base.gradient_checkpointing = False
+before = psutil.Process().memory_info().rss
+tc.forward_backward_custom([datum], hole).result()
+result["grown"] = psutil.Process().memory_info().rss - before
+print(json.dumps(result))
+""" % BLOCK
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_model_dir, tmp_path_factory) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    store = str(tmp_path_factory.mktemp("store"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, tiny_model_dir, store],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_training_pass_reuses_freed_blocks(measured):
     pages = BLOCK // 4096
-    reused = _pass_faults(tc)
-    monkeypatch.setattr(engine_mod, "PASS_HEAP_BLOCK_BYTES", engine_mod.LARGE_BLOCK_BYTES)
-    fixed = _pass_faults(tc)
-    assert fixed >= 40 * pages, fixed  # every block fresh pages, under the fixed threshold
-    assert reused <= 5 * pages, (reused, fixed)  # the first block's pages, then the same ones again
+    assert measured["fixed"] >= 40 * pages, measured  # every block fresh pages, under the fixed threshold
+    assert measured["heap"] <= 5 * pages, measured  # the first block's pages, then the same ones again
 
 
-def test_a_checkpointed_model_keeps_the_fixed_threshold(service, tiny_model_dir):
-    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
-    tc._state.base.gradient_checkpointing = True
-    try:
-        assert _pass_faults(tc) >= 40 * (BLOCK // 4096)
-    finally:
-        tc._state.base.gradient_checkpointing = False
+def test_a_checkpointed_model_keeps_the_fixed_threshold(measured):
+    assert measured["checkpointed"] >= 40 * (BLOCK // 4096), measured
 
 
-def test_the_heap_gives_its_free_pages_back_after_a_pass(service, tiny_model_dir):
-    """64 MiB freed inside a pass, below a block that outlives it (so the free space is a hole in the
-    heap, not its top, which glibc trims by itself): resident memory is back when the pass ends."""
-    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
-    datum = random_datum(torch.Generator().manual_seed(0), 8)
-
-    def loss_fn(data, logprobs):
-        blocks = [torch.empty(BLOCK // 4, dtype=torch.float32).fill_(1.0) for _ in range(64)]
-        KEPT.append(torch.empty(BLOCK // 4, dtype=torch.float32).fill_(1.0))
-        del blocks
-        return -sum(lp.sum() for lp in logprobs), {}
-
-    tc.forward_backward_custom([datum], lambda d, lps: (-sum(lp.sum() for lp in lps), {})).result()
-    before = psutil.Process().memory_info().rss
-    try:
-        tc.forward_backward_custom([datum], loss_fn).result()
-        grown = psutil.Process().memory_info().rss - before
-    finally:
-        KEPT.clear()
-    assert grown < 24 << 20, f"resident memory grew by {grown >> 20} MiB"
+def test_the_heap_gives_its_free_pages_back_after_a_pass(measured):
+    assert measured["grown"] < 24 << 20, f"resident memory grew by {measured['grown'] >> 20} MiB"
 
 
 def test_overlapping_passes_restore_the_fixed_threshold_when_the_last_ends(monkeypatch):
