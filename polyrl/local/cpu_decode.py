@@ -14,6 +14,7 @@ per-module dispatch (:class:`FastDecode`), checked at build time against the mod
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 import torch
@@ -115,16 +116,19 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                                       scaling=scaling, **kwargs)
     bias = None
     if attention_mask is not None:  # every layer of a forward pass gets the same mask: one bias for all
-        if _last_bias[0] is not attention_mask:
-            _last_bias[:] = [attention_mask, mask_bias(attention_mask.reshape(batch, key.shape[2]),
-                                                       key.shape[1], key.dtype)]
-        bias = _last_bias[1]
+        last = getattr(_last_bias, "pair", None)
+        if last is None or last[0] is not attention_mask:
+            last = _last_bias.pair = (attention_mask, mask_bias(attention_mask.reshape(batch, key.shape[2]),
+                                                                key.shape[1], key.dtype))
+        bias = last[1]
     out = one_token_attention(query.reshape(batch, heads, dim), key, value,
                               dim**-0.5 if scaling is None else scaling, bias)
     return out.reshape(batch, 1, heads, dim), None
 
 
-_last_bias: list = [None, None]  # (mask, bias) of the last forward pass through decode_attention
+# (mask, bias) of the last forward pass through decode_attention, per thread: engines decode on threads
+# of their own, and one thread's pass must not read the bias of another's mask
+_last_bias = threading.local()
 
 
 def one_token_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
