@@ -1,6 +1,6 @@
-"""How the local engine's passes use memory: blocks freed inside a training pass are reused from the heap
-(not fresh pages each time) and the heap's free pages go back to the OS when the pass ends; a checkpointed
-model's pass keeps the fixed mmap threshold."""
+"""How the local engine's passes use memory (:mod:`polyrl.local.allocator`): blocks freed inside a training
+pass are reused from the heap (not fresh pages each time) and the heap's free pages go back to the OS when
+the pass ends; a checkpointed model's pass keeps the fixed mmap threshold."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from polyrl.local import engine as engine_mod
+from polyrl.local import allocator
 
-pytestmark = [pytest.mark.skipif(sys.platform != "linux" or engine_mod._glibc() is None,
+pytestmark = [pytest.mark.skipif(sys.platform != "linux" or allocator.glibc() is None,
                                  reason="glibc's allocator settings"),
               pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -30,7 +30,7 @@ SCRIPT = """
 import json, resource, sys
 import psutil, torch
 from polyrl.local import ServiceClient
-from polyrl.local import engine as engine_mod
+from polyrl.local import allocator
 from test_local_engine import random_datum
 
 BLOCK = %d
@@ -60,9 +60,9 @@ def hole(data, logprobs):
     return -sum(lp.sum() for lp in logprobs), {}
 
 result = {"heap": pass_faults()}
-engine_mod.PASS_HEAP_BLOCK_BYTES = engine_mod.LARGE_BLOCK_BYTES
+allocator.PASS_HEAP_BLOCK_BYTES = allocator.LARGE_BLOCK_BYTES
 result["fixed"] = pass_faults()
-engine_mod.PASS_HEAP_BLOCK_BYTES = 4 << 20
+allocator.PASS_HEAP_BLOCK_BYTES = 4 << 20
 tc._state.base.gradient_checkpointing = True
 result["checkpointed"] = pass_faults()
 tc._state.base.gradient_checkpointing = False
@@ -108,15 +108,15 @@ def test_overlapping_passes_restore_the_fixed_threshold_when_the_last_ends(monke
         def malloc_trim(self, pad):
             calls.append(("trim",))
 
-    monkeypatch.setattr(engine_mod, "_glibc", lambda: Libc())
-    threshold = engine_mod.M_MMAP_THRESHOLD
-    with engine_mod._heap_for_the_pass():
-        with engine_mod._heap_for_the_pass():
+    monkeypatch.setattr(allocator, "glibc", lambda: Libc())
+    threshold = allocator.M_MMAP_THRESHOLD
+    with allocator.heap_for_the_pass():
+        with allocator.heap_for_the_pass():
             pass
-        assert ("mallopt", threshold, engine_mod.LARGE_BLOCK_BYTES) not in calls  # the outer pass still runs
-    assert [c for c in calls if c[0] == "mallopt"][-1] == ("mallopt", threshold, engine_mod.LARGE_BLOCK_BYTES)
+        assert ("mallopt", threshold, allocator.LARGE_BLOCK_BYTES) not in calls  # the outer pass still runs
+    assert [c for c in calls if c[0] == "mallopt"][-1] == ("mallopt", threshold, allocator.LARGE_BLOCK_BYTES)
     assert calls.count(("trim",)) == 2
     calls.clear()
-    with engine_mod._heap_for_the_pass(enabled=False):
+    with allocator.heap_for_the_pass(enabled=False):
         pass
     assert calls == []

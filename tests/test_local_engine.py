@@ -801,7 +801,7 @@ def test_store_directories_are_portable_names(tmp_path):
 
 def test_counter_uniforms_are_uniform_and_a_function_of_seed_and_step():
     """Seeded rows draw from a hash of (seed, step): vectorised, batch-independent, and uniform."""
-    from polyrl.local.sampler import _inverse_cdf, counter_uniforms
+    from polyrl.local.draw import counter_uniforms, inverse_cdf
 
     seeds = torch.randint(0, 2**62, (20000,), generator=torch.Generator().manual_seed(0))
     u = counter_uniforms(seeds, 7)
@@ -818,7 +818,7 @@ def test_counter_uniforms_are_uniform_and_a_function_of_seed_and_step():
 
     # inverse-CDF sampling with these uniforms follows the distribution
     probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
-    tokens = _inverse_cdf(probs.expand(len(u), -1).contiguous(), u)
+    tokens = inverse_cdf(probs.expand(len(u), -1).contiguous(), u)
     freq = torch.bincount(tokens, minlength=5).double() / len(u)
     torch.testing.assert_close(freq, probs.double(), rtol=0, atol=0.015)
     assert int((tokens == 1).sum()) == 0  # a zero-probability token is never drawn
@@ -828,7 +828,7 @@ def test_the_two_level_inverse_cdf_draws_what_one_cumulative_sum_would():
     """Over a wide vocabulary the draw picks a chunk, then a token in it: each row's token is the first
     whose cumulative probability (float64, from the row alone) reaches u of the total, to rounding; a
     zero-probability token is never drawn, not at the end of a chunk nor in the short last chunk."""
-    from polyrl.local.sampler import CDF_CHUNK, _inverse_cdf, counter_uniforms
+    from polyrl.local.draw import CDF_CHUNK, counter_uniforms, inverse_cdf
 
     vocab = 3 * CDF_CHUNK + 100  # three whole chunks and a short one
     gen = torch.Generator().manual_seed(0)
@@ -837,19 +837,19 @@ def test_the_two_level_inverse_cdf_draws_what_one_cumulative_sum_would():
     probs[:, zero] = 0.0
     probs[:8, 3 * CDF_CHUNK:] = 0.0  # rows whose short last chunk weighs nothing
     u = counter_uniforms(torch.arange(64), 0)
-    tokens = _inverse_cdf(probs, u)
+    tokens = inverse_cdf(probs, u)
     cdf = probs.double().cumsum(-1)  # [B, V]
     want = u * cdf[:, -1]
     rows = torch.arange(64)
     below = torch.where(tokens > 0, cdf[rows, (tokens - 1).clamp(min=0)], torch.zeros_like(want))
     assert bool((below <= want + 1e-6).all()) and bool((cdf[rows, tokens] >= want - 1e-6).all())
     assert not any(int(t) in zero for t in tokens) and bool((tokens[:8] < 3 * CDF_CHUNK).all())
-    assert torch.equal(_inverse_cdf(probs[5:9], u[5:9]), tokens[5:9])  # a row's draw ignores its batch
+    assert torch.equal(inverse_cdf(probs[5:9], u[5:9]), tokens[5:9])  # a row's draw ignores its batch
     # a distribution concentrated around a chunk boundary is followed as it is
     peaked = torch.zeros(vocab)
     peaked[CDF_CHUNK - 3: CDF_CHUNK + 2] = torch.tensor([0.1, 0.3, 0.0, 0.4, 0.2])
     v = counter_uniforms(torch.arange(20000), 1)
-    drawn = _inverse_cdf(peaked.expand(len(v), -1).contiguous(), v)
+    drawn = inverse_cdf(peaked.expand(len(v), -1).contiguous(), v)
     freq = torch.bincount(drawn, minlength=vocab).double() / len(v)
     torch.testing.assert_close(freq, peaked.double(), rtol=0, atol=0.015)
 

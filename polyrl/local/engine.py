@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import functools
 import io
 import itertools
 import logging
 import math
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -33,6 +30,7 @@ from tinker import types
 from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
+from polyrl.local.allocator import heap_for_the_pass, return_large_blocks_to_the_os
 from polyrl.local.checkpoints import (
     CheckpointPath, CheckpointRequestError, Store, age_recipients, check_name, check_ttl, encrypt_files,
 )
@@ -100,72 +98,6 @@ class _SampleOp:
     future: Future
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-LARGE_BLOCK_BYTES = 256 << 10  # blocks from this size up are mmap'd, and go back to the OS when freed ...
-PASS_HEAP_BLOCK_BYTES = 4 << 20  # ... except, during a pass that reuses its memory, blocks below this
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """glibc, where it is the C library with ``mallopt`` and ``malloc_trim`` (not musl, not macOS)."""
-    if sys.platform != "linux":
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 - both exist
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-def _return_large_blocks_to_the_os() -> None:
-    """Serve large allocations (256 KiB and up) by mmap, always.
-
-    glibc raises its mmap threshold every time a large block is freed, up to 32 MiB, after which
-    activation-sized tensors come from the heap, whose freed space fragments and stays resident:
-    a checkpointed backward, which frees and re-allocates one block's activations per layer, then
-    grew resident memory by ~60 KB per token per layer (2.3 GB on a 2,048-token 8-layer pass, against
-    0.4 GB with the threshold fixed). Fixing the threshold keeps freed tensors out of the process."""
-    if (libc := _glibc()) is not None:
-        libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(LARGE_BLOCK_BYTES))
-
-
-_pass_lock = threading.Lock()
-_passes = 0  # passes inside _heap_for_the_pass, on any engine's thread
-
-
-@contextlib.contextmanager
-def _heap_for_the_pass(enabled: bool = True) -> Iterator[None]:
-    """For one training pass or sampling batch, serve blocks below ``PASS_HEAP_BLOCK_BYTES`` from the heap,
-    and give its free pages back to the OS (``malloc_trim``) when the pass ends.
-
-    Under the fixed threshold, every tensor from 256 KiB up is fresh pages that the kernel maps and zeroes
-    one by one: a SmolLM2-135M forward_backward of 1,440 packed tokens took 2.6M page faults and ~5 s of
-    system time in 10 s. Within the pass the heap reuses freed blocks instead (10.3 -> 7.9 s), at the cost
-    of a higher peak (3.5 -> 4.5 GB there: freed blocks stay in the heap until the pass ends); the trim
-    returns resident memory to where it was (1.4 GB). Blocks of 4 MiB and up (the activations of large
-    passes) are still mmap'd, which bounds what the heap holds: 8 x 1,024 tokens peak at 8.1 GB against
-    7.4, in the same time. Not for a checkpointed model's training pass (``enabled`` False: checkpointing
-    is the setting that trades time for memory, and its backward fragments the heap, see
-    :func:`_return_large_blocks_to_the_os`)."""
-    global _passes
-    libc = _glibc()
-    if not enabled or libc is None:
-        yield
-        return
-    with _pass_lock:
-        _passes += 1
-        libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(PASS_HEAP_BLOCK_BYTES))
-    try:
-        yield
-    finally:
-        with _pass_lock:
-            _passes -= 1
-            if _passes == 0:
-                libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(LARGE_BLOCK_BYTES))
-        libc.malloc_trim(0)
-
-
 class Engine:
     """Owns base models, adapters and the worker thread. One per (store, device, dtype, ...)."""
 
@@ -200,7 +132,7 @@ class Engine:
         if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
             raise ValueError(f"sampler_dtype must be 'auto' or one of {sorted(DTYPES)}, "
                              f"got {sampler_dtype!r}")
-        _return_large_blocks_to_the_os()
+        return_large_blocks_to_the_os()
         self.store = Store(store_dir, max_store_bytes)
         self.device_name = device
         self.dtype_name = dtype
@@ -321,7 +253,7 @@ class Engine:
                 if self._generator is None:
                     self._generator = torch.Generator(device=base.device)
                     self._generator.seed()
-                with _heap_for_the_pass(), base.use_for_sampling(adapter) as model:
+                with heap_for_the_pass(), base.use_for_sampling(adapter) as model:
                     results = generate(model, [op.job for op in ops], base.tokenizer, base.device,
                                        self._generator,
                                        logits_fn=(base.sampler_logits if base.split_head or base.vision
@@ -376,7 +308,7 @@ class Engine:
         outputs: list[torch.Tensor | None] = [None] * len(data)
         parts: list[dict[str, float]] = []
         with (_all_or_nothing(st.params), st.base.use(st.adapter, train=backward),
-              torch.set_grad_enabled(backward), _heap_for_the_pass(not st.base.gradient_checkpointing)):
+              torch.set_grad_enabled(backward), heap_for_the_pass(not st.base.gradient_checkpointing)):
             for mb in self._micro_batches(st.base, prepared):
                 lps = packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])
                 members = [prepared[i] for i in mb.datums]
@@ -399,7 +331,7 @@ class Engine:
         prepared = [prepare_datum(i, d, None, st.base) for i, d in enumerate(data)]
         lps: list[torch.Tensor | None] = [None] * len(data)
         with (_all_or_nothing(st.params), st.base.use(st.adapter, train=True),
-              _heap_for_the_pass(not st.base.gradient_checkpointing)):
+              heap_for_the_pass(not st.base.gradient_checkpointing)):
             for mb in self._micro_batches(st.base, prepared):
                 for i, lp in zip(mb.datums,
                                  packed_logprobs(st.base, mb, [prepared[i].target for i in mb.datums])):
