@@ -60,9 +60,9 @@ def hole(data, logprobs):
     return -sum(lp.sum() for lp in logprobs), {}
 
 result = {"heap": pass_faults()}
-allocator.PASS_HEAP_BLOCK_BYTES = allocator.LARGE_BLOCK_BYTES
+heap_bytes, allocator.PASS_HEAP_BLOCK_BYTES = allocator.PASS_HEAP_BLOCK_BYTES, allocator.LARGE_BLOCK_BYTES
 result["fixed"] = pass_faults()
-allocator.PASS_HEAP_BLOCK_BYTES = 4 << 20
+allocator.PASS_HEAP_BLOCK_BYTES = heap_bytes
 tc._state.base.gradient_checkpointing = True
 result["checkpointed"] = pass_faults()
 tc._state.base.gradient_checkpointing = False
