@@ -11,8 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 # The suite's exact sampler/learner agreements are float32's; tests/test_sampler_precision.py covers the
-# low-precision sampler that ``local.sampler_dtype: auto`` picks on CPUs with bfloat16 arithmetic.
+# low-precision sampler that ``local.sampler_dtype: auto`` picks on CPUs with bfloat16 arithmetic, and
+# tests/test_learner_dtype.py the bfloat16 learner that ``local.dtype: auto`` picks there.
 os.environ.setdefault("POLYRL_SAMPLER_DTYPE", "float32")
+os.environ.setdefault("POLYRL_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

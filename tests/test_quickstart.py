@@ -189,9 +189,9 @@ def test_quickstart_on_smollm2_lifts_held_out_success_by_at_least_0_30(tmp_path,
     of training on 2 CPU cores; the time itself depends on the machine and is printed, not asserted."""
     recipe = RECIPES["smollm2"]
     workdir = tmp_path / "qs"
-    # sampling in the precision a user's run gets (auto: bfloat16 on CPUs with bfloat16 arithmetic), not in
-    # the float32 the suite pins for its exact agreements
-    env = {"POLYRL_CACHE_DIR": gguf_cache, "POLYRL_SAMPLER_DTYPE": ""}
+    # sampling and training in the precisions a user's run gets (auto: bfloat16 on CPUs with bfloat16
+    # arithmetic), not in the float32 the suite pins for its exact agreements
+    env = {"POLYRL_CACHE_DIR": gguf_cache, "POLYRL_SAMPLER_DTYPE": "", "POLYRL_DTYPE": ""}
     # ~3 minutes on 2 quiet cores; the timeout only guards against a hang (a busy machine took 25 minutes)
     before, after, stdout = _quickstart(workdir, "--model", "smollm2", env=env, timeout=3600)
     print(stdout)

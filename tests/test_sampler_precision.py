@@ -142,7 +142,7 @@ def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_mode
     assert info["sampler_dtype"] == "bfloat16" and info["learner_dtype"] == "float32"
     assert info["copy_bytes"] >= 2 * weights - 2 * 774 * 32  # every weight in 2 bytes (tied ones held once)
     assert metrics["sampler/dtype_bits:mean"] == 16 and metrics["sampler/copy_mib:mean"] > 0
-    note = "sampler bfloat16 (as configured), learner float32: a"
+    note = "sampler bfloat16 (as configured), learner float32 (auto: $POLYRL_DTYPE): a"
     assert any(note in r.getMessage() for r in caplog.records)
 
     prompt = [5, 17, 230, 41, 9]
@@ -320,7 +320,8 @@ def test_polyrl_train_says_what_the_sampler_runs_in_and_logs_the_gap(tiny_model_
             lines.append(text)
 
     run_train(config, Lines(enabled=False))
-    assert any(line.startswith("sampler bfloat16 (as configured), learner float32: a") for line in lines)
+    assert any(line.startswith("sampler bfloat16 (as configured), learner float32 (auto: $POLYRL_DTYPE): a")
+               for line in lines)
     [attempt] = [json.loads(x) for x in (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()]
     [entry] = attempt["sampler"]
     assert (entry["sampler_dtype"], entry["learner_dtype"]) == ("bfloat16", "float32")

@@ -27,8 +27,10 @@ def _plain(layer: LoraLinear, slot: str) -> bool:
 class FusedLoraLinear(LoraLinear):
     """PEFT's LoRA linear layer whose one active vanilla adapter adds its term inside one ``addmm``:
     ``base(x) + scale * (x @ A.T) @ B.T`` with no ``[tokens, out]`` temporaries for ``B``'s product and its
-    scaling (their backward needs none either). Anything else (no or several active adapters, a merged
-    layer, variants, dropout, mixed dtypes, extra arguments) runs PEFT's own forward."""
+    scaling (their backward needs none either). Over a 16-bit base the float32 factors are cast to the
+    base's dtype for the products, as autocast does (their gradients come back in float32). Anything else
+    (no or several active adapters, a merged layer, variants, dropout, an input not in the base's dtype,
+    extra arguments) runs PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         active = [name for name in self.active_adapters if name in self.lora_A]
@@ -37,8 +39,9 @@ class FusedLoraLinear(LoraLinear):
             return super().forward(x, *args, **kwargs)
         slot = active[0]
         a, b = self.lora_A[slot].weight, self.lora_B[slot].weight
-        if not x.dtype == self.base_layer.weight.dtype == a.dtype:
+        if x.dtype != self.base_layer.weight.dtype:
             return super().forward(x, *args, **kwargs)
+        a, b = a.to(x.dtype), b.to(x.dtype)  # no copy when the dtypes agree
         result = self.base_layer(x)  # [..., out]
         low = torch.nn.functional.linear(x, a)  # [..., r]
         out = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),

@@ -103,6 +103,19 @@ def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) 
 
 
 # ---- the copy ------------------------------------------------------------------------------------
+def packs(dtype: torch.dtype) -> bool:
+    """Whether a CPU copy in ``dtype`` decodes from oneDNN-packed weights (bfloat16, where this PyTorch
+    build packs exactly)."""
+    return dtype == torch.bfloat16 and onednn_packing() and packs_exactly()
+
+
+def wants_copy(device: torch.device, sampler: torch.dtype, learner: torch.dtype) -> bool:
+    """Whether the sampler needs its own copy of the weights: it samples in another dtype than the
+    learner's, or on a CPU in bfloat16, whose packed, fused decode (:mod:`polyrl.local.cpu_decode`) the
+    learner's own modules cannot run."""
+    return sampler != learner or (device.type == "cpu" and packs(sampler))
+
+
 @dataclass(frozen=True)
 class MergeTarget:
     """One weight an adapter changes: the parameter ``name`` of the module at ``path`` (named as in the
@@ -141,13 +154,13 @@ class SamplerCopy:
         self.dtype = dtype
         self.max_merged_bytes = max_merged_bytes
         self._source = dict(model.named_modules())
-        cast = {id(p): p.detach().to(dtype) if p.is_floating_point() else p.detach().clone()
+        cast = {id(p): p.detach().to(dtype, copy=True) if p.is_floating_point() else p.detach().clone()
                 for p in model.parameters()}
         memo = {key: torch.nn.Parameter(value, requires_grad=False) for key, value in cast.items()}
         self.model = copy.deepcopy(model, memo)
         self.model.eval()
         cpu = next(model.parameters()).device.type == "cpu"
-        self.packed = cpu and dtype == torch.bfloat16 and onednn_packing() and packs_exactly()
+        self.packed = cpu and packs(dtype)
         if self.packed:
             self._pack_linears()
         if cpu and dtype != torch.float32 and self.model.config._attn_implementation == "sdpa":
@@ -257,10 +270,11 @@ class SamplerCopy:
 
     def _folded(self, keys: list[tuple[str, str]], adds: dict, scratch: dict) -> torch.Tensor:
         """The learner's weights ``keys`` (module path, parameter name) stacked along their first
-        dimension, each plus its delta where ``adds`` has one (in the learner's dtype), cast to the copy's
-        dtype: a view of ``scratch``'s buffers, which the next call overwrites. Buffers reused from weight
-        to weight spare the fold fresh temporaries, which the OS zeroes page by page (~2 GB a snapshot of
-        SmolLM2-135M when each delta, sum and cast had its own: 1.15 s a fold, 0.4 s now)."""
+        dimension, each plus its delta where ``adds`` has one (summed in float32, or in the learner's dtype
+        if wider), cast to the copy's dtype: a view of ``scratch``'s buffers, which the next call
+        overwrites. Buffers reused from weight to weight spare the fold fresh temporaries, which the OS
+        zeroes page by page (~2 GB a snapshot of SmolLM2-135M when each delta, sum and cast had its own:
+        1.15 s a fold, 0.4 s now)."""
         weights = [self._learner(*key) for key in keys]
         shape = (sum(int(w.shape[0]) for w in weights), *weights[0].shape[1:])
         numel = shape[0] * weights[0][0].numel()
@@ -270,7 +284,7 @@ class SamplerCopy:
                 scratch[dtype] = torch.empty(numel, dtype=dtype, device=weights[0].device)
             return scratch[dtype][:numel].view(shape)
 
-        out = buffer(weights[0].dtype)
+        out = buffer(torch.promote_types(weights[0].dtype, torch.float32))  # the adapters' float32
         torch.cat(weights, out=out)
         for key, part in zip(keys, out.split([int(w.shape[0]) for w in weights])):
             if key in adds:
@@ -316,9 +330,9 @@ class SamplerCopy:
             self._swap(replaced)
 
 
-def describe(dtype: torch.dtype, reason: str, learner: torch.dtype, nbytes: int) -> str:
-    """One line: what the sampler runs in, why, and what its copy costs."""
-    if dtype == learner:
-        return f"sampler {dtype_name(dtype)} ({reason}), sampling from the learner's weights"
-    return (f"sampler {dtype_name(dtype)} ({reason}), learner {dtype_name(learner)}: a "
-            f"{nbytes / 2**20:.0f} MiB copy of the weights for sampling")
+def describe(dtype: torch.dtype, reason: str, learner: torch.dtype, learner_reason: str, nbytes: int) -> str:
+    """One line: what the sampler and the learner run in, why, and what the sampler's copy costs."""
+    head = f"sampler {dtype_name(dtype)} ({reason}), learner {dtype_name(learner)} ({learner_reason})"
+    if not nbytes:
+        return f"{head}, sampling from the learner's weights"
+    return f"{head}: a {nbytes / 2**20:.0f} MiB copy of the weights for sampling"

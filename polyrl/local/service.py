@@ -168,7 +168,8 @@ class ServiceClient:
 
     ``store_dir`` is where checkpoints live (default ``$POLYRL_STORE_DIR`` or
     ``~/.cache/polyrl/store``); ``device`` is ``auto`` | ``cpu`` | ``cuda[:N]`` | ``mps``; ``dtype`` is
-    ``auto`` (bfloat16 on capable GPUs, else float32) or a dtype name. ``models`` lists base models
+    the learner's: ``auto`` (bfloat16 on capable GPUs and on CPUs with native bfloat16 arithmetic, else
+    float32; see :func:`polyrl.local.model.select_dtype`) or a dtype name. ``models`` lists base models
     reported by ``get_server_capabilities`` before they are loaded. ``micro_batch_tokens`` caps the
     tokens of one forward/backward pass; ``gradient_checkpointing`` (``auto``: on for models of
     300M parameters and more) trades recomputation for activation memory. ``max_store_bytes`` caps

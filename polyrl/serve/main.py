@@ -59,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dir",
                    help="checkpoint store (default: $POLYRL_STORE_DIR or ~/.cache/polyrl/store)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] | mps")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the learner's dtype (adapters and optimizer stay float32); auto: bfloat16 on GPUs "
+                        "and on CPUs with native bfloat16 arithmetic, else float32")
     p.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype sampling computes in, apart from training (a copy of the weights); auto: "
                         "bfloat16 on GPUs and on CPUs with native bfloat16 arithmetic, else --dtype's")
