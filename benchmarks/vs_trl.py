@@ -11,7 +11,9 @@ tokens, learning rate and number of steps:
   default), its defaults otherwise (importance-sampling loss, group-mean advantages);
 * TRL: ``GRPOTrainer`` in a subprocess, as a user runs it: its defaults otherwise (DAPO loss, rewards
   scaled by the group's std, no KL term, linear learning-rate decay, HF ``generate``), on CPU when
-  there is no GPU (``use_cpu``, float32, which its bf16 default requires there). Each step
+  there is no GPU (``use_cpu``). Its precision (``--trl-dtype``) is by default that of polyrl's learner
+  (``local.dtype: auto``): bfloat16 mixed precision (TRL's own default, autocast) where polyrl's learner
+  is bfloat16, e.g. on a CPU with AVX-512 BF16, else float32. Each step
   generates ``--batch`` x ``--group`` completions and takes one optimizer step on them, like polyrl.
 
 TRL runs at three learning rates (``--trl-lrs``, default: ``--lr`` / 4, ``--lr``, ``--lr`` x 4) and its
@@ -62,6 +64,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="polyrl's local.sampler_dtype (auto: bfloat16 on a CPU with AVX-512 BF16 or AMX)")
+    ap.add_argument("--trl-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="TRL's precision (auto: bfloat16 mixed precision where polyrl's learner picks "
+                         "bfloat16, else float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads on both sides (0: torch's default)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: run one TRL training, write JSON here
@@ -86,7 +91,8 @@ def main() -> None:
         subprocess.run(cmd, check=True, env=child_env(args), stdout=subprocess.DEVNULL)
         run = json.loads(out.read_text())
         theirs.append(run)
-        print(f"TRL lr {lr:g}: median step {median_step(run['step_s']):.1f} s", flush=True)
+        precision = "bfloat16 mixed" if trl_bf16(args.trl_dtype, model) else "float32"
+        print(f"TRL lr {lr:g} ({precision}): median step {median_step(run['step_s']):.1f} s", flush=True)
 
     best = max(theirs, key=lambda r: late_mean(r["reward"]))
     print()
@@ -110,11 +116,25 @@ def default_model() -> str:
     return str(cached_import(packaged_gguf("smollm2-135m-instruct")))
 
 
+def trl_bf16(choice: str, model: str) -> bool:
+    """Whether TRL trains in bfloat16 mixed precision: as asked, or (``auto``) where polyrl's learner of
+    ``model`` does."""
+    if choice != "auto":
+        return choice == "bfloat16"
+    import torch
+    from transformers import AutoConfig
+
+    from polyrl.local.model import select_device, select_dtype
+
+    hidden = getattr(AutoConfig.from_pretrained(model), "hidden_size", None)
+    return select_dtype("auto", select_device("auto"), hidden)[0] == torch.bfloat16
+
+
 def passthrough(args, lr: float) -> list[str]:
     return ["--env", args.env, "--env-args", args.env_args, "--steps", str(args.steps),
             "--batch", str(args.batch), "--group", str(args.group), "--max-tokens", str(args.max_tokens),
             "--lr", str(lr), "--rank", str(args.rank), "--seed", str(args.seed),
-            "--threads", str(args.threads)]
+            "--threads", str(args.threads), "--trl-dtype", args.trl_dtype]
 
 
 def child_env(args) -> dict[str, str]:
@@ -211,9 +231,9 @@ def trl_worker(args) -> None:
         per_device_train_batch_size=args.batch * args.group, num_generations=args.group,
         max_completion_length=args.max_tokens, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, disable_tqdm=True,
-        # TRL's bf16 default needs a GPU; on CPU it asks for use_cpu (and computes in float32, as polyrl does)
+        # on CPU TRL asks for use_cpu; bf16 is autocast over float32 weights, as polyrl's learner is mixed
         use_cpu=not torch.cuda.is_available(),
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        bf16=trl_bf16(args.trl_dtype, args.model),
     )
     # polyrl's LoRA layers, less the unembedding: GRPOTrainer refuses a LoRA on lm_head
     lora = LoraConfig(r=args.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",

@@ -71,7 +71,7 @@ class LocalEngineConfig(BaseModel):
 
     device: str = Field("auto", description="Torch device ('auto', 'cpu', 'cuda', 'cuda:1', 'mps', ...).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="The learner's dtype (adapters stay float32); 'auto': as sampler_dtype's.")
+        "auto", description="Learner dtype; auto: bfloat16 on GPUs and bf16-capable CPUs (hidden size 512+).")
     sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
         "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "

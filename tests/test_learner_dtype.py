@@ -45,12 +45,17 @@ def test_auto_picks_a_bfloat16_learner_where_the_device_runs_it_fast(monkeypatch
     monkeypatch.delenv(model_module.DTYPE_ENV, raising=False)
     monkeypatch.setattr(model_module, "cpu_bf16_feature", lambda: "AVX-512 BF16")
     assert select_dtype("auto", CPU) == (BF16, "auto: this CPU has AVX-512 BF16")
+    assert select_dtype("auto", CPU, 576) == (BF16, "auto: this CPU has AVX-512 BF16")  # SmolLM2-135M
+    # the tiny models' products are too small to gain: they stay float32
+    assert select_dtype("auto", CPU, 64) == (F32, "auto: hidden size 64 is too small to gain from bfloat16")
+    assert select_dtype("bfloat16", CPU, 64)[0] == BF16
     monkeypatch.setattr(model_module, "cpu_bf16_feature", lambda: None)
     assert select_dtype("auto", CPU) == (F32, "auto: this CPU has no native bfloat16 arithmetic")
     assert select_dtype("bfloat16", CPU) == (BF16, "as configured")
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert select_dtype("auto", cuda) == (BF16, "auto: the GPU has bfloat16")
+    assert select_dtype("auto", cuda, 64)[0] == BF16  # the size rule is the CPU's
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     assert select_dtype("auto", cuda)[0] == F32
     assert select_dtype("auto", torch.device("mps"))[0] == F32
