@@ -11,19 +11,12 @@ from tinker import types
 
 from polyrl.local import ServiceClient, model as model_module, sampler_copy
 from polyrl.local.model import FLOAT32_ATTENTION, BaseModel, LoraSpec, float32_attention, select_dtype
+from test_sampler_precision import BF16, CPU, F32, datum
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
-
-CPU, F32, BF16 = torch.device("cpu"), torch.float32, torch.bfloat16
-
-
-def datum(full: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                       loss_fn_inputs={"target_tokens": types.TensorData.from_torch(torch.tensor(full[1:]))})
-
 
 def fixed_data(vocab: int) -> list[types.Datum]:
     gen = torch.Generator().manual_seed(0)

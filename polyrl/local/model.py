@@ -25,7 +25,7 @@ import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, cpu_bf16_feature, describe,
-                                       float_logits, select_sampler_dtype, wants_copy)
+                                       env_dtype, float_logits, select_sampler_dtype, wants_copy)
 from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
@@ -70,11 +70,8 @@ def select_dtype(dtype: str, device: torch.device, hidden_size: int | None = Non
     Adapters and their optimizer state are float32 whatever the base's dtype."""
     if dtype != "auto":
         return DTYPES[dtype], "as configured"
-    chosen = os.environ.get(DTYPE_ENV, "").strip()
-    if chosen:
-        if chosen not in DTYPES:
-            raise ValueError(f"${DTYPE_ENV} must be one of {sorted(DTYPES)}, got {chosen!r}")
-        return DTYPES[chosen], f"auto: ${DTYPE_ENV}"
+    if (override := env_dtype(DTYPE_ENV)) is not None:
+        return override
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: the GPU has bfloat16"

@@ -77,17 +77,24 @@ def cpu_bf16_feature() -> str | None:
     return None
 
 
+def env_dtype(variable: str) -> tuple[torch.dtype, str] | None:
+    """The dtype environment variable ``variable`` names for ``auto``, and why, or None where it is unset."""
+    chosen = os.environ.get(variable, "").strip()
+    if not chosen:
+        return None
+    if chosen not in DTYPES:
+        raise ValueError(f"${variable} must be one of {sorted(DTYPES)}, got {chosen!r}")
+    return DTYPES[chosen], f"auto: ${variable}"
+
+
 def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) -> tuple[torch.dtype, str]:
     """The sampler's dtype for ``local.sampler_dtype`` ``name`` and why, in words. ``auto``: bfloat16 on
     CUDA GPUs that support it and on CPUs with native bfloat16 arithmetic, else the learner's dtype;
     ``$POLYRL_SAMPLER_DTYPE`` (a dtype name), where set, overrides that guess."""
     if name != "auto":
         return DTYPES[name], "as configured"
-    chosen = os.environ.get(AUTO_ENV, "").strip()
-    if chosen:
-        if chosen not in DTYPES:
-            raise ValueError(f"${AUTO_ENV} must be one of {sorted(DTYPES)}, got {chosen!r}")
-        return DTYPES[chosen], f"auto: ${AUTO_ENV}"
+    if (override := env_dtype(AUTO_ENV)) is not None:
+        return override
     if learner != torch.float32:
         return learner, "auto: the learner's dtype is already 16-bit"
     if device.type == "cuda":
