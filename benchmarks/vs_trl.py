@@ -231,7 +231,8 @@ def trl_worker(args) -> None:
         per_device_train_batch_size=args.batch * args.group, num_generations=args.group,
         max_completion_length=args.max_tokens, logging_steps=1, save_strategy="no", report_to="none",
         seed=args.seed, disable_tqdm=True,
-        # on CPU TRL asks for use_cpu; bf16 is autocast over float32 weights, as polyrl's learner is mixed
+        # on CPU TRL asks for use_cpu; its bf16 is autocast over float32 weights (polyrl's bfloat16 learner
+        # holds bfloat16 base weights beside float32 adapters: mixed precision either way)
         use_cpu=not torch.cuda.is_available(),
         bf16=trl_bf16(args.trl_dtype, args.model),
     )

@@ -36,13 +36,13 @@ def set_adapter(service: ServiceClient, tc, seed: int) -> None:
 # ---- what auto picks ----------------------------------------------------------------------------------
 def test_auto_picks_a_bfloat16_learner_where_the_device_runs_it_fast(monkeypatch):
     monkeypatch.delenv(model_module.DTYPE_ENV, raising=False)
-    monkeypatch.setattr(model_module, "cpu_bf16_feature", lambda: "AVX-512 BF16")
+    monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: "AVX-512 BF16")
     assert select_dtype("auto", CPU) == (BF16, "auto: this CPU has AVX-512 BF16")
     assert select_dtype("auto", CPU, 576) == (BF16, "auto: this CPU has AVX-512 BF16")  # SmolLM2-135M
     # the tiny models' products are too small to gain: they stay float32
     assert select_dtype("auto", CPU, 64) == (F32, "auto: hidden size 64 is too small to gain from bfloat16")
     assert select_dtype("bfloat16", CPU, 64)[0] == BF16
-    monkeypatch.setattr(model_module, "cpu_bf16_feature", lambda: None)
+    monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: None)
     assert select_dtype("auto", CPU) == (F32, "auto: this CPU has no native bfloat16 arithmetic")
     assert select_dtype("bfloat16", CPU) == (BF16, "as configured")
     cuda = torch.device("cuda", 0)
@@ -53,7 +53,7 @@ def test_auto_picks_a_bfloat16_learner_where_the_device_runs_it_fast(monkeypatch
     assert select_dtype("auto", cuda)[0] == F32
     assert select_dtype("auto", torch.device("mps"))[0] == F32
     monkeypatch.setenv(model_module.DTYPE_ENV, "float32")  # a machine-wide override of the guess
-    monkeypatch.setattr(model_module, "cpu_bf16_feature", lambda: "AMX-BF16")
+    monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: "AMX-BF16")
     assert select_dtype("auto", CPU) == (F32, "auto: $POLYRL_DTYPE")
     assert select_dtype("bfloat16", CPU)[0] == BF16  # a configured dtype wins
     monkeypatch.setenv(model_module.DTYPE_ENV, "int8")

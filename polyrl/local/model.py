@@ -24,8 +24,8 @@ from typing import Iterator
 import torch
 
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
-from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, cpu_bf16_feature, describe,
-                                       env_dtype, float_logits, select_sampler_dtype, wants_copy)
+from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
+                                       float_logits, select_sampler_dtype, wants_copy)
 from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
@@ -72,18 +72,11 @@ def select_dtype(dtype: str, device: torch.device, hidden_size: int | None = Non
         return DTYPES[dtype], "as configured"
     if (override := env_dtype(DTYPE_ENV)) is not None:
         return override
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "auto: the GPU has bfloat16"
-        return torch.float32, "auto: the GPU has no bfloat16"
-    if device.type == "cpu":
-        feature = cpu_bf16_feature()
-        if feature is None:
-            return torch.float32, "auto: this CPU has no native bfloat16 arithmetic"
-        if hidden_size is not None and hidden_size < CPU_BFLOAT16_MIN_HIDDEN:
-            return torch.float32, f"auto: hidden size {hidden_size} is too small to gain from bfloat16"
-        return torch.bfloat16, f"auto: this CPU has {feature}"
-    return torch.float32, f"auto: float32 on {device.type}"
+    if (fast := fast_bfloat16(device)) is None:
+        return torch.float32, f"auto: float32 on {device.type}"
+    if fast[0] and device.type == "cpu" and hidden_size is not None and hidden_size < CPU_BFLOAT16_MIN_HIDDEN:
+        return torch.float32, f"auto: hidden size {hidden_size} is too small to gain from bfloat16"
+    return (torch.bfloat16 if fast[0] else torch.float32), f"auto: {fast[1]}"
 
 
 def float32_attention(module, query, key, value, attention_mask, **kwargs):

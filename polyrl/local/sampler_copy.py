@@ -77,6 +77,21 @@ def cpu_bf16_feature() -> str | None:
     return None
 
 
+def fast_bfloat16(device: torch.device) -> tuple[bool, str] | None:
+    """Whether ``device`` runs bfloat16 products fast (a CUDA GPU that supports bfloat16, a CPU with native
+    bfloat16 arithmetic), and why, in words; None for other kinds of device, where ``auto`` does not guess."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return True, "the GPU has bfloat16"
+        return False, "the GPU has no bfloat16"
+    if device.type != "cpu":
+        return None
+    feature = cpu_bf16_feature()
+    if feature is None:
+        return False, "this CPU has no native bfloat16 arithmetic"
+    return True, f"this CPU has {feature}"
+
+
 def env_dtype(variable: str) -> tuple[torch.dtype, str] | None:
     """The dtype environment variable ``variable`` names for ``auto``, and why, or None where it is unset."""
     chosen = os.environ.get(variable, "").strip()
@@ -97,16 +112,9 @@ def select_sampler_dtype(name: str, device: torch.device, learner: torch.dtype) 
         return override
     if learner != torch.float32:
         return learner, "auto: the learner's dtype is already 16-bit"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "auto: the GPU has bfloat16"
-        return learner, "auto: the GPU has no bfloat16"
-    if device.type != "cpu":
+    if (fast := fast_bfloat16(device)) is None:
         return learner, f"auto: the learner's dtype on {device.type}"
-    feature = cpu_bf16_feature()
-    if feature is None:
-        return learner, "auto: this CPU has no native bfloat16 arithmetic"
-    return torch.bfloat16, f"auto: this CPU has {feature}"
+    return (torch.bfloat16 if fast[0] else learner), f"auto: {fast[1]}"
 
 
 # ---- the copy ------------------------------------------------------------------------------------
