@@ -73,6 +73,23 @@ def build_model(root: Path, model: str | None = None) -> Path:
     return path
 
 
+def placement(training_client):
+    """The learner's device and dtype (what ``local.device``/``local.dtype`` resolved to): where a
+    benchmark's peer (Hugging Face generate, a hand-written trainer) runs, so both sides compute alike,
+    on a CPU or a GPU."""
+    base = training_client._state.base
+    return base.device, base.dtype
+
+
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (a GPU's kernels run asynchronously), so a wall-clock time
+    covers it."""
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def randomize_lora(engine, training_client, std: float = 0.02, seed: int = 0) -> None:
     """Seeded random values for every LoRA parameter (B included), so the LoRA path computes
     something real and every gradient is nonzero. Runs on the engine's worker thread."""

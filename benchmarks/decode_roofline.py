@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import local_service, randomize_lora  # noqa: E402
+from _models import local_service, randomize_lora, synchronize  # noqa: E402
 
 
 def linear_weights(model) -> list:
@@ -84,11 +84,13 @@ def main() -> None:
     lowp = runs[args.sampler_dtype]
     info = lowp["info"]
     print(f"model: {model_dir} ({info['params'] / 1e6:.0f}M parameters, {info['weights'] / 1e6:.0f}M in "
-          f"linear layers), torch {torch.__version__}, {info['threads']} threads, {os.cpu_count()} CPUs")
+          f"linear layers), torch {torch.__version__}, on {info['device']}, {info['threads']} threads, "
+          f"{os.cpu_count()} CPUs")
     for name, run in runs.items():
         print(f"sampler {name}: {run['info']['note']}")
         print(f"  roofline: float32 {args.matmul_n}x{args.matmul_n} matmul {run['roof'][0]:.1f} GFLOP/s "
-              f"before, {run['roof'][1]:.1f} after the decode runs (using the larger)")
+              f"before, {run['roof'][1]:.1f} after the decode runs (using the larger); in the sampler's "
+              f"{run['info']['dtype']}: {run['info']['roof_own']:.1f} GFLOP/s")
     print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new "
           f"tokens, temperature 1, best of {args.repeats}")
     roof = max(lowp["roof"])
@@ -135,11 +137,13 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
                     for k in range(1, args.new_tokens)]
         return rows * float(sum(per_step))
 
-    def matmul_rate() -> float:
+    device = base.device
+
+    def matmul_rate(dtype: torch.dtype = torch.float32) -> float:
         n = args.matmul_n
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
         a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(5))
+        best = min(_timed(lambda: a @ b, device) for _ in range(5))
         return 2 * n**3 / best / 1e9
 
     def linear_rate(rows: int, dtype: torch.dtype) -> float:
@@ -148,14 +152,14 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
         bfloat16 on a CPU with the weights packed, as the sampler's copy holds them."""
         packed = dtype == torch.bfloat16 and base.sampler_copy is not None and base.sampler_copy.packed
         held = [pack(w.to(dtype)) if packed else w.to(dtype) for w in matrices]
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in matrices}
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=device) for w in matrices}
         with torch.no_grad():
             def one_step() -> None:
                 for w, h in zip(matrices, held):
                     x = inputs[w.shape[1]]
                     packed_linear(x, h, None) if packed else torch.nn.functional.linear(x, h)
             one_step()
-            best = min(_timed(one_step) for _ in range(5))
+            best = min(_timed(one_step, device) for _ in range(5))
         return 2 * rows * weights / best / 1e9
 
     gen = torch.Generator().manual_seed(0)
@@ -183,18 +187,22 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
             results[(weights_name, rows)] = (decode_s, decode_flops(rows) / decode_s / 1e9)
     roof_after = engine.call(matmul_rate)
     dtype = base.sampler_dtype
+    roof_own = engine.call(lambda: matmul_rate(dtype))
     ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows, dtype)) for rows in rows_list}
     ceiling32 = {rows: engine.call(lambda rows=rows: linear_rate(rows, torch.float32)) for rows in rows_list}
     info = {"params": base.num_parameters, "weights": weights, "threads": engine.call(torch.get_num_threads),
-            "dtype": str(dtype).removeprefix("torch."), "note": base.sampler_note}
+            "dtype": str(dtype).removeprefix("torch."), "note": base.sampler_note, "device": str(device),
+            "roof_own": roof_own}
     engine.stop()
     return {"roof": (roof, roof_after), "results": results, "ceiling": ceiling, "ceiling32": ceiling32,
             "info": info}
 
 
-def _timed(fn) -> float:
+def _timed(fn, device) -> float:
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - t0
 
 

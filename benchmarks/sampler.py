@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import add_model_arg, add_rollout_args, build_model, local_service, randomize_lora  # noqa: E402
+from _models import (add_model_arg, add_rollout_args, build_model, local_service, placement,  # noqa: E402
+                     randomize_lora, synchronize)
 
 
 def main() -> None:
@@ -67,11 +68,12 @@ def main() -> None:
     lora_sampler = service.create_sampling_client(model_path=ckpt).result()
     base_sampler = service.create_sampling_client(base_model=model_dir).result()
     adapter_dir = engine.store.resolve(ckpt)[1]
+    device, dtype = placement(trainer)  # HF generate runs where and as polyrl's learner does
 
     def load_hf():
-        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        lora = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                         str(adapter_dir)).eval()
+        plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        lora = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype),
+                                         str(adapter_dir)).to(device).eval()
         return plain, lora
 
     hf, hf_lora = engine.call(load_hf)
@@ -93,7 +95,7 @@ def main() -> None:
         futs = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p in prompts]
         return sum(len(s.tokens) for f in futs for s in f.result().sequences)
 
-    ids = torch.tensor([p for p in prompts for _ in range(args.group)])
+    ids = torch.tensor([p for p in prompts for _ in range(args.group)], device=device)
     mask = torch.ones_like(ids)
 
     def hf_generate(model) -> int:
@@ -102,6 +104,7 @@ def main() -> None:
                 out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                                      top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
                                      min_new_tokens=args.new_tokens, pad_token_id=0, eos_token_id=None)
+            synchronize(device)
             return int((out.shape[1] - ids.shape[1]) * out.shape[0])
 
         return engine.call(run)  # on the engine's thread, like polyrl's sampling (see the module docstring)
@@ -127,6 +130,7 @@ def main() -> None:
             cpu[key].append(time.process_time() - c0)
 
     print(f"model: {args.model or 'tiny base'} ({n_params / 1e6:.2f}M params), torch {torch.__version__}, "
+          f"on {device} in {str(dtype).removeprefix('torch.')} (both sides), "
           f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
     print(f"workload: {args.prompts} prompts x group {args.group} = {rows} rows, "
           f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens each ({total_new} tokens), "

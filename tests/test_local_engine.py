@@ -76,7 +76,7 @@ def take_grads(tc) -> dict[str, torch.Tensor]:
     """The accumulated gradients (zero where none), which are then cleared."""
     out = {}
     for n, p in adapter_params(tc).items():
-        out[n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        out[n] = (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).cpu()
         p.grad = None
     return out
 
@@ -1106,6 +1106,7 @@ def test_training_on_from_a_checkpoint_in_a_fresh_process_is_bit_identical(servi
     from safetensors.torch import load_file
 
     tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=9).result()
+    device = str(tc._state.base.device)  # the new process trains where this one does
     gen = torch.Generator().manual_seed(17)
     tc.forward_backward(_loss_batch(tc, gen), "importance_sampling")
     tc.optim_step(adam(0.01))
@@ -1116,14 +1117,15 @@ def test_training_on_from_a_checkpoint_in_a_fresh_process_is_bit_identical(servi
 import pickle, sys
 from tinker import types
 from polyrl.local import ServiceClient
-tc = ServiceClient(store_dir={str(store)!r}, device="cpu").create_training_client_from_state_with_optimizer(
-    {path!r}).result()
+service = ServiceClient(store_dir={str(store)!r}, device={device!r})
+tc = service.create_training_client_from_state_with_optimizer({path!r}).result()
 for batch in pickle.loads(open({str(tmp_path / "batches.pkl")!r}, "rb").read()):
     tc.forward_backward(batch, "importance_sampling")
     tc.optim_step(types.AdamParams(learning_rate=0.01, grad_clip_norm=5.0))
 print(tc.save_weights_for_sampler("fresh-process").result().path)
 """
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONHASHSEED": "1234"}
+    path_dirs = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path_dirs), "PYTHONHASHSEED": "1234"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     for batch in batches:
