@@ -142,7 +142,8 @@ def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_mode
     assert info["sampler_dtype"] == "bfloat16" and info["learner_dtype"] == "float32"
     assert info["copy_bytes"] >= 2 * weights - 2 * 774 * 32  # every weight in 2 bytes (tied ones held once)
     assert metrics["sampler/dtype_bits:mean"] == 16 and metrics["sampler/copy_mib:mean"] > 0
-    note = "sampler bfloat16 (as configured), learner float32 (auto: $POLYRL_DTYPE): a"
+    note = (f"sampler bfloat16 (as configured), learner float32 (auto: $POLYRL_DTYPE): a "
+            f"{info['copy_bytes'] / 2**10:.0f} KiB copy")  # a copy under 1 MiB is said in KiB, not "0 MiB"
     assert any(note in r.getMessage() for r in caplog.records)
 
     prompt = [5, 17, 230, 41, 9]

@@ -350,4 +350,5 @@ def describe(dtype: torch.dtype, reason: str, learner: torch.dtype, learner_reas
     head = f"sampler {dtype_name(dtype)} ({reason}), learner {dtype_name(learner)} ({learner_reason})"
     if not nbytes:
         return f"{head}, sampling from the learner's weights"
-    return f"{head}: a {nbytes / 2**20:.0f} MiB copy of the weights for sampling"
+    size = f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"  # tiny models
+    return f"{head}: a {size} copy of the weights for sampling"
