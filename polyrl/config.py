@@ -81,7 +81,7 @@ class LocalEngineConfig(BaseModel):
     micro_batch_tokens: int = Field(
         DEFAULT_MICRO_BATCH_TOKENS, ge=1, description="Tokens per forward/backward pass (packed, padding "
         "included); a step's datums are split into as many passes as needed. Lower it if training runs out "
-        "of memory.")
+        "of memory; raise it on a GPU with memory to spare (fewer passes).")
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",
