@@ -145,6 +145,11 @@ def test_rows_are_only_as_long_as_they_pay_for():
     few_shared = [[5] * 8 + [k] * 200 for k in range(8)]
     assert [len(r) for r in pack_rows(few_shared, 4096, linear_per_pair=1000)] == [208] * 8
     assert all(len(r) <= 64 for r in pack_rows(group, 64, linear_per_pair=1000) if len(r.paths) > 1)
+    # attention along each datum's path costs a row its tokens whatever its length: rows fill to the budget
+    assert [len(r) for r in pack_rows(few_shared, 4096, linear_per_pair=1000, tree=True)] == [8 + 8 * 200]
+    assert [len(r) for r in pack_rows(few_shared, 600, linear_per_pair=1000, tree=True)] == [408] * 4
+    assert [len(r) for r in pack_rows(distinct, 4096, tree=True)] == [800]
+    assert [len(r) for r in pack_rows(distinct, 250, tree=True)] == [200] * 4
 
 
 @pytest.mark.parametrize("overhead", [None, 0, 7, 40])

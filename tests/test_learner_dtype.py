@@ -10,7 +10,8 @@ import torch
 from tinker import types
 
 from polyrl.local import ServiceClient, model as model_module, sampler_copy
-from polyrl.local.model import FLOAT32_ATTENTION, BaseModel, LoraSpec, float32_attention, select_dtype
+from polyrl.local.attention import TREE_ATTENTION, float32_attention
+from polyrl.local.model import BaseModel, LoraSpec, select_dtype
 from test_sampler_precision import BF16, CPU, F32, datum
 
 pytestmark = [
@@ -128,7 +129,8 @@ def test_a_bfloat16_learner_trains_and_samples_from_its_packed_copy(tiny_model_d
     tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
     base = tc._state.base
     assert base.dtype == BF16 and all(p.dtype == F32 for p in tc._state.params)
-    assert base.hf_model.config._attn_implementation == FLOAT32_ATTENTION
+    # packed rows attend along each datum's path, in float32 on this CPU (tests/test_tree_attention.py)
+    assert base.hf_model.config._attn_implementation == TREE_ATTENTION and base.tree_attention
     [info] = service.sampler_precision()
     assert (info["sampler_dtype"], info["learner_dtype"]) == ("bfloat16", "bfloat16")
     if sampler_copy.packs(BF16):

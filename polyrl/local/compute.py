@@ -74,7 +74,7 @@ def packed_logprobs(base: BaseModel, mb: MicroBatch, targets: list[torch.Tensor]
     if kept_bytes is None:
         kept_bytes = 0 if base.gradient_checkpointing else KEPT_LOGITS_BYTES
     # [B, T] packed rows -> [B, T, D] hidden states (split) or [B, T, V] logits
-    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, **mb.vision)
+    out, split = base.packed_forward(mb.input_ids, mb.position_ids, mb.attend, mb.plan, **mb.vision)
     gather, target, lengths = _requests(mb, targets)  # [R] packed position, [R] target token
     target = target.to(out.device)
     flat = out.reshape(-1, out.shape[-1])  # [B * T, D or V]

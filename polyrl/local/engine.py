@@ -356,7 +356,7 @@ class Engine:
         call_tokens = CPU_CALL_TOKENS if base.device.type == "cpu" else None
         if not any(p.images for p in prepared):
             return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
-                                 base.device, call_tokens=call_tokens)
+                                 base.device, call_tokens=call_tokens, tree=base.tree_attention)
         # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
         keys: dict[tuple[str, int], int] = {}
         sequences = [keyed(p.tokens, p.images, keys) for p in prepared]

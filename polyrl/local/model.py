@@ -23,6 +23,9 @@ from typing import Iterator
 
 import torch
 
+from polyrl.local.attention import (FLOAT32_ATTENTION, PLAN, TREE_ATTENTION, AttentionPlan,
+                                    register_float32_attention, register_tree_attention,
+                                    supports_tree_attention)
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
                                        float_logits, select_sampler_dtype, wants_copy)
@@ -48,7 +51,6 @@ DTYPE_ENV = "POLYRL_DTYPE"  # what ``local.dtype: auto`` stands for on this mach
 # bfloat16's speed to outweigh the casts around them (the tiny quickstart model, hidden size 64, took 188 s
 # for its warm start in bfloat16 against 120 s in float32; SmolLM2-135M, 576, trains ~1.6x faster).
 CPU_BFLOAT16_MIN_HIDDEN = 512
-FLOAT32_ATTENTION = "polyrl_sdpa_float32"  # a 16-bit learner's attention on a CPU (registered on use)
 
 
 def select_device(device: str = "auto") -> torch.device:
@@ -77,33 +79,6 @@ def select_dtype(dtype: str, device: torch.device, hidden_size: int | None = Non
     if fast[0] and device.type == "cpu" and hidden_size is not None and hidden_size < CPU_BFLOAT16_MIN_HIDDEN:
         return torch.float32, f"auto: hidden size {hidden_size} is too small to gain from bfloat16"
     return (torch.bfloat16 if fast[0] else torch.float32), f"auto: {fast[1]}"
-
-
-def float32_attention(module, query, key, value, attention_mask, **kwargs):
-    """Hugging Face's SDPA attention computed in float32 for 16-bit inputs, the output cast back: on a
-    CPU, PyTorch's bfloat16 flash-attention backward runs at half its float32 speed (0.81 s against
-    0.44 s for a SmolLM2-135M pass of 1,440 packed tokens), and float32 scores are the more exact."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    dtype = query.dtype
-    if dtype == torch.float32:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    def wide(x):  # float masks, biases and sinks too: SDPA takes one dtype
-        return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                          wide(attention_mask), **{k: wide(v) for k, v in kwargs.items()})
-    return out.to(dtype), weights
-
-
-@functools.cache
-def register_float32_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FLOAT32_ATTENTION, float32_attention)
-    AttentionMaskInterface.register(FLOAT32_ATTENTION, sdpa_mask)
 
 
 @dataclass(frozen=True)
@@ -174,7 +149,14 @@ class BaseModel:
         wanted = self.vision is None and wants_copy(self.device, self.sampler_dtype, self.dtype)
         self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES) if wanted
                              else None)
-        if (self.device.type == "cpu" and self.dtype != torch.float32 and self.vision is None
+        # packed rows attend along each datum's path on a CPU (see polyrl.local.attention); a GPU keeps the
+        # dense mask until tree attention is measured there
+        self.tree_attention = (self.device.type == "cpu" and self.vision is None
+                               and supports_tree_attention(model.config))
+        if self.tree_attention:
+            register_tree_attention()
+            model.set_attn_implementation(TREE_ATTENTION)
+        elif (self.device.type == "cpu" and self.dtype != torch.float32 and self.vision is None
                 and model.config._attn_implementation == "sdpa"):
             register_float32_attention()
             model.set_attn_implementation(FLOAT32_ATTENTION)
@@ -245,14 +227,17 @@ class BaseModel:
         per_block = sum(p.numel() for p in layers[0].parameters())
         return 2 * per_block / (4 * heads * head_dim) / MASKED_ATTENTION_SLOWDOWN
 
-    def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                       attend: torch.Tensor, **vision: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor,
+                       plan: AttentionPlan | None = None, **vision: torch.Tensor
+                       ) -> tuple[torch.Tensor, bool]:
         """Packed rows through the model with the active adapter, under a boolean ``attend`` mask
-        ``[rows, 1, width, width]`` (query attends to key): ``(last hidden states, True)`` when the
-        unembedding can be applied apart (:meth:`logits`), else ``(float32 logits, False)``. ``vision``:
-        the rows' images (``pixel_values``, ``image_grid_thw``) for a vision-language model, whose
-        ``position_ids`` are then ``[4, rows, width]``."""
+        ``[rows, 1, width, width]`` (query attends to key), or along ``plan`` (tree attention; ``attend``
+        is then a placeholder): ``(last hidden states, True)`` when the unembedding can be applied apart
+        (:meth:`logits`), else ``(float32 logits, False)``. ``vision``: the rows' images
+        (``pixel_values``, ``image_grid_thw``) for a vision-language model, whose ``position_ids`` are then
+        ``[4, rows, width]``."""
         mask: torch.Tensor = attend
+        along = {PLAN: plan} if plan is not None else {}
         if self.hf_model.config._attn_implementation == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(attend.shape, dtype=self.dtype, device=attend.device)
             mask.masked_fill_(~attend, torch.finfo(self.dtype).min)
@@ -262,10 +247,10 @@ class BaseModel:
             return out.last_hidden_state, True
         if self.split_head:
             out = self.hf_model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                              attention_mask=mask, use_cache=False)
+                                              attention_mask=mask, use_cache=False, **along)
             return out.last_hidden_state, True
         out = self.hf_model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                            use_cache=False)
+                            use_cache=False, **along)
         return out.logits.float(), False
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,11 +8,13 @@ common prefix and appends only the rest. Each packed token attends to exactly th
 own datum's prefix (a tree-shaped causal mask) and carries its position in that datum, so every
 hidden state is the one the datum computed alone would have (tested to 1e-5).
 
-Attention over a row costs in proportion to the row's length for every token in it, whatever the
-mask, so rows are not made longer than they pay for: a datum that shares a prefix joins the row
+Under a dense mask, attention over a row costs in proportion to the row's length for every token in
+it, so rows are not made longer than they pay for: a datum that shares a prefix joins the row
 when computing it there (its new tokens, attending over the longer row) costs less than a row of
 its own; unrelated datums share a row, without padding between them, up to the length of the
-longest datum (which padding would cost anyway). Rows are then grouped, sorted by length, into
+longest datum (which padding would cost anyway). Under tree attention (:mod:`polyrl.local.attention`,
+a plan instead of the mask) a token attends to its own datum's path whatever the row's length, so
+every datum joins the row until it is full. Rows are then grouped, sorted by length, into
 micro-batches of at most ``budget`` padded tokens: the fewest micro-batches, then the least padding.
 
 Images (vision-language models): a datum's image positions hold a negative key for (the image, its
@@ -28,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from polyrl.local.attention import AttentionPlan, plan
 
 # Cost of a token in the linear layers, in units of one query-key pair of attention, when a model
 # does not say (see BaseModel.attention_cost_ratio).
@@ -54,11 +58,12 @@ class MicroBatch:
     datums: list[int]  # datum indices, in the order their tokens are laid out in ``gather``
     input_ids: torch.Tensor  # [rows, width]
     position_ids: torch.Tensor  # [rows, width]
-    attend: torch.Tensor  # [rows, 1, width, width] bool: query attends to key
+    attend: torch.Tensor  # [rows, 1, width, width] bool: query attends to key ([rows, 1, 1, 1] with a plan)
     gather: torch.Tensor  # [sum of datum lengths] flat index into rows * width, datum after datum
     lengths: list[int]  # token count of each datum in ``datums``
     image_keys: list[int] = field(default_factory=list)  # images, in the order their placeholders appear
     vision: dict = field(default_factory=dict)  # the images' pixel values and grids (set by the engine)
+    plan: AttentionPlan | None = None  # attention along each datum's path, instead of ``attend``
 
     @property
     def tokens(self) -> int:
@@ -74,13 +79,15 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def pack_rows(sequences: list[list[int]], max_row: int,
-              linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR) -> list[Row]:
+              linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR, tree: bool = False) -> list[Row]:
     """Rows holding every sequence, sharing common prefixes of sequences adjacent in sorted order.
 
     Cost of a row of length ``L`` with ``T`` packed tokens: ``linear_per_pair * T + L**2``. A sequence
     of ``n`` tokens sharing ``s`` with the previous one joins the current row (length ``L``) when
     ``linear_per_pair * (n - s) + (L + n - s)**2 - L**2 <= linear_per_pair * n + n**2`` and the row
-    stays within ``max_row``; an unrelated one joins while the row stays within the longest sequence."""
+    stays within ``max_row``; an unrelated one joins while the row stays within the longest sequence.
+    ``tree`` (attention along each datum's path, so a row costs its tokens whatever its length): every
+    sequence joins while the row stays within ``max_row``, so rows are full and padding least."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
     longest = max((len(s) for s in sequences), default=0)
     rows: list[Row] = []
@@ -89,7 +96,9 @@ def pack_rows(sequences: list[list[int]], max_row: int,
         seq = sequences[i]
         n, shared = len(seq), (_common_prefix(sequences[prev], seq) if prev is not None and row.tokens else 0)
         grown = len(row) + n - shared
-        if shared:
+        if tree:
+            fits = grown <= max(max_row, n)
+        elif shared:
             fits = grown <= max(max_row, n) and (
                 linear_per_pair * (n - shared) + grown**2 - len(row) ** 2 <= linear_per_pair * n + n**2)
         else:
@@ -143,24 +152,26 @@ def group_rows(lengths: list[int], budget: int, call_tokens: int | None = None) 
 
 def micro_batches(sequences: list[list[int]], budget: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR,
                   device: torch.device | str = "cpu", mrope: list[torch.Tensor | None] | None = None,
-                  placeholder: int = 0, call_tokens: int | None = None) -> list[MicroBatch]:
+                  placeholder: int = 0, call_tokens: int | None = None, tree: bool = False
+                  ) -> list[MicroBatch]:
     """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens, grouped as
     :func:`group_rows` does with ``call_tokens``. With ``mrope`` (vision-language models),
     negative tokens are image keys (laid as ``placeholder``) and positions are ``[4, rows, width]``: the
-    token's index, then its datum's multimodal positions."""
-    rows = pack_rows(sequences, budget, linear_per_pair)
-    return [_tensors([rows[i] for i in idx], device, mrope, placeholder)
+    token's index, then its datum's multimodal positions. ``tree``: each micro-batch carries the plan of
+    attention along its datums' paths (:mod:`polyrl.local.attention`) instead of a dense mask."""
+    rows = pack_rows(sequences, budget, linear_per_pair, tree)
+    return [_tensors([rows[i] for i in idx], device, mrope, placeholder, tree)
             for idx in group_rows([len(r) for r in rows], budget, call_tokens)]
 
 
 def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = None,
-             placeholder: int = 0) -> MicroBatch:
+             placeholder: int = 0, tree: bool = False) -> MicroBatch:
     width = max(len(r) for r in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     multimodal = pos.unsqueeze(0).repeat(3, 1, 1) if mrope is not None else None
     image_keys: list[int] = []
-    attend = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)
+    attend = torch.zeros((len(rows), 1, 1 if tree else width, 1 if tree else width), dtype=torch.bool)
     # padding attends to itself only, so no attention row is empty (an empty one is NaN in softmax)
     attend[:, 0].diagonal(dim1=-2, dim2=-1).fill_(True)
     datums, gather, lengths = [], [], []
@@ -175,10 +186,10 @@ def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = 
             p = torch.tensor(path)
             if multimodal is not None and mrope[d] is not None:
                 multimodal[:, r, p] = mrope[d]
-            # token k of the datum attends to tokens 0..k of the same datum
-            causal = torch.ones((len(p), len(p)), dtype=torch.bool).tril_()
-            block = attend[r, 0][p.unsqueeze(1), p.unsqueeze(0)]
-            attend[r, 0][p.unsqueeze(1), p.unsqueeze(0)] = block | causal
+            if not tree:  # token k of the datum attends to tokens 0..k of the same datum
+                causal = torch.ones((len(p), len(p)), dtype=torch.bool).tril_()
+                block = attend[r, 0][p.unsqueeze(1), p.unsqueeze(0)]
+                attend[r, 0][p.unsqueeze(1), p.unsqueeze(0)] = block | causal
             datums.append(d)
             gather.append(p + r * width)
             lengths.append(len(p))
@@ -186,4 +197,5 @@ def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = 
         ids = ids.masked_fill(ids < 0, placeholder)
         pos = torch.cat([pos.unsqueeze(0), multimodal])
     return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device),
-                      lengths, image_keys)
+                      lengths, image_keys,
+                      plan=plan([row.paths for row in rows], width).to(device) if tree else None)
