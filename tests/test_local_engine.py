@@ -749,7 +749,10 @@ def test_futures_work_under_asyncio(service, warm):
     fb_out, opt_out, fb2, samples, sampled = asyncio.run(main())
     assert isinstance(fb_out, types.ForwardBackwardOutput) and isinstance(opt_out, types.OptimStepResponse)
     assert fb2.metrics["loss:sum"] < fb_out.metrics["loss:sum"]  # the step in between was applied
-    assert all(len(s.sequences[0].tokens) == 4 for s in samples)
+    # unseeded draws: a sample may end at the end-of-sequence token before its 4 tokens
+    for seq in (s.sequences[0] for s in samples):
+        ran_out = (len(seq.tokens), seq.stop_reason) == (4, "length")
+        assert ran_out or (seq.stop_reason == "stop" and 0 < len(seq.tokens) <= 4), seq
     assert len(sampled.sequences) == 2
 
 
