@@ -103,7 +103,9 @@ def main() -> None:
                             "advantages": types.TensorData.from_torch(adv)}))
     real = sum(lengths)
     per_pair = tc._state.base.linear_per_pair
-    micro = micro_batches([d.model_input.to_ints() for d in data], engine.micro_batch_tokens, per_pair)
+    tree = tc._state.base.tree_attention  # how the engine packs (rows fill up under tree attention)
+    micro = micro_batches([d.model_input.to_ints() for d in data], engine.micro_batch_tokens, per_pair,
+                          tree=tree)
     engine_padded = sum(mb.tokens for mb in micro)
     naive_padded = max(lengths) * len(lengths)
     n_params = sum(p.numel() for n, p in tc._state.base.hf_model.named_parameters() if "lora_" not in n)
@@ -154,7 +156,7 @@ def main() -> None:
 
         shared_batch, distinct_batch = grpo_batch(True), grpo_batch(False)
         packed = sum(int(mb.input_ids.numel()) for mb in micro_batches(
-            [d.model_input.to_ints() for d in shared_batch], engine.micro_batch_tokens, per_pair))
+            [d.model_input.to_ints() for d in shared_batch], engine.micro_batch_tokens, per_pair, tree=tree))
         _, times, cpu = interleaved({"shared prompts": lambda: polyrl_step(shared_batch),
                                      "distinct prompts": lambda: polyrl_step(distinct_batch)})
         tokens = sum(d.model_input.length for d in shared_batch)
