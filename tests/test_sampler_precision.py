@@ -125,6 +125,42 @@ def test_a_float32_sampler_keeps_no_copy_and_matches_the_learner(tiny_model_dir,
     assert float(sampled_vs_learner(sampler, tc, [5, 17, 230, 41], 3, 12).max()) < 1e-4
 
 
+def test_auto_on_a_cpu_without_bfloat16_keeps_a_packed_float32_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """Where ``auto`` guesses float32 on a CPU (no bfloat16 arithmetic), the sampler decodes from a packed
+    float32 copy through the fast one-token step; its logprobs are the learner's to float32 rounding (the
+    packed products sum in another order, so not bit for bit), snapshots fold into it, and the bare copy
+    still samples the base model."""
+    from polyrl.local.cpu_decode import PackedLinear
+
+    if not sampler_copy.packs(F32):
+        pytest.skip("this PyTorch build has no oneDNN packed float32 product")
+    monkeypatch.delenv(sampler_copy.AUTO_ENV, raising=False)
+    monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: None)
+    service = ServiceClient(store_dir=tmp_path / "store", dtype="float32", sampler_dtype="auto")
+    tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
+    base = tc._state.base
+    [info] = service.sampler_precision()
+    assert info["sampler_dtype"] == "float32" and info["copy_bytes"] > 0
+    assert "(auto: this CPU has no native bfloat16 arithmetic)" in info["note"] and "copy" in info["note"]
+    assert base.sampler_copy.packed and base.sampler_decode_step is not None
+    assert any(isinstance(m, PackedLinear) for m in base.sampler_copy.model.modules())
+    assert all(p.dtype == F32 for p in base.sampler_copy.model.parameters() if p.is_floating_point())
+
+    prompt = [5, 17, 230, 41, 9]
+    train(tc, 700, 3, 0.02)
+    first = tc.save_weights_and_get_sampling_client("one").result()
+    diffs = sampled_vs_learner(first, tc, prompt, 4, 24)
+    assert float(diffs.max()) < 1e-4, diffs  # a stale or unfolded snapshot moves tokens by far more
+    train(tc, 700, 1, 0.02)
+    second = tc.save_weights_and_get_sampling_client("two").result()
+    assert float(sampled_vs_learner(second, tc, prompt, 4, 24).max()) < 1e-4
+    params = types.SamplingParams(max_tokens=16, temperature=0.0)
+    greedy = {name: s.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+              for name, s in (("one", first), ("two", second),
+                              ("base", service.create_sampling_client(base_model=tiny_model_dir)))}
+    assert len({tuple(seq.logprobs) for seq in greedy.values()}) == 3  # three different policies
+
+
 # ---- the bfloat16 sampler ---------------------------------------------------------------------------
 def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_model_dir, tmp_path, caplog):
     """Tolerances, measured on this model (2 layers, 774 tokens) with a rank-4 LoRA: the bfloat16 copy's
@@ -197,7 +233,9 @@ def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weig
     copy = base.sampler_copy
     targets = base._merge_targets("a")
     first, second = copy._values(targets), copy._values(list(reversed(targets)))
-    assert len(first) == 2 * 4 + 1  # per block: q/k/v fused, o, gate/up fused, down; the head
+    # packed, per block: q/k/v fused, o, gate/up fused, down; the head (a CPU that packs no bfloat16:
+    # every layer's plain weight)
+    assert len(first) == (2 * 4 + 1 if copy.packed else 2 * 7 + 1)
 
     def dense(value: torch.Tensor) -> torch.Tensor:
         return value.to_dense() if value.is_mkldnn else value
@@ -218,12 +256,12 @@ def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weig
 def test_the_cpu_copy_decodes_in_packed_bfloat16_steps_checked_against_the_model(tiny_model_dir):
     """Where oneDNN packs exactly, the CPU copy's one-token steps skip the module dispatch (checked at
     build against the model's own forward) and its linear layers hold packed bfloat16 weights."""
-    from polyrl.local.cpu_decode import FusedMember, PackedLinear, packs_exactly
+    from polyrl.local.cpu_decode import FusedMember, PackedLinear, packs_right
     from polyrl.local.model import BaseModel
 
     base = BaseModel(tiny_model_dir, "cpu", "float32", sampler_dtype="bfloat16")
     copy = base.sampler_copy
-    if not (copy.packed and packs_exactly()):
+    if not (copy.packed and packs_right(BF16)):
         pytest.skip("this PyTorch build has no exact oneDNN packed bfloat16 product")
     layers = [m for m in copy.model.modules() if isinstance(m, (PackedLinear, FusedMember))]
     assert len(layers) == 2 * 7 + 1  # q/k/v/o and gate/up/down per block, and the head

@@ -1,4 +1,5 @@
-"""How the sampler's bfloat16 copy of a model decodes on a CPU (see :mod:`polyrl.local.sampler_copy`).
+"""How the sampler's packed copy of a model decodes on a CPU (see :mod:`polyrl.local.sampler_copy`): in
+bfloat16, or in float32 where the CPU has no bfloat16 arithmetic.
 
 A decode step of a small batch is a few hundred small matrix products, and on a CPU their per-call costs
 weigh as much as their arithmetic. So the copy's linear layers hold their weights pre-packed for oneDNN
@@ -41,7 +42,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PackedLinear(torch.nn.Module):
-    """A linear layer whose bfloat16 weight is kept in oneDNN's blocked layout."""
+    """A linear layer whose weight (bfloat16 or float32) is kept in oneDNN's blocked layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -170,16 +171,21 @@ def register_decode_attention() -> None:
 
 
 @functools.cache
-def packs_exactly() -> bool:
-    """oneDNN's packed product equals the plain one on this machine (checked once on a small matrix)."""
+def packs_right(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed product equals the plain one on this machine (checked once on a small
+    matrix): bit for bit in bfloat16; in float32, where its blocking sums in another order, to float32
+    rounding."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(48, 64, generator=gen).to(dtype)
+    x = torch.randn(3, 64, generator=gen).to(dtype)
     try:
         got = packed_linear(x, pack(weight), None)
     except RuntimeError:
         return False
-    return bool(torch.equal(got, torch.nn.functional.linear(x, weight)))
+    want = torch.nn.functional.linear(x, weight)
+    if dtype == torch.float32:
+        return torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    return bool(torch.equal(got, want))
 
 
 # ---- one-token decode steps without per-module dispatch ---------------------------------------------
