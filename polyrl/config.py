@@ -16,7 +16,7 @@ text :mod:`polyrl.config_reference`.
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -33,8 +33,8 @@ TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys a
 DEFAULT_MAX_ABS_REWARD = 1e6
 DEFAULT_MAX_OBSERVATION_TOKENS = 32_768
 DEFAULT_MAX_OBSERVATION_BYTES = 1 << 20
-# Tokens (packed, padding included) per forward/backward pass of the local engine; a call's datums are
-# split into as many micro-batches as this needs and their gradients summed.
+# Tokens (packed, padding included) per forward/backward pass of the local engine on a CPU (and 'auto''s
+# unit on a GPU); a call's datums are split into as many micro-batches as this needs, gradients summed.
 DEFAULT_MICRO_BATCH_TOKENS = 4096
 LrSchedule = Literal["constant", "linear"]
 RENAMED_NOTE = "config key {old!r} is now {new!r}; the old name is accepted until the next release"
@@ -78,10 +78,10 @@ class LocalEngineConfig(BaseModel):
         "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.")
     store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
                                   "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
-    micro_batch_tokens: int = Field(
-        DEFAULT_MICRO_BATCH_TOKENS, ge=1, description="Tokens per forward/backward pass (packed, padding "
-        "included); a step's datums are split into as many passes as needed. Lower it if training runs out "
-        "of memory; raise it on a GPU with memory to spare (fewer passes).")
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Tokens per forward/backward pass (packed, padding included); a step's datums "
+        "are split into as many passes as needed. 'auto': 4096 on a CPU; on a GPU 4096 per 20 GiB of its "
+        "memory, up to 16384 (fewer passes: fewer kernel launches). Lower it if training runs out of memory.")
     gradient_checkpointing: Literal["auto", True, False] = Field(
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",

@@ -16,6 +16,7 @@ from polyrl.secrets import redact_text
 def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
     """One line: ``dotted.key: reason`` for each error, joined with '; '."""
     lines: list[str] = []
+    unions: dict[str, int] = {}  # a union field's key -> its line, which each member's reason joins
     for err in exc.errors():
         loc = [str(part) for part in err["loc"] if part != "[key]"]
         cause = (err.get("ctx") or {}).get("error")
@@ -28,6 +29,13 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str
         elif err["type"] == "extra_forbidden":
             match = difflib.get_close_matches(loc[-1], _fields_at(model, loc[:-1]), n=1)
             msg = "unknown key" + (f" (did you mean {match[0]}?)" if match else "")
+        cut = _union_at(model, loc)
+        if cut is not None:  # one error per member of the union, its tag in the location: one line
+            key = ".".join(loc[:cut])
+            if key in unions:
+                lines[unions[key]] += " or " + one_line(msg.removeprefix("Input should be "))
+                continue
+            unions[key], loc = len(lines), loc[:cut]
         lines.append(error_line(loc, msg))
     return redact_text("; ".join(dict.fromkeys(lines)))
 
@@ -63,6 +71,26 @@ def _fields_at(model: type[BaseModel], path: list[str]) -> list[str]:
             return []
     tp = strip_optional(tp)
     return list(tp.model_fields) if is_model(tp) else []
+
+
+def _union_at(model: type[BaseModel], loc: list[str]) -> int | None:
+    """Where ``loc`` runs through a field whose type is a union (``None`` aside), the length of that
+    field's own key: pydantic puts the tag of the union's member that failed after it."""
+    tp: Any = model
+    for i, part in enumerate(loc):
+        tp = strip_optional(tp)
+        if get_origin(tp) in (Union, types.UnionType):
+            return i if i < len(loc) else None
+        if is_model(tp):
+            field = tp.model_fields.get(part)
+            if field is None:
+                return None
+            tp = field.annotation
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return None
+    return None
 
 
 def strip_optional(tp: Any) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import textwrap
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
@@ -45,10 +45,13 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
 
 
 def _bounds(field: FieldInfo) -> str:
-    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-    found = [f"{op} {getattr(m, attr)}" for m in field.metadata for attr, op in ops.items()
-             if hasattr(m, attr)]
+    found = _bound_texts(field.metadata)
     return ", " + ", ".join(found) if found else ""
+
+
+def _bound_texts(metadata: list[Any]) -> list[str]:
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    return [f"{op} {getattr(m, attr)}" for m in metadata for attr, op in ops.items() if hasattr(m, attr)]
 
 
 def _show(value: Any) -> str:
@@ -57,6 +60,10 @@ def _show(value: Any) -> str:
 
 def _type_name(tp: Any) -> str:
     origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:  # a union member with bounds of its own, e.g. int >= 1 | "auto"
+        inner, *metadata = args
+        metadata = [m for item in metadata for m in getattr(item, "metadata", [item])]  # a Field(...) too
+        return " ".join([_type_name(inner), *_bound_texts(metadata)])
     if origin is Literal:
         return " | ".join(json.dumps(arg) for arg in args)
     if origin in (Union, types.UnionType):

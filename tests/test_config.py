@@ -415,6 +415,14 @@ def test_old_flat_keys_edge_cases():
     assert error_of(None, ["max_steps_off_policy=1"], base={**BASE, "off_policy": {"max_steps": 2}}) == (
         "off_policy.max_steps: given both as 'max_steps_off_policy' and as 'off_policy.max_steps' (keep "
         "'off_policy.max_steps')")
+    # a value no member of a union takes: one reason per member, on one line under the field's own key
+    assert error_of(None, ["local.micro_batch_tokens=0"], base=BASE) == (
+        "local.micro_batch_tokens: Input should be greater than or equal to 1 or 'auto'")
+    assert error_of(None, ["local.micro_batch_tokens=many", "batch_size=0"], base=BASE) == (
+        "local.micro_batch_tokens: Input should be a valid integer, unable to parse string as an integer or "
+        "'auto'; batch_size: Input should be greater than or equal to 1")
+    assert load_config(None, ["local.micro_batch_tokens=8192"], base=BASE).local.micro_batch_tokens == 8192
+    assert load_config(None, [], base=BASE).local.micro_batch_tokens == "auto"
     # sft takes the local engine's old keys too
     from polyrl.sft import SFTConfig
 
@@ -491,7 +499,8 @@ def test_help_config_describes_every_nested_field():
         for name, field in model.model_fields.items():
             assert f"\n{section}.{name}  (" in text, (section, name)
             assert field.description, (section, name)
-    assert "local.micro_batch_tokens  (int, >= 1, default 4096)" in text
+    assert "local.micro_batch_tokens  (int >= 1 | \"auto\", default \"auto\")" in text
+    assert "max_store_bytes  (int | null, >= 1, default null)" in text
 
 
 def test_a_dump_of_the_flat_layout_reads_back_to_the_same_settings():
@@ -500,5 +509,9 @@ def test_a_dump_of_the_flat_layout_reads_back_to_the_same_settings():
     from pathlib import Path
 
     old = load_config(Path(__file__).parent / "fixtures" / "flat_layout_dump.yaml")
-    assert old.model_dump() == TrainConfig(**BASE).model_dump() and old.kl is None
+    dumped, default = old.model_dump(), TrainConfig(**BASE).model_dump()
+    # the dump holds the default of its day (4096; 'auto' now, which is 4096 on a CPU)
+    tokens = [dump["local"].pop("micro_batch_tokens") for dump in (dumped, default)]
+    assert tokens == [4096, "auto"]
+    assert dumped == default and old.kl is None
     assert len(old.renamed_warnings) == len(TrainConfig.RENAMED)

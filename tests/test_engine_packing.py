@@ -201,7 +201,31 @@ def test_the_engine_groups_rows_for_its_device(service, warm, monkeypatch):
     monkeypatch.setattr(engine_mod, "micro_batches",
                         lambda *a, **k: seen.append(k.get("call_tokens")) or micro_batches(*a, **k))
     tc.forward(shared_prefix_batch(torch.Generator().manual_seed(3)), "cross_entropy").result()
-    assert seen == [CPU_CALL_TOKENS]
+    assert seen == [CPU_CALL_TOKENS if tc._state.base.device.type == "cpu" else None]
+
+
+def test_micro_batch_tokens_auto_is_the_cpu_default_and_grows_with_a_gpus_memory(monkeypatch):
+    """``local.micro_batch_tokens: auto``: 4096 on a CPU; on a CUDA GPU 4096 per 20 GiB of its memory, at
+    most 16384 (a GPU pass costs its launches more than its tokens). A number is taken as it is."""
+    from types import SimpleNamespace
+
+    from polyrl.local.engine import Engine
+    from polyrl.local.packing import micro_batch_budget
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert micro_batch_budget("auto", cpu) == 4096 and micro_batch_budget(1000, cuda) == 1000
+    for gib, want in ((8, 4096), (24, 4096), (40, 8192), (48, 8192), (80, 16384), (141, 16384)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, gib=gib: SimpleNamespace(total_memory=gib << 30))
+        assert micro_batch_budget("auto", cuda) == want, gib
+    engine = Engine(device="cpu")
+    try:
+        assert engine.micro_batch_tokens == 4096
+    finally:
+        engine.stop()
+    for bad in (0, -5, "many", 2.0):
+        with pytest.raises(ValueError, match="micro_batch_tokens must be a positive integer or 'auto'"):
+            Engine(device="cpu", micro_batch_tokens=bad)
 
 
 # ---- exactness ---------------------------------------------------------------------------------
@@ -251,9 +275,9 @@ def test_chunked_logits_equal_unchunked_in_value_and_gradient(service, warm, mon
     gen = torch.Generator().manual_seed(9)
     data = shared_prefix_batch(gen)
     seqs = [d.model_input.to_ints() for d in data]
-    (mb,) = micro_batches(seqs, budget=4096)
+    (mb,) = micro_batches(seqs, budget=4096, device=base.device)
     targets = [data[i].loss_fn_inputs["target_tokens"].to_torch().long() for i in mb.datums]
-    coef = [torch.randn(len(t), generator=gen) for t in targets]
+    coef = [torch.randn(len(t), generator=gen).to(base.device) for t in targets]
 
     unembeddings = []
     real_logits = base.logits

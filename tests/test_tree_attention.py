@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 from polyrl.local.attention import PLAN, plan, tree_attention
+from polyrl.local.model import select_device
 from polyrl.local.packing import _tensors, group_rows, micro_batches, pack_rows
+
+DEVICE = select_device()  # the engine's device: a GPU where there is one
 
 
 def _batch():
@@ -26,20 +29,21 @@ def _batch():
     return sequences
 
 
-def _dense_and_tree(sequences, row_budget=64, batch_budget=4096):
+def _dense_and_tree(sequences, row_budget=64, batch_budget=4096, device="cpu"):
     """The same rows (as tree attention packs them, at most ``row_budget`` long) with a dense mask and with
     a plan: one micro-batch of rows of several widths (so some positions are padding)."""
     rows = pack_rows(sequences, row_budget, tree=True)
     groups = [[rows[i] for i in idx] for idx in group_rows([len(r) for r in rows], batch_budget)]
     assert any(len({len(r) for r in g}) > 1 for g in groups)
-    return [_tensors(g, "cpu") for g in groups], [_tensors(g, "cpu", tree=True) for g in groups]
+    return [_tensors(g, device) for g in groups], [_tensors(g, device, tree=True) for g in groups]
 
 
 def _attention(mb, dtype, heads=6, kv_heads=2, dim=8, tree=True, seed=1, widen=False):
     """Attention over ``mb`` of seeded inputs in ``dtype`` (``widen``: those inputs computed in float32)."""
     rows, width = mb.input_ids.shape
     gen = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(rows, n, width, dim, generator=gen).to(dtype) for n in (heads, kv_heads, kv_heads)]
+    inputs = [torch.randn(rows, n, width, dim, generator=gen).to(mb.input_ids.device, dtype)
+              for n in (heads, kv_heads, kv_heads)]
     q, k, v = ((x.float() if widen else x).requires_grad_() for x in inputs)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = heads // kv_heads, True
@@ -49,7 +53,7 @@ def _attention(mb, dtype, heads=6, kv_heads=2, dim=8, tree=True, seed=1, widen=F
 
 
 def test_tree_attention_gives_the_dense_masks_outputs_and_gradients():
-    for dense_mb, tree_mb in zip(*_dense_and_tree(_batch())):
+    for dense_mb, tree_mb in zip(*_dense_and_tree(_batch(), device=DEVICE)):
         assert tree_mb.plan is not None and tree_mb.attend.shape[-2:] == (1, 1)  # no dense mask built
         want, want_in = _attention(dense_mb, torch.float32, tree=False)
         got, got_in = _attention(tree_mb, torch.float32)
@@ -57,7 +61,7 @@ def test_tree_attention_gives_the_dense_masks_outputs_and_gradients():
         flat = got.reshape(-1, *got.shape[2:])
         torch.testing.assert_close(flat[real], want.reshape(-1, *want.shape[2:])[real], rtol=1e-5, atol=1e-6)
         # a loss on the datum tokens: the same gradients for queries, keys and values
-        weight = torch.randn(flat.shape, generator=torch.Generator().manual_seed(2))
+        weight = torch.randn(flat.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
         (flat[real] * weight[real]).sum().backward()
         (want.reshape(flat.shape)[real] * weight[real]).sum().backward()
         for g, w in zip(got_in, want_in):

@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from tinker import types
 
-from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
 from polyrl.local.allocator import heap_for_the_pass, return_large_blocks_to_the_os
@@ -36,9 +35,9 @@ from polyrl.local.checkpoints import (
 )
 from polyrl.local.compute import packed_logprobs
 from polyrl.local.datums import PreparedDatum, batch_loss, prepare_datum, reduce_metrics
-from polyrl.local.model import BaseModel, LoraSpec
+from polyrl.local.model import BaseModel, LoraSpec, select_device
 from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
-from polyrl.local.packing import CPU_CALL_TOKENS, MicroBatch, micro_batches
+from polyrl.local.packing import CPU_CALL_TOKENS, MicroBatch, micro_batch_budget, micro_batches
 from polyrl.local.sampler import SampleJob, generate
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
@@ -107,7 +106,7 @@ class Engine:
 
     @classmethod
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-               micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+               micro_batch_tokens: int | str = "auto",
                gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
                sampler_dtype: str = "auto") -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
@@ -119,11 +118,12 @@ class Engine:
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-                 micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+                 micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
                  sampler_dtype: str = "auto"):
-        if not isinstance(micro_batch_tokens, int) or micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be a positive integer, got {micro_batch_tokens!r}")
+        if micro_batch_tokens != "auto" and (type(micro_batch_tokens) is not int or micro_batch_tokens < 1):
+            raise ValueError(f"micro_batch_tokens must be a positive integer or 'auto', got "
+                             f"{micro_batch_tokens!r}")
         if gradient_checkpointing not in ("auto", True, False):
             raise ValueError("gradient_checkpointing must be 'auto', true or false, "
                              f"got {gradient_checkpointing!r}")
@@ -137,7 +137,8 @@ class Engine:
         self.device_name = device
         self.dtype_name = dtype
         self.sampler_dtype_name = sampler_dtype
-        self.micro_batch_tokens = micro_batch_tokens
+        # tokens per forward/backward pass (see micro_batch_budget), where the models will load
+        self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, select_device(device))
         self.gradient_checkpointing = gradient_checkpointing
         self._bases: dict[str, BaseModel] = {}
         self._adapter_ids = itertools.count()

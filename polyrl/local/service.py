@@ -24,7 +24,7 @@ from tinker.types.optimizer import OptimParamsBase
 
 from polyrl.local import losses
 from polyrl.local.datums import model_input_tokens
-from polyrl.local.engine import DEFAULT_MICRO_BATCH_TOKENS, Engine, SamplerState, TrainerState
+from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
@@ -183,7 +183,7 @@ class ServiceClient:
     """
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-                 models: Sequence[str] = (), micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
+                 models: Sequence[str] = (), micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
                  project_id: str | None = None, sampler_dtype: str = "auto", **_ignored: Any):
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,

@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype sampling computes in, apart from training (a copy of the weights); auto: "
                         "bfloat16 on GPUs and on CPUs with native bfloat16 arithmetic, else --dtype's")
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
-                   help=f"tokens per forward/backward pass (default {DEFAULT_MICRO_BATCH_TOKENS}); lower it "
-                        "if training runs out of memory")
+                   help=f"tokens per forward/backward pass (default: {DEFAULT_MICRO_BATCH_TOKENS} on a CPU, "
+                        "4096 per 20 GiB of a GPU's memory up to 16384); lower it if training runs out of "
+                        "memory")
     p.add_argument("--gradient-checkpointing", choices=["auto", "true", "false"], default="auto",
                    help="recompute activations in backward to save memory (auto: on for models of 300M+ "
                         "parameters)")
@@ -130,7 +131,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
     checkpointing = {"auto": "auto", "true": True, "false": False}[args.gradient_checkpointing]
     local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
                               sampler_dtype=args.sampler_dtype,
-                              micro_batch_tokens=args.micro_batch_tokens or DEFAULT_MICRO_BATCH_TOKENS,
+                              micro_batch_tokens=args.micro_batch_tokens or "auto",
                               gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes)
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,
                        max_body_bytes=int(args.max_body_mb * (1 << 20)),
