@@ -75,7 +75,7 @@ class LocalEngineConfig(BaseModel):
     sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
         "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "
-        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's dtype.")
+        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's (on a CPU, a packed float32 copy).")
     store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
                                   "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
     micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

@@ -26,6 +26,7 @@ from test_local_engine import (
     checkpoint_dir,
     f32,
     from_state,
+    make_datum,
     out_logprobs,
     reference_loss,
     take_grads,
@@ -273,8 +274,7 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
                make().text([1, 342, 205]).image(jpeg((30, 160, 60), (96, 64))).text(ints(gen, 3))
                .image(jpeg((240, 200, 20), (64, 96))).text([2, 205]),
                make().text(ints(gen, 7))]
-    # seeded, with seeds whose draws hold no image placeholder token: this tiny model can sample one, and a
-    # forward pass reads a sampled placeholder as a picture with no pixels
+    # seeded: the same draws on every run (the end of the test samples again and compares)
     params = [types.SamplingParams(max_tokens=9, seed=1), types.SamplingParams(max_tokens=9, seed=1),
               types.SamplingParams(max_tokens=14, temperature=0.7, seed=4),
               types.SamplingParams(max_tokens=5, seed=14)]
@@ -302,6 +302,45 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
     # seeded sampling repeats itself
     again = sampler.sample(images.model_input(prompts[0].tokens, prompts[0].spans), 3, params[0]).result()
     assert [list(s.tokens) for s in again.sequences] == [list(s.tokens) for s in results[0].sequences]
+
+
+def test_the_sampler_never_draws_an_image_placeholder_and_trains_on_what_it_drew(service, tiny_vl_dir,
+                                                                               make):
+    """An adapter trained until the image placeholder is the likeliest next token: no sample holds one (it
+    is filtered out of each draw, as top-k filters), every sampled logprob is still the model's own (what
+    forward computes, 1e-4), and the samples train. Drawn, a placeholder would read as a picture with no
+    pixels in training ("Image features and image tokens do not match")."""
+    tc = service.create_lora_training_client(tiny_vl_dir, rank=4, seed=0).result()
+    pad = make().pad
+    gen = torch.Generator().manual_seed(2)
+    texts = [ints(gen, 8) for _ in range(4)]
+    to_pad = [make_datum(t, [pad] * len(t)) for t in texts]
+    for _ in range(8):
+        tc.forward_backward(to_pad, "cross_entropy")
+        tc.optim_step(adam(0.05))
+    prompt = make().text([1, 342, 205]).image(jpeg((220, 30, 30))).text([9, 2, 205])
+    model_input = images.model_input(prompt.tokens, prompt.spans)
+    next_is_pad = types.Datum(model_input=model_input, loss_fn_inputs={
+        "target_tokens": types.TensorData(data=prompt.tokens[1:] + [pad], dtype="int64")})
+    probe = tc.forward([next_is_pad], "cross_entropy").result()
+    assert float(out_logprobs(probe)[0][-1].exp()) > 0.5  # the placeholder is the likeliest next token
+
+    sampler = tc.save_weights_and_get_sampling_client("vl_no_pad").result()
+    drawn = []
+    for params in (types.SamplingParams(max_tokens=6, seed=1), types.SamplingParams(max_tokens=6, seed=2,
+                                                                                    top_k=1),
+                   types.SamplingParams(max_tokens=6, temperature=0.0)):
+        drawn += sampler.sample(model_input, 4 if params.temperature else 1, params).result().sequences
+    assert drawn and not [s.tokens for s in drawn if pad in s.tokens]
+    data = []
+    for seq in drawn:
+        full = prompt.copy().text(list(seq.tokens))
+        lp = out_logprobs(tc.forward([full.datum()], "cross_entropy").result())[0][len(prompt.tokens) - 1:]
+        # relative too: the other tokens' logprobs are large (-16), float32 rounding scales with them
+        torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), lp, rtol=1e-4, atol=1e-4)
+        data.append(full.datum())
+    assert all(torch.isfinite(lp).all() for lp in out_logprobs(
+        tc.forward_backward(data, "cross_entropy").result()))
 
 
 # ---- bad input -----------------------------------------------------------------------------------------
@@ -334,6 +373,15 @@ def test_bad_image_chunks_are_one_clear_error_each_and_nothing_breaks(service, w
                                                                     expected_tokens=4)])
     with pytest.raises(ValueError, match="'image_asset_pointer' chunk .*send images as ImageChunk"):
         sampler.sample(pointer, 1, types.SamplingParams(max_tokens=2)).result()
+    # the placeholder written as text: a picture with no pixels to the model
+    as_text = types.ModelInput.from_ints([1, 342, good.pad, 2])
+    written = types.Datum(model_input=as_text, loss_fn_inputs={
+        "target_tokens": types.TensorData(data=[0] * as_text.length, dtype="int64")})
+    for call in (lambda: tc.forward_backward([written], "cross_entropy").result(),
+                 lambda: sampler.sample(as_text, 1, types.SamplingParams(max_tokens=2)).result()):
+        with pytest.raises(ValueError, match=f"chunk 0 holds token {good.pad}, the model's image or video "
+                                             "placeholder; a picture goes in an ImageChunk"):
+            call()
     text_model = service.create_lora_training_client(tiny_model_dir, rank=2).result()
     with pytest.raises(ValueError, match="is text-only"):
         text_model.forward([good.datum()], "cross_entropy").result()

@@ -294,7 +294,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
         _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
                 generator, deltas if bool(deltas.any()) else None,
-                decode_fn, stopping)
+                decode_fn, stopping, vision.placeholder_ids if vision is not None else ())
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -422,7 +422,9 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
             tokenizer, device, generator, prompt_deltas=None,
-            decode_fn=None, stopping=None):
+            decode_fn=None, stopping=None, banned=()):
+    """Decode ``rows`` to their ends. ``banned``: tokens no row may draw (a vision-language model's image
+    placeholders), filtered out of every draw as top-k is; the logprobs stay the model's own."""
     index = torch.tensor(row_prompt, device=device)  # [B]: each sample row's prompt (B is now the samples)
     cache.batch_select_indices(index)
     mask = prompt_mask[index]  # [B, T]
@@ -437,7 +439,9 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     # of them finish to make dropping them worth reshaping the cache.
     in_cache = list(range(len(rows)))
     any_greedy = bool((temps <= 0).any())
-    plain = bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
+    plain = (bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
+             and not banned)
+    ban = torch.tensor(sorted(banned), dtype=torch.long, device=device) if banned else None
     # the attention mask of every step is a view of one buffer (no per-step concatenation): [B, T + room]
     mask_buf = torch.ones((len(rows),
                            mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
@@ -465,9 +469,10 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
             token_lp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # [B]
             logp = torch.log_softmax(logits, dim=-1) if topk_width else None  # [B, V]
         else:
+            allowed = logits if ban is None else logits.index_fill(1, ban, float("-inf"))
             sampled = inverse_cdf(
-                torch.softmax(filtered_logits(logits, temps[sel], top_k[sel], top_p[sel]), -1), u)
-            tokens = torch.where(temps[sel] <= 0, logits.argmax(-1), sampled) if any_greedy else sampled
+                torch.softmax(filtered_logits(allowed, temps[sel], top_k[sel], top_p[sel]), -1), u)
+            tokens = torch.where(temps[sel] <= 0, allowed.argmax(-1), sampled) if any_greedy else sampled
             logp = torch._log_softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
             token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
         step += 1

@@ -67,6 +67,10 @@ class Vision:
                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         self.inner = hf_model.model  # the vision tower and the language model, under the unembedding
         self.image_token_id = int(config.image_token_id)
+        # tokens that stand for pixels: never text of a prompt or datum, never sampled (a sampled one would
+        # read as a picture with no pixels when the sequence is trained on)
+        self.placeholder_ids = tuple(sorted({self.image_token_id, *(
+            [int(config.video_token_id)] if getattr(config, "video_token_id", None) is not None else [])}))
         self.merge = int(config.vision_config.spatial_merge_size)
         self.limits = limits
         self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -81,7 +85,12 @@ class Vision:
         for k, chunk in enumerate(chunks):
             kind = getattr(chunk, "type", None)
             if kind == "encoded_text":
-                tokens.extend(int(t) for t in chunk.tokens)
+                text = [int(t) for t in chunk.tokens]
+                placeholder = next((t for t in text if t in self.placeholder_ids), None)
+                if placeholder is not None:
+                    raise ValueError(f"{where} chunk {k} holds token {placeholder}, the model's image or "
+                                     "video placeholder; a picture goes in an ImageChunk (its bytes)")
+                tokens.extend(text)
             elif kind == "image":
                 image = self.image(chunk.data, chunk.expected_tokens, len(tokens), f"{where} chunk {k}")
                 found.append(image)
