@@ -80,7 +80,7 @@ def _union_at(model: type[BaseModel], loc: list[str]) -> int | None:
     for i, part in enumerate(loc):
         tp = strip_optional(tp)
         if get_origin(tp) in (Union, types.UnionType):
-            return i if i < len(loc) else None
+            return i
         if is_model(tp):
             field = tp.model_fields.get(part)
             if field is None:

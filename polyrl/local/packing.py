@@ -51,7 +51,7 @@ def micro_batch_budget(setting: int | str, device: torch.device) -> int:
     as set, or for ``"auto"``: ``DEFAULT_MICRO_BATCH_TOKENS`` on a CPU (its cost is its tokens, and its
     working set stays in cache); on a CUDA GPU that many per 20 GiB of its memory, up to four times as
     many. A GPU pass of a small model costs its kernel launches more than its tokens: a 64-datum step of
-    SmolLM2-135M on an H200 took 0.68 s in three passes of 4,096 tokens, 0.37 s in one of 16,384."""
+    SmolLM2-135M on an H200 took 0.68 s in three passes of 4,096 tokens, 0.34 s in one of 16,384."""
     if setting != "auto":
         return int(setting)
     if device.type != "cuda":
