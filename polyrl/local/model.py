@@ -27,7 +27,6 @@ from polyrl.local.attention import (FLOAT32_ATTENTION, PLAN, TREE_ATTENTION, Att
                                     register_float32_attention, register_tree_attention,
                                     supports_tree_attention)
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
-from polyrl.local.sampler_copy import AUTO_ENV as SAMPLER_AUTO_ENV
 from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
                                        float_logits, select_sampler_dtype, wants_copy)
 from polyrl.local.vision import Vision, is_vision_config
@@ -147,8 +146,8 @@ class BaseModel:
         if self.vision is not None and self.sampler_dtype != self.dtype:  # images go through the learner's
             self.sampler_dtype = self.dtype
             self.sampler_reason = "a vision-language model samples in the learner's dtype"
-        guessed = sampler_dtype == "auto" and env_dtype(SAMPLER_AUTO_ENV) is None
-        wanted = self.vision is None and wants_copy(self.device, self.sampler_dtype, self.dtype, guessed)
+        wanted = (self.vision is None
+                  and wants_copy(self.device, self.sampler_dtype, self.dtype, sampler_dtype))
         self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES) if wanted
                              else None)
         # packed rows attend along each datum's path on a CPU (see polyrl.local.attention); a GPU keeps the

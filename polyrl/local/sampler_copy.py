@@ -127,14 +127,16 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float32) and onednn_packing() and packs_right(dtype)
 
 
-def wants_copy(device: torch.device, sampler: torch.dtype, learner: torch.dtype, guessed: bool) -> bool:
+def wants_copy(device: torch.device, sampler: torch.dtype, learner: torch.dtype, setting: str) -> bool:
     """Whether the sampler needs its own copy of the weights: it samples in another dtype than the
     learner's, or on a CPU in a dtype whose packed, fused decode (:mod:`polyrl.local.cpu_decode`) the
     learner's own modules cannot run. A float32 copy beside a float32 learner is made only where ``auto``
-    ``guessed`` float32 (a CPU without bfloat16 arithmetic: packed float32 decodes ~1.8x faster than the
-    plain products); a configured float32 sampler samples from the learner's own weights, exactly."""
+    (``setting``, not overridden by ``$POLYRL_SAMPLER_DTYPE``) guessed float32 (a CPU without bfloat16
+    arithmetic: packed float32 decodes ~1.8x faster than the plain products); a configured float32
+    sampler samples from the learner's own weights, exactly."""
     if sampler != learner:
         return True
+    guessed = setting == "auto" and env_dtype(AUTO_ENV) is None
     return device.type == "cpu" and packs(sampler) and (sampler != torch.float32 or guessed)
 
 

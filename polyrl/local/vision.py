@@ -69,8 +69,8 @@ class Vision:
         self.image_token_id = int(config.image_token_id)
         # tokens that stand for pixels: never text of a prompt or datum, never sampled (a sampled one would
         # read as a picture with no pixels when the sequence is trained on)
-        self.placeholder_ids = tuple(sorted({self.image_token_id, *(
-            [int(config.video_token_id)] if getattr(config, "video_token_id", None) is not None else [])}))
+        ids = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
+        self.placeholder_ids = tuple(sorted(int(i) for i in ids))
         self.merge = int(config.vision_config.spatial_merge_size)
         self.limits = limits
         self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
