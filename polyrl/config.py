@@ -73,9 +73,9 @@ class LocalEngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Learner dtype; auto: bfloat16 on GPUs and bf16-capable CPUs (hidden size 512+).")
     sampler_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Dtype sampling computes in, on its own copy of the weights (LoRA snapshots "
-        "folded in; sampled logprobs are the copy's). 'auto': bfloat16 on GPUs and on CPUs with native "
-        "bfloat16 arithmetic (AVX-512 BF16, AMX), else the learner's (on a CPU, a packed float32 copy).")
+        "auto", description="Dtype sampling computes in, on its own copy of the weights (snapshots folded "
+        "in, logprobs the copy's). 'auto': bfloat16 on GPUs and CPUs with native bfloat16 (AVX-512 BF16, "
+        "AMX), else the learner's (packed float32 on a CPU); no copy over half the free memory.")
     store_dir: str | None = Field(None, description="Directory of the engine's checkpoint store; null = "
                                   "$POLYRL_STORE_DIR or ~/.cache/polyrl/store.")
     micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(

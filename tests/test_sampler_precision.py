@@ -161,6 +161,57 @@ def test_auto_on_a_cpu_without_bfloat16_keeps_a_packed_float32_copy(tiny_model_d
     assert len({tuple(seq.logprobs) for seq in greedy.values()}) == 3  # three different policies
 
 
+def test_auto_makes_no_copy_that_would_take_over_half_the_free_memory(tiny_model_dir, tmp_path, monkeypatch):
+    """``auto``'s copy is a choice of speed or precision: where it would take more than half the device's
+    free memory, the sampler samples from the learner's own weights instead (exactly its logprobs) and the
+    load line says why; a dtype the user configured still gets its copy."""
+    monkeypatch.delenv(sampler_copy.AUTO_ENV, raising=False)
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(sampler_copy, "free_memory", lambda device: free["bytes"])
+
+    def loaded(name: str, setting: str):
+        service = ServiceClient(store_dir=tmp_path / name, dtype="float32", sampler_dtype=setting)
+        tc = service.create_lora_training_client(tiny_model_dir, rank=4, seed=0).result()
+        [info] = service.sampler_precision()
+        return tc, info
+
+    monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: "AVX-512 BF16")
+    tc, info = loaded("roomy", "auto")
+    params = tc._state.base.num_parameters
+    assert (info["sampler_dtype"], info["copy_bytes"] > 0) == ("bfloat16", True)
+
+    free["bytes"] = 3 * params  # a bfloat16 copy (2 bytes a weight) would take two thirds of it
+    tc, info = loaded("tight", "auto")
+    assert (info["sampler_dtype"], info["copy_bytes"]) == ("float32", 0)
+    assert f"no room for a {2 * params / 2**20:.0f} MiB bfloat16 copy of the weights" in info["note"]
+    assert "sampling from the learner's weights" in info["note"]
+    train(tc, 700, 2, 0.02)
+    sampler = tc.save_weights_and_get_sampling_client("tight").result()
+    assert float(sampled_vs_learner(sampler, tc, [5, 17, 230, 41], 3, 12).max()) < 1e-4
+
+    _, info = loaded("asked", "bfloat16")  # configured: the user's choice stands
+    assert (info["sampler_dtype"], info["copy_bytes"] > 0) == ("bfloat16", True)
+    if sampler_copy.packs(F32):  # the packed float32 copy of a CPU without bfloat16 arithmetic, likewise
+        monkeypatch.setattr(sampler_copy, "cpu_bf16_feature", lambda: None)
+        _, info = loaded("f32-tight", "auto")
+        assert info["copy_bytes"] == 0 and "float32 copy of the weights" in info["note"]
+        free["bytes"] = 9 * params  # 4 bytes a weight: under half
+        _, info = loaded("f32-roomy", "auto")
+        assert info["sampler_dtype"] == "float32" and info["copy_bytes"] > 0
+
+
+def test_free_memory_reads_the_hosts_available_memory():
+    import sys
+
+    free = sampler_copy.free_memory(CPU)
+    if sys.platform != "linux":
+        assert free is None
+        return
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert free is not None and 0 < free <= total
+
+
 # ---- the bfloat16 sampler ---------------------------------------------------------------------------
 def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_model_dir, tmp_path, caplog):
     """Tolerances, measured on this model (2 layers, 774 tokens) with a rank-4 LoRA: the bfloat16 copy's

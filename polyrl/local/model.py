@@ -28,7 +28,7 @@ from polyrl.local.attention import (FLOAT32_ATTENTION, PLAN, TREE_ATTENTION, Att
                                     supports_tree_attention)
 from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
-                                       float_logits, select_sampler_dtype, wants_copy)
+                                       float_logits, no_room, select_sampler_dtype, wants_copy)
 from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import resolve_model_path
 
@@ -148,6 +148,9 @@ class BaseModel:
             self.sampler_reason = "a vision-language model samples in the learner's dtype"
         wanted = (self.vision is None
                   and wants_copy(self.device, self.sampler_dtype, self.dtype, sampler_dtype))
+        if wanted and sampler_dtype == "auto" and (why := no_room(model, self.sampler_dtype, self.device)):
+            self.sampler_dtype, self.sampler_reason = self.dtype, f"{self.sampler_reason}, but {why}"
+            wanted = False  # auto samples from the learner's weights rather than run the machine short
         self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES) if wanted
                              else None)
         # packed rows attend along each datum's path on a CPU (see polyrl.local.attention); a GPU keeps the

@@ -127,6 +127,38 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float32) and onednn_packing() and packs_right(dtype)
 
 
+#: ``auto`` keeps its own copy of the weights only where the copy takes at most this share of the free
+#: memory on the device (it is a choice of speed or precision, not worth running the machine out of memory)
+AUTO_COPY_MAX_SHARE = 0.5
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on ``device`` (a CUDA GPU's free memory, the host's ``MemAvailable`` on
+    Linux), or None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu" or sys.platform != "linux":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((line for line in f if line.startswith("MemAvailable:")), None)
+        return None if line is None else int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+
+
+def no_room(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a copy of ``model``'s weights in ``dtype`` should not be made on ``device``, in words: it would
+    take more than ``AUTO_COPY_MAX_SHARE`` of the free memory. None where it fits, or where free memory is
+    unknown."""
+    need = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+    free = free_memory(device)
+    if free is None or need <= AUTO_COPY_MAX_SHARE * free:
+        return None
+    return (f"no room for a {need / 2**20:.0f} MiB {dtype_name(dtype)} copy of the weights "
+            f"({free / 2**20:.0f} MiB free)")
+
+
 def wants_copy(device: torch.device, sampler: torch.dtype, learner: torch.dtype, setting: str) -> bool:
     """Whether the sampler needs its own copy of the weights: it samples in another dtype than the
     learner's, or on a CPU in a dtype whose packed, fused decode (:mod:`polyrl.local.cpu_decode`) the
