@@ -15,10 +15,12 @@ Like ``make quickstart`` (polyrl/quickstart.py), offline and through the same co
 4. Held-out pass@1 (one reply at temperature 1, averaged over samples) on test tasks never trained on.
 
 ``--serve`` runs the RL phase through ``polyrl serve`` on 127.0.0.1 (the official SDK; images travel
-over HTTP as ImageChunks). Each run is fresh and seeded, so it reproduces its numbers; ``summary.json``
-in the work directory holds them, with the first RL step's loss, gradient norm and reward.
+over HTTP as ImageChunks); ``--loss-fn`` picks the RL loss (e.g. ``stable_reinforce``, which trains on
+the sequences its samplers recorded, pictures included). Each run is fresh and seeded, so it reproduces
+its numbers; ``summary.json`` in the work directory holds them, with the first RL step's loss, gradient
+norm and reward.
 
-    PYTHONPATH=. python benchmarks/vlm_quickstart.py [--sft-steps N] [--rl-steps N] [--serve]
+    PYTHONPATH=. python benchmarks/vlm_quickstart.py [--sft-steps N] [--rl-steps N] [--serve] [--loss-fn L]
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def env_config(split: str, group_size: int = 1, demos: bool = False) -> dict[str
 
 
 async def run(workdir: Path, sft_steps: int, rl_steps: int, seed: int, serve: bool, quiet: bool,
-              threads: int = 1) -> dict:
+              threads: int = 1, loss_fn: str = "importance_sampling") -> dict:
     console = ConsoleLog(enabled=not quiet)
     times: dict[str, float] = {}
     t0 = mark = time.monotonic()
@@ -93,13 +95,14 @@ async def run(workdir: Path, sft_steps: int, rl_steps: int, seed: int, serve: bo
     console.info(f"held-out pass@1 after the warm start: {before:.2f}")
     lap("eval_before")
 
-    console.info(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples"
-                 + (", through polyrl serve" if serve else ""))
+    console.info(f"RL: {rl_steps} steps x {RL['batch_size']} groups x {RL['group_size']} samples, "
+                 f"loss {loss_fn}" + (", through polyrl serve" if serve else ""))
     with served(model_dir, workdir / "store", threads) if serve else contextlib.nullcontext({}) as backend:
         where = backend or {"local": common["local"]}
         rl_config = check_config(TrainConfig(
             **{k: v for k, v in common.items() if k != "local"}, **where, resume_from=sft_state,
             learning_rate=RL["learning_rate"], batch_size=RL["batch_size"], max_steps=rl_steps,
+            loss_fn=loss_fn,
             max_tokens=MAX_TOKENS, save_every=0, outputs={"report": False}, log_path=str(workdir / "rl"),
             environments=env_config("train", group_size=RL["group_size"])))
         await train_async(rl_config, console)
@@ -113,7 +116,7 @@ async def run(workdir: Path, sft_steps: int, rl_steps: int, seed: int, serve: bo
     lap("eval_after")
     times["total"] = time.monotonic() - t0
     summary = {"before": before, "after": after, "first_rl_step": first_step, "seconds": times,
-               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed, "serve": serve}
+               "sft_steps": sft_steps, "rl_steps": rl_steps, "seed": seed, "serve": serve, "loss_fn": loss_fn}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of LoRA init, data order and sampling")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     p.add_argument("--serve", action="store_true", help="run the RL phase through `polyrl serve`")
+    p.add_argument("--loss-fn", default="importance_sampling",
+                   help="the RL loss (default: importance_sampling)")
     p.add_argument("--quiet", action="store_true", help="print only the results")
     args = p.parse_args(argv)
 
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     s = asyncio.run(run(Path(args.workdir), args.sft_steps, args.rl_steps, args.seed, args.serve, args.quiet,
-                        args.threads))
+                        args.threads, args.loss_fn))
     t = s["seconds"]
     print(f"held-out success ({ENV}, colour of the largest shape): before {s['before']:.2f} -> after "
           f"{s['after']:.2f}   (pass@1 at temperature {RL['temperature']:g}, {NUM_TEST} test tasks x "

@@ -233,9 +233,6 @@ def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
         advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
     n, spans = len(ep.tokens), None
     if loss_fn in PROVENANCE_LOSSES:
-        if ep.images:
-            raise RunStoppedError(f"loss_fn {loss_fn} does not train on images (an episode of {ep.env_name} "
-                                  "shows one); use another loss_fn, such as importance_sampling or ppo")
         spans, n = provenance_spans(ep)
     model_input, targets = next_token_inputs(ep.tokens[:n], [s for s in ep.images if s.end <= n])
     inputs = {

@@ -5,10 +5,13 @@ polyrl's formula (README), and the records' ownership, expiry and memory bound. 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 from tinker import types
 
+from polyrl import images
 from polyrl.advantages import to_datum
 from polyrl.episode import Episode
 from polyrl.local import ServiceClient
@@ -34,18 +37,21 @@ PROMPT = [5, 17, 99, 3, 250, 41]
 
 
 def sampled_datum(
-    prompt: list[int], seq: types.SampledSequence, advantage: float, logprobs: list[float] | None = None
+    prompt: list[int], seq: types.SampledSequence, advantage: float, logprobs: list[float] | None = None,
+    spans: Sequence[images.ImageSpan] = (),
 ) -> types.Datum:
-    """One sampled sequence as an RL datum with provenance, as tinker-cookbook's rl_loop builds it."""
+    """One sampled sequence as an RL datum with provenance, as tinker-cookbook's rl_loop builds it (the
+    prompt's pictures, if any, at ``spans``)."""
     tokens = prompt + list(seq.tokens)
     n_prompt, n_sampled = len(prompt), len(seq.tokens)
     sid = seq.sequence_id
+    model_input, targets = images.next_token_inputs(tokens, list(spans))
     inputs = {
-        "target_tokens": tokens[1:],
+        "target_tokens": targets,
         "logprobs": logprobs if logprobs is not None else [0.0] * (n_prompt - 1) + list(seq.logprobs),
         "advantages": [0.0] * (n_prompt - 1) + [advantage] * n_sampled,
     }
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+    datum = types.Datum(model_input=model_input, loss_fn_inputs=inputs)
     return datum.with_provenance(
         model_input=[
             types.PromptProvenanceSpan(sequence_id=sid, length=n_prompt),

@@ -5,6 +5,7 @@ the adapters that pass images through, the visual environment, and ``polyrl play
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import base64
 import io
 import json
@@ -281,14 +282,16 @@ class ReplySampler:
     ModelInput it was asked to continue."""
 
     def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.inputs = tokenizer, list(replies), []
+        self.tokenizer, self.replies, self.inputs, self.sequences = tokenizer, list(replies), [], []
 
     async def sample(self, prompt, num_samples, params):
         self.inputs.append(prompt)
         tokens = self.tokenizer.encode(self.replies.pop(0), add_special_tokens=False)
         tokens += [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-        seq = types.SampledSequence(stop_reason="stop", sequence_id="s", tokens_np=np.array(tokens, np.int32),
+        seq = types.SampledSequence(stop_reason="stop", sequence_id=f"s{len(self.sequences)}",
+                                    tokens_np=np.array(tokens, np.int32),
                                     logprobs_np=np.full(len(tokens), -0.5, np.float32))
+        self.sequences.append(seq)
         return types.SampleResponse(sequences=[seq])
 
 
@@ -337,11 +340,25 @@ def test_multi_turn_with_images_is_token_exact_and_never_re_renders_an_image(vl_
     assert datum.model_input.length == len(ep.tokens) - 1
     targets = datum.loss_fn_inputs["target_tokens"].tolist()
     assert all(targets[s.start - 1:s.end - 1] == [0] * s.length for s in ep.images)
-    # stable_reinforce (provenance spans against text-only records) refuses images in one line
-    from polyrl.errors import RunStoppedError
+    # stable_reinforce: provenance spans over text and pictures, checked against the sampling requests as
+    # the engine records them (each request's prompt, its pictures included)
+    from polyrl.local.stability import SequenceRecords, input_positions
 
-    with pytest.raises(RunStoppedError, match="loss_fn stable_reinforce does not train on images"):
-        to_datum(ep, "stable_reinforce")
+    records = SequenceRecords()
+    for prompt, seq in zip(sampler.inputs, sampler.sequences, strict=True):
+        records.add("key", "run", input_positions(prompt), [(seq.sequence_id, seq.tokens, seq.logprobs)])
+    stable = to_datum(ep, "stable_reinforce")
+    assert [c.type for c in stable.model_input.chunks].count("image") == 2
+    [found] = records.resolve("key", "run", [stable])
+    assert int(found.sampled.sum()) == sum(len(seq.tokens) for seq in sampler.sequences)
+    assert np.all(found.sampler_logprobs[found.sampled] == -0.5)
+    # another picture of the same size in the second one's place: its positions are not what was sampled
+    chunks = list(stable.model_input.chunks)
+    k = max(i for i, c in enumerate(chunks) if c.type == "image")
+    chunks[k] = chunks[k].model_copy(update={"data": encoded(picture((0, 250, 0), size=(96, 96)))})
+    swapped = dataclasses.replace(stable, model_input=types.ModelInput(chunks=chunks))
+    with pytest.raises(ValueError, match="holds an image, but sequence 's1''s prompt has another image"):
+        records.resolve("key", "run", [swapped])
     # messages keep references to the stored images, no pixels and no base64
     refs = [p for p in images.image_parts(ep.messages)]
     assert [r["image"] for r in refs] == [s.name for s in ep.images] and refs[1]["width"] == 96

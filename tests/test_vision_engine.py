@@ -9,6 +9,7 @@ nothing of polyrl's packing, chunking, position or image handling is in it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -302,6 +303,41 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
     # seeded sampling repeats itself
     again = sampler.sample(images.model_input(prompts[0].tokens, prompts[0].spans), 3, params[0]).result()
     assert [list(s.tokens) for s in again.sequences] == [list(s.tokens) for s in results[0].sequences]
+
+
+def test_stable_reinforce_trains_on_what_was_sampled_from_prompts_with_pictures(service, warm, make):
+    """Sequences sampled (and recorded) from prompts with pictures train with ``stable_reinforce``: the
+    provenance spans cover the pictures' positions, and after a step that moved the learner off the
+    sampler the loss is its formula (README) on the recorded sampler logprobs and the learner's. A datum
+    with another picture where the sampled prompt had one is refused, naming the position."""
+    from test_stable_reinforce import reference, sampled_datum
+
+    tc = from_state(service, warm["path"])
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    data, sequences = [], []
+    for colour, advantage in (((220, 30, 30), 1.0), ((30, 70, 220), -1.0)):
+        prompt = make().text([1, 342, 205]).image(jpeg(colour)).text([9, 2, 205])
+        res = sampler.sample(images.model_input(prompt.tokens, prompt.spans), 2,
+                             types.SamplingParams(max_tokens=6, seed=3)).result()
+        for seq, scale in zip(res.sequences, (1.0, 2.0)):
+            data.append(sampled_datum(prompt.tokens, seq, scale * advantage, spans=prompt.spans))
+            sequences.append(seq)
+    tc.forward_backward(data, "importance_sampling").result()
+    tc.optim_step(adam(0.05)).result()
+    lps = out_logprobs(tc.forward(data, "cross_entropy").result())
+    out = tc.forward_backward(data, "stable_reinforce", {"max_ratio": 1.05, "kl_coeff": 0.3}).result()
+    take_grads(tc)
+    loss, _, truncated = reference(lps, data, types.SampleResponse(sequences=sequences), 1.05, 0.3)
+    assert out.metrics["loss:sum"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert out.metrics["sampled_tokens:sum"] == sum(len(seq.tokens) for seq in sequences)
+    assert out.metrics["truncated_tokens:sum"] == truncated > 0
+    # the blue prompt's sequence, shown the red picture
+    chunks = list(data[2].model_input.chunks)
+    k = next(i for i, c in enumerate(chunks) if c.type == "image")
+    chunks[k] = data[0].model_input.chunks[k]
+    swapped = dataclasses.replace(data[2], model_input=types.ModelInput(chunks=chunks))
+    with pytest.raises(ValueError, match=r"position 3 holds an image, but sequence .* prompt has another"):
+        tc.forward_backward([swapped], "stable_reinforce").result()
 
 
 def test_the_sampler_never_draws_an_image_placeholder_and_trains_on_what_it_drew(service, tiny_vl_dir,

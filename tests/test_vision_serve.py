@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from test_serve import KEY, PROTO, Served, _fwdbwd_body, _retrieve, _session
+from test_stable_reinforce import sampled_datum
 from test_vision import png_header
 from tinker import types
 
@@ -61,7 +62,8 @@ def datums(vl_tokenizer) -> list[types.Datum]:
 
 def test_images_over_http_give_the_in_process_numbers(served, sdk, tiny_vl_dir, vl_tokenizer, tmp_path):
     """Through the official SDK (forward_backward: protobuf with ImageChunks; sample: JSON with base64
-    images), the loss, logprobs and seeded samples are the in-process engine's."""
+    images), the loss, logprobs and seeded samples are the in-process engine's; so is a stable_reinforce
+    step on those samples (recorded with their pictures, named by provenance spans)."""
     data = datums(vl_tokenizer)
     local = ServiceClient(store_dir=tmp_path / "store")
     results = {}
@@ -70,13 +72,17 @@ def test_images_over_http_give_the_in_process_numbers(served, sdk, tiny_vl_dir, 
         first = tc.forward_backward(data, "importance_sampling").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         second = tc.forward(data, "importance_sampling").result()
-        sampler = tc.save_weights_and_get_sampling_client().result()
+        sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
         prompt_tokens, spans = sequence(vl_tokenizer, (30, 70, 220), "What colour?", "x")
         end = spans[0].end + 9  # the prompt: up to the generation prompt
         prompt = images.model_input(prompt_tokens, spans, end)
         sample = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=11)).result()
-        results[name] = (first, second, sample)
-    (f_s, s_s, sample_s), (f_l, s_l, sample_l) = results["served"], results["local"]
+        stable = [sampled_datum(prompt_tokens[:end], seq, advantage, spans=spans)
+                  for seq, advantage in zip(sample.sequences, (1.0, -0.5, 2.0))]
+        results[name] = (first, second, sample, tc.forward_backward(stable, "stable_reinforce").result())
+    (f_s, s_s, sample_s, r_s), (f_l, s_l, sample_l, r_l) = results["served"], results["local"]
+    assert r_s.metrics["sampled_tokens:sum"] == sum(len(seq.tokens) for seq in sample_s.sequences) > 0
+    assert r_s.metrics["loss:sum"] == pytest.approx(r_l.metrics["loss:sum"], rel=1e-5, abs=1e-5)
     assert f_s.metrics["loss:sum"] == pytest.approx(f_l.metrics["loss:sum"], rel=1e-5, abs=1e-5)
     assert s_s.metrics["loss:sum"] == pytest.approx(s_l.metrics["loss:sum"], rel=1e-5, abs=1e-5)
     for a, b in zip(s_s.loss_fn_outputs, s_l.loss_fn_outputs):
@@ -156,11 +162,6 @@ def test_each_bad_image_is_one_clear_4xx_and_the_server_keeps_serving(served, vl
             loss_fn_inputs={"target_tokens": types.TensorData(data=[0] * 7, dtype="int64")})
         r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, [datum]), headers=PROTO)
         assert r.status_code == status and words in r.json()["error"], (what, r.status_code, r.text[:300])
-    # stable_reinforce's recording takes text prompts only: refused before anything is queued
-    body = _sample_body(session, 59, _image_chunk(picture((1, 2, 3)), "jpeg"))
-    body["record_stability_info"] = True
-    r = http.post("/asample", json=body)
-    assert r.status_code == 400 and "record_stability_info takes text prompts only" in r.json()["error"]
     # and it still serves: a good image samples
     r = http.post("/asample", json=_sample_body(session, 60, _image_chunk(picture((1, 2, 3)), "jpeg")))
     assert len(_retrieve(served, r.json()["request_id"])["sequences"]) == 1

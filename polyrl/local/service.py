@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from tinker import types
 from tinker.lib.public_interfaces.api_future import APIFuture, AwaitableConcurrentFuture
@@ -29,15 +30,16 @@ from polyrl.local.model import BaseModel, LoraSpec
 from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import MAX_LOGPROBS_K, SampleJob, resolve_stops
-from polyrl.local.stability import SequenceRecords
+from polyrl.local.stability import SequenceRecords, input_positions
 
 LOCAL_OWNER = "local"  # in-process, the ServiceClient is both the owner and the session of its records
 
 
-def record_sequences(records: SequenceRecords, owner: str, session: str, prompt: list[int],
+def record_sequences(records: SequenceRecords, owner: str, session: str, prompt: np.ndarray,
                      response: types.SampleResponse,
                      sequence_ids: list[str] | None = None) -> types.SampleResponse:
-    """Record a response's sequences (under ``sequence_ids``, else their own) and pass it on."""
+    """Record a response's sequences (under ``sequence_ids``, else their own), all sampled from the prompt
+    whose positions (:func:`polyrl.local.stability.input_positions`) are ``prompt``, and pass it on."""
     ids = sequence_ids or [seq.sequence_id for seq in response.sequences]
     records.add(owner, session, prompt, [(sid, seq.tokens_np, seq.logprobs_np)
                                          for sid, seq in zip(ids, response.sequences, strict=True)])
@@ -482,7 +484,8 @@ class SamplingClient:
         fut = self._engine.submit_sample(self._state, job)
         if self._record is not None:
             records, session = self._record
-            fut = _chain(fut, lambda r: record_sequences(records, LOCAL_OWNER, session, job.prompt, r))
+            positions = input_positions(prompt)
+            fut = _chain(fut, lambda r: record_sequences(records, LOCAL_OWNER, session, positions, r))
         return AwaitableConcurrentFuture(fut)
 
     def compute_logprobs(self, prompt: types.ModelInput,

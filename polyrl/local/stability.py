@@ -6,7 +6,9 @@ logprobs of them. A training datum then says where each of its tokens came from 
 spans (``Datum.with_provenance``: runs of a request's prompt, or of a sequence's sampled tokens);
 :meth:`SequenceRecords.resolve` checks the spans against the records (every token must be the one
 recorded there) and hands the loss the *recorded* sampler logprobs of the sampled positions, so a
-learner can never be fed logprobs the sampler did not produce.
+learner can never be fed logprobs the sampler did not produce. A prompt's images take part as the
+positions they fill (:func:`input_positions`): a datum's picture matches a recorded one only where it is
+the same picture (its bytes and format) at the same positions.
 
 Records belong to the session that sampled them (in ``polyrl serve`` an API key's session; in-process
 the ``ServiceClient``), and to nobody else. As Tinker documents, a record can be trained on for one
@@ -17,6 +19,7 @@ records are evicted first; naming an evicted, expired or unknown sequence is a u
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -31,10 +34,32 @@ DEFAULT_MAX_RECORDED_TOKENS = 1 << 24  # per owner: ~100 MB of int32 tokens and 
 MAX_SEQUENCE_ID_CHARS = 128
 
 
+def input_positions(model_input: types.ModelInput) -> np.ndarray:
+    """``model_input``'s positions as int32 values: a text token's id, and at each position an image fills
+    its mark, a negative number drawn from a hash of the image (its bytes and format, or where an asset
+    pointer names it), so that two positions compare equal only for the same token or the same picture."""
+    parts = []
+    for chunk in model_input.chunks:
+        if chunk.type == "encoded_text":
+            parts.append(np.asarray(chunk.tokens, dtype=np.int32))
+            continue
+        if isinstance(chunk, types.ImageChunk):
+            what = chunk.format.encode() + b"\0" + chunk.data
+        else:
+            what = repr(chunk.model_dump(exclude={"expected_tokens"})).encode()
+        digest = int.from_bytes(hashlib.blake2b(what, digest_size=8).digest(), "little")
+        parts.append(np.full(chunk.length, -1 - digest % (2**31 - 1), dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def _shown(value: int) -> str:
+    return f"token {value}" if value >= 0 else "an image"
+
+
 @dataclass
 class _Record:
     session: str
-    prompt: np.ndarray  # int32, the request's prompt (shared by the request's sequences)
+    prompt: np.ndarray  # int32, the request's prompt positions (shared by its sequences; input_positions)
     tokens: np.ndarray  # int32, the sampled tokens
     logprobs: np.ndarray  # float32, the sampler's logprob of each sampled token
     last_used: float
@@ -65,9 +90,10 @@ class SequenceRecords:
         self._by_owner: dict[str, OrderedDict[str, _Record]] = {}
         self._sizes: dict[str, int] = {}
 
-    def add(self, owner: str, session: str, prompt: Sequence[int],
+    def add(self, owner: str, session: str, prompt: Sequence[int] | np.ndarray,
             sequences: Sequence[tuple[str, Sequence[int], Sequence[float]]]) -> None:
-        """Record a request's sequences: ``(sequence_id, tokens, logprobs)`` each, all from ``prompt``."""
+        """Record a request's sequences: ``(sequence_id, tokens, logprobs)`` each, all from ``prompt`` (its
+        token ids, or :func:`input_positions` of a prompt with images)."""
         shared = np.asarray(prompt, dtype=np.int32)
         now = self._clock()
         with self._lock:
@@ -140,7 +166,7 @@ class SequenceRecords:
             raise ValueError(f"data[{i}] has no provenance spans; stable_reinforce needs every datum to name "
                              "the sampled sequences its tokens come from (Datum.with_provenance, with the "
                              "sequence_id of each SampledSequence of a record_stability_info=True sampler)")
-        tokens = np.asarray(datum.model_input.to_ints(), dtype=np.int64)
+        tokens = input_positions(datum.model_input)
         target = datum.loss_fn_inputs["target_tokens"].to_numpy()
         if target.ndim != 1:
             raise ValueError(f"data[{i}]: stable_reinforce takes target_tokens of shape (N,), not "
@@ -192,8 +218,11 @@ def _walk(where: str, spans: Sequence[types.PromptProvenanceSpan | types.Sampled
         bad = np.flatnonzero(here != recorded) if is_sampled or sampled_out is None else []
         if len(bad):
             j = int(bad[0])
-            raise ValueError(f"{where}[{k}]: position {pos + j} holds token {int(here[j])}, but sequence "
-                             f"{span.sequence_id!r}'s {what} has {int(recorded[j])} at {span.offset + j}")
+            held, want = _shown(int(here[j])), _shown(int(recorded[j]))
+            if held == want:  # two images
+                held, want = "an image", "another image"
+            raise ValueError(f"{where}[{k}]: position {pos + j} holds {held}, but sequence "
+                             f"{span.sequence_id!r}'s {what} has {want} at {span.offset + j}")
         if sampled_out is not None and is_sampled:
             sampled_out[0][pos:pos + span.length] = True
             sampled_out[1][pos:pos + span.length] = rec.logprobs[span.offset:end]

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from polyrl.local.engine import SamplerState
 from polyrl.local.sampler import SampleJob
 from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
+from polyrl.local.stability import input_positions
 from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
@@ -75,9 +76,6 @@ class Sampling:
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
         P.check_prompt_images(req.prompt, self.limits)
-        if req.record_stability_info and any(c.type != "encoded_text" for c in req.prompt.chunks):
-            raise RequestError(400, "record_stability_info takes text prompts only: "
-                                    "stable_reinforce does not train on images")
         n_prompt, cfg = req.prompt.length, self.config
         if n_prompt > cfg.max_request_tokens:
             raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
@@ -96,7 +94,7 @@ class Sampling:
         done = out
         if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
             done = Future()
-            prompt = req.prompt.to_ints()
+            prompt = input_positions(req.prompt)
             chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
         if req.seq_id is not None:
             rec.seen[req.seq_id] = (rid, ids)
