@@ -557,6 +557,29 @@ def test_service_guard_rides_out_a_short_outage_and_stops_after_a_long_one():
     assert time.monotonic() - start < 5
 
 
+def test_service_guard_builds_its_probes_tls_context_once(monkeypatch):
+    """Every watched phase probes the service with a fresh HTTP client; the TLS context (~45 ms of CPU to
+    build) is made once per guard, not once per phase."""
+    import httpx
+
+    from polyrl.backend import ServiceGuard
+
+    made = []
+    real = httpx.create_ssl_context
+    monkeypatch.setattr(httpx, "create_ssl_context", lambda *a, **k: made.append(1) or real(*a, **k))
+    health = _Health(_free_port())
+    try:
+        guard = ServiceGuard(f"http://127.0.0.1:{health.server.server_address[1]}", timeout=10)
+
+        async def phases() -> list[int]:
+            return [await guard.watch(f"phase {k}", asyncio.sleep(0.05, result=k)) for k in range(4)]
+
+        assert asyncio.run(phases()) == [0, 1, 2, 3]
+    finally:
+        health.stop()
+    assert len(made) == 1
+
+
 def test_service_lost_is_told_from_other_failures():
     """Only a 404 for the run's own session, model, sampler or pending request (as the SDK reports it:
     often a ValueError raised from the 404) means the service lost the run; a missing checkpoint or
