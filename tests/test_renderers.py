@@ -446,3 +446,22 @@ def test_chatml_writes_the_templates_default_system_prompt(tiny_model_dir):
         assert renderer.initial_prompt(messages) == template_ids(tok, messages), messages
     # a template without one (Qwen3's) gets none
     assert get_renderer("chatml", AutoTokenizer.from_pretrained(tiny_model_dir)).default_system is None
+
+
+def test_a_renderer_looks_up_its_stop_markers_once(tokenizer):
+    """Every sampled turn asks for the stop sequences; the tokenizer is asked once per marker."""
+    renderer = get_renderer("qwen3", tokenizer)
+    calls = []
+    real = tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        calls.append(text)
+        return real(text, *args, **kwargs)
+
+    tokenizer.encode = encode
+    try:
+        first = [renderer.stop_sequences() for _ in range(5)]
+    finally:
+        del tokenizer.encode
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert first == [[im_end]] * 5 and calls == ["<|im_end|>"]

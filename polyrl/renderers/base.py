@@ -142,8 +142,12 @@ class Renderer(ABC):
                                      clean_up_tokenization_spaces=False)
 
     def single_token_id(self, text: str) -> int | None:
-        """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None."""
-        return single_token_id(self.tokenizer, text)
+        """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None.
+        Remembered per renderer: every sampled turn asks for its stop markers."""
+        known = self.__dict__.setdefault("_single_token_ids", {})
+        if text not in known:
+            known[text] = single_token_id(self.tokenizer, text)
+        return known[text]
 
     def stop_marker(self, text: str) -> list[int] | list[str]:
         """Stop sequences for end-of-turn marker ``text``: its token id when it is one token, else the
