@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import logging
 import os
+import ssl
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -132,7 +133,7 @@ class ServiceGuard:
     def __init__(self, url: str | None, timeout: float, warn: Callable[[str], None] = lambda _: None):
         self.url, self.timeout, self.warn = url, timeout, warn
         self.name = f"the Tinker service at {url}"
-        self._tls: Any = None  # the probes' TLS context (an ssl.SSLContext), made once
+        self._tls: ssl.SSLContext | None = None  # the probes' TLS context, made once
         if url is not None:
             quiet_abandoned_requests()
 

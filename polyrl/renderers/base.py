@@ -71,6 +71,7 @@ class Renderer(ABC):
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._single_token_ids: dict[str, int | None] = {}  # see single_token_id
 
     @abstractmethod
     def initial_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
@@ -144,10 +145,9 @@ class Renderer(ABC):
     def single_token_id(self, text: str) -> int | None:
         """The id of ``text`` if the tokenizer has it as one token (e.g. ``<|im_end|>``), else None.
         Remembered per renderer: every sampled turn asks for its stop markers."""
-        known = self.__dict__.setdefault("_single_token_ids", {})
-        if text not in known:
-            known[text] = single_token_id(self.tokenizer, text)
-        return known[text]
+        if text not in self._single_token_ids:
+            self._single_token_ids[text] = single_token_id(self.tokenizer, text)
+        return self._single_token_ids[text]
 
     def stop_marker(self, text: str) -> list[int] | list[str]:
         """Stop sequences for end-of-turn marker ``text``: its token id when it is one token, else the
