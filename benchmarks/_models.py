@@ -1,6 +1,6 @@
 """What the benchmarks share: an offline, quiet environment (set on import), the RL rollout shape
 options, an in-process local service with a given torch thread count, nonzero LoRA weights for a
-training client, and the model the sampling
+training client, a model's weight matrices and the machine's matmul roofline, and the model the sampling
 benchmarks use (the ``base`` tiny model with no end-of-sequence id, so every sample runs to
 ``max_tokens`` on both sides of a comparison)."""
 
@@ -102,3 +102,38 @@ def randomize_lora(engine, training_client, std: float = 0.02, seed: int = 0) ->
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     engine.call(fill)
+
+
+def linear_weights(model) -> list:
+    """Every distinct weight matrix of the base model (tied ones once, LoRA factors left out), in
+    forward order."""
+    import torch
+
+    seen, found = set(), []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            found.append(module.weight)
+    return found
+
+
+def timed(fn, device) -> float:
+    """Seconds of one ``fn()``, the device synchronized before and after."""
+    import time
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def matmul_rate(n: int = 2048, dtype=None, device="cpu", repeats: int = 5) -> float:
+    """The roofline: best GFLOP/s of an ``n`` x ``n`` ``a @ b`` in ``dtype`` (float32 by default) on this
+    thread, with its torch thread count."""
+    import torch
+
+    dtype = dtype or torch.float32
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b
+    return 2 * n**3 / min(timed(lambda: a @ b, device) for _ in range(repeats)) / 1e9

@@ -41,20 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import local_service, randomize_lora, synchronize  # noqa: E402
-
-
-def linear_weights(model) -> list:
-    """Every distinct weight matrix of the base model (tied ones once, LoRA factors left out), in
-    forward order."""
-    import torch
-
-    seen, found = set(), []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "lora_" not in name and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            found.append(module.weight)
-    return found
+from _models import linear_weights, local_service, matmul_rate, randomize_lora, timed  # noqa: E402
 
 
 def main() -> None:
@@ -141,13 +128,6 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
 
     device = base.device
 
-    def matmul_rate(dtype: torch.dtype = torch.float32) -> float:
-        n = args.matmul_n
-        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-        a @ b
-        best = min(_timed(lambda: a @ b, device) for _ in range(5))
-        return 2 * n**3 / best / 1e9
-
     def linear_rate(rows: int, dtype: torch.dtype, packed: bool) -> float:
         """The decode step's own matrix multiplies, alone: ``rows`` x in_features through every weight
         matrix of the model, as one decode step does (weights streamed from memory, small M); with the
@@ -160,7 +140,7 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
                     x = inputs[w.shape[1]]
                     packed_linear(x, h, None) if packed else torch.nn.functional.linear(x, h)
             one_step()
-            best = min(_timed(one_step, device) for _ in range(5))
+            best = min(timed(one_step, device) for _ in range(5))
         return 2 * rows * weights / best / 1e9
 
     gen = torch.Generator().manual_seed(0)
@@ -175,7 +155,7 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
         assert made == rows * new_tokens, (made, rows, new_tokens)
         return time.perf_counter() - t0
 
-    roof = engine.call(matmul_rate)
+    roof = engine.call(lambda: matmul_rate(args.matmul_n, device=device))
     results = {}
     for weights_name, sampler in (("base", base_sampler), ("LoRA r32", lora)):
         for rows in rows_list:
@@ -186,9 +166,9 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
                 first.append(sample_time(sampler, rows, 1))
             decode_s = min(full) - statistics.median(first)
             results[(weights_name, rows)] = (decode_s, decode_flops(rows) / decode_s / 1e9)
-    roof_after = engine.call(matmul_rate)
+    roof_after = engine.call(lambda: matmul_rate(args.matmul_n, device=device))
     dtype = base.sampler_dtype
-    roof_own = engine.call(lambda: matmul_rate(dtype))
+    roof_own = engine.call(lambda: matmul_rate(args.matmul_n, dtype, device))
     packed = base.sampler_copy is not None and base.sampler_copy.packed
     ceiling = {rows: engine.call(lambda rows=rows: linear_rate(rows, dtype, packed)) for rows in rows_list}
     ceiling32 = {rows: engine.call(lambda rows=rows: linear_rate(rows, torch.float32, False))
@@ -199,14 +179,6 @@ def measure(args: argparse.Namespace, model_dir: str, rows_list: list[int], samp
     engine.stop()
     return {"roof": (roof, roof_after), "results": results, "ceiling": ceiling, "ceiling32": ceiling32,
             "info": info}
-
-
-def _timed(fn, device) -> float:
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ leave out each run's first step (warm-up); the model is loaded before the timed 
 Output: per-step training reward of polyrl beside each TRL run, median step times, and on the last
 line ``vs_trl_step_time: X.XXx`` (polyrl step time / TRL step time: below 1 means polyrl is faster).
 
+The line before it, ``vs_trl_roofline_floor: X.XXx``, is the least that ratio can be on this machine:
+the FLOPs of the linear layers in each of polyrl's steps, as its metrics log them (rollout and
+training, see ``step_floor_flops``), at the machine's matmul roofline (a 2048^3 ``a @ b`` measured
+in this run, in the sampler's and in the learner's dtype), over TRL's median step.
+
 TRL is a benchmark-only dependency: ``.venv/bin/pip install trl``.
 
 Run: ``.venv/bin/python benchmarks/vs_trl.py [--model DIR] [--steps 12] [--batch 8 --group 8]
@@ -42,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _models  # noqa: E402,F401 - an offline, quiet environment
+from _models import linear_weights, matmul_rate  # noqa: E402 - also sets an offline, quiet environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +88,7 @@ def main() -> None:
 
     ours = run_polyrl(args, model, work)
     print(f"polyrl lr {args.lr:g}: median step {median_step(ours['step_s']):.1f} s", flush=True)
+    floor_s = roofline_floor(args, model, ours)  # measured while the machine is as quiet as for the runs
     theirs = []
     for lr in trl_lrs:
         out = work / f"trl-{lr:g}.json"
@@ -107,6 +113,9 @@ def main() -> None:
     print(f"\nsecond-half mean reward: polyrl {late_mean(ours['reward']):.3f}, "
           f"TRL best (lr {best['lr']:g}) {late_mean(best['reward']):.3f}")
     print(f"median step: polyrl {ours_s:.2f} s, TRL {trl_s:.2f} s (all three runs)")
+    print(f"polyrl's floor at the roofline: median {floor_s:.2f} s a step ({floor_s / ours_s:.0%} of its "
+          f"median step)")
+    print(f"vs_trl_roofline_floor: {floor_s / trl_s:.2f}x")
     print(f"vs_trl_step_time: {ours_s / trl_s:.2f}x")
 
 
@@ -178,8 +187,57 @@ def run_polyrl(args, model: str, work: Path) -> dict:
     for entry in attempt.get("sampler", []):
         print(f"polyrl sampler {entry['sampler_dtype']}, learner {entry['learner_dtype']} "
               f"(sampler_dtype {args.sampler_dtype}; copy {entry['copy_bytes'] / 2**20:.0f} MiB)", flush=True)
+    dtypes = attempt["sampler"][0] if attempt.get("sampler") else {}
     return {"lr": args.lr, "reward": [r["reward/mean"] for r in rows],
-            "step_s": [r["time/total"] for r in rows]}
+            "step_s": [r["time/total"] for r in rows], "rows": rows,
+            "sampler_dtype": dtypes.get("sampler_dtype", "float32"),
+            "learner_dtype": dtypes.get("learner_dtype", "float32")}
+
+
+# ---- the floor ---------------------------------------------------------------------------------------
+def step_floor_flops(row: dict, group: int, body: int, unembed: int) -> tuple[float, float]:
+    """The FLOPs of one polyrl step's linear layers, from its metrics ``row``: (rollout, training).
+
+    ``body`` counts the weights of every linear layer but the unembedding, ``unembed`` the unembedding's;
+    a weight costs 2 FLOPs per token it multiplies. Single-turn episodes, prompts shared by their group:
+
+    * rollout: each group's prompt once through the body (the prefill), every sampled token but each
+      row's last through the body, every sampled token's logits;
+    * training, on the datums kept (a group whose rewards are all alike is dropped): the same forward
+      for their groups, then as many FLOPs again for the backward's activation gradients (the frozen
+      weights take no gradient).
+
+    Attention, norms, the LoRA factors and the optimizer are left out: a floor, not an estimate."""
+    episodes, datums = row["episodes/count"], row["optim/datums"]
+    prompt = row["tokens/total_per_episode"] - row["tokens/action_per_episode"]
+    sampled = row["tokens/action_per_episode"] * episodes
+    rollout = 2 * body * (prompt * episodes / group + sampled - episodes) + 2 * unembed * sampled
+    kept = row["tokens/action"]  # the kept datums' sampled tokens
+    forward = 2 * body * (prompt * datums / group + kept - datums) + 2 * unembed * kept
+    return rollout, 2 * forward
+
+
+def roofline_floor(args, model: str, ours: dict) -> float:
+    """polyrl's median step at the floor: each step's rollout FLOPs at the matmul roofline in the sampler's
+    dtype, its training FLOPs at the roofline in the learner's (``step_floor_flops``); seconds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    weights = sum(w.numel() for w in linear_weights(hf_model))
+    unembed = hf_model.get_output_embeddings().weight.numel()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    roof = {name: matmul_rate(dtype=getattr(torch, name)) * 1e9
+            for name in {ours["sampler_dtype"], ours["learner_dtype"]}}
+    print("roofline (2048^3 matmul): " + ", ".join(f"{name} {rate / 1e9:.1f} GFLOP/s"
+                                                   for name, rate in roof.items()), flush=True)
+    floors = []
+    for row in ours["rows"]:
+        rollout, train = step_floor_flops(row, args.group, weights - unembed, unembed)
+        floors.append(rollout / roof[ours["sampler_dtype"]] + train / roof[ours["learner_dtype"]])
+    return median_step(floors)
 
 
 # ---- TRL --------------------------------------------------------------------------------------------
