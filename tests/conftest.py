@@ -84,9 +84,8 @@ def vl_tokenizer(tiny_vl_dir):
 def sdk(served):
     """The official SDK's ServiceClient on the test module's own ``polyrl serve`` (its ``served``
     fixture), closed when the module is done."""
-    import tinker
     from test_serve import KEY
 
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    sc = served.sdk(KEY)
     yield sc
     sc.close("success").result()

@@ -286,7 +286,7 @@ def test_serve_ttl_is_listed_then_the_expired_checkpoint_is_listed_as_expired_on
 
 def test_serve_publish_lets_other_keys_load_and_sample(served, sdk, training, tokenizer):
     rest, theirs = _rest(served), _rest(served, OTHER_KEY)
-    other = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+    other = served.sdk(OTHER_KEY)
     try:
         sampler = training.save_weights_for_sampler("pub-s").result().path
         state = training.save_state("pub-w").result().path
@@ -496,7 +496,7 @@ def test_serve_sweeps_expired_checkpoints_and_caps_the_store(tiny_model_dir, tmp
     store_dir = tmp_path / "store"
     cap = str(int(2.5 * one))  # two sampler checkpoints fit, a third does not
     served = Served(tiny_model_dir, store_dir, "--sweep-interval", "1", "--max-store-bytes", cap)
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    sc = served.sdk(KEY)
     try:
         tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
         short = Store(store_dir).directory(CheckpointPath.parse(

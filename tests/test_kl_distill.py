@@ -264,10 +264,9 @@ def served(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_reference_logprobs_through_serve_equal_the_engines_forward_pass(served, tiny_model_dir, tokenizer,
                                                                          tmp_path):
-    import tinker
     from test_serve import KEY
 
-    service = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    service = served.sdk(KEY)
     checkpoint = _trained_checkpoint(service, tiny_model_dir, tokenizer)
     config = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, local={})
     _check_scorers_match_forward(service, config, tokenizer, checkpoint)
@@ -278,7 +277,6 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
                                                                monkeypatch):
     """The same run -- a KL penalty against the base model, a checkpoint as teacher, rewards mixed in --
     gives the same numbers in process and through polyrl serve with the official SDK."""
-    import tinker
     from test_serve import KEY
 
     from polyrl.local import ServiceClient
@@ -295,7 +293,7 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     local = run("local", ServiceClient(store_dir=tmp_path / "store"))
-    remote = run("remote", tinker.ServiceClient(base_url=served.url, api_key=KEY), backend="tinker",
+    remote = run("remote", served.sdk(KEY), backend="tinker",
                  base_url=served.url, local={})
     assert [r["step"] for r in remote] == [0, 1, 2]
     assert abs(local[0]["kl/reference"]) < 1e-5  # a LoRA adapter that is still zero is the base model

@@ -12,7 +12,6 @@ import math
 
 import numpy as np
 import pytest
-import tinker
 import torch
 from tinker import types
 
@@ -348,7 +347,7 @@ def served(tiny_model_dir, tmp_path_factory):
 def test_serve_applies_the_correction_as_in_process(served, tiny_model_dir, tmp_path):
     """The correction's loss_fn_config keys travel over Tinker's HTTP protocol unchanged: the same loss,
     metrics and update as the in-process engine."""
-    sdk = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    sdk = served.sdk(KEY)
     remote = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=5).result()
     local = ServiceClient(store_dir=tmp_path).create_lora_training_client(tiny_model_dir, rank=4,
                                                                           seed=5).result()

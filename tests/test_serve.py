@@ -3,6 +3,7 @@ local engine over real HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,7 +33,7 @@ OTHER_KEY = "tml-serve-test-other-key"
 # ---------------------------------------------------------------------------------------- helpers
 class Served:
     """A ``polyrl serve`` subprocess on 127.0.0.1 with an OS-chosen port; ``http`` speaks with ``KEY``,
-    ``other`` with ``OTHER_KEY``."""
+    ``other`` with ``OTHER_KEY``; ``sdk(key)`` opens the official SDK's client on it."""
 
     def __init__(self, model_dir: str, store: Path, *extra: str, cwd: Path | None = None):
         self.model_dir = model_dir
@@ -53,6 +54,7 @@ class Served:
             raise RuntimeError(f"polyrl serve did not start: {self.proc.stderr.read()[-2000:]}")
         self.http = self.client(KEY)
         self.other = self.client(OTHER_KEY)
+        self.sdks: list[tinker.ServiceClient] = []
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url + "/api/v1", headers={"X-API-Key": key}, timeout=60)
@@ -63,7 +65,16 @@ class Served:
 
         return psutil.Process(self.proc.pid).memory_info().rss
 
+    def sdk(self, key: str = KEY) -> tinker.ServiceClient:
+        """The official SDK's ServiceClient on this server; its session is finished when the server stops
+        (an open client keeps beating its session's heartbeat, and warns once the server is gone)."""
+        self.sdks.append(tinker.ServiceClient(base_url=self.url, api_key=key))
+        return self.sdks[-1]
+
     def stop(self) -> None:
+        for sdk in self.sdks:  # closing twice is a no-op; a dead server fails the finish request
+            with contextlib.suppress(Exception):
+                sdk.close("success").result(timeout=30)
         self.http.close()
         self.other.close()
         self.proc.terminate()
@@ -87,7 +98,7 @@ def served(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(served):
-    sc = tinker.ServiceClient(base_url=served.url, api_key=KEY)
+    sc = served.sdk(KEY)
     yield sc
     sc.close("success").result()
 
@@ -474,7 +485,7 @@ def test_one_key_cannot_see_or_touch_another_keys_work(served, tiny_model_dir, t
     assert mine.post("/session_heartbeat", json={"session_id": session}).status_code == 200
     assert mine.get(f"/samplers/{sampler_id}").status_code == 200
     # and through the SDK, the other key cannot load the checkpoint
-    sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+    sdk = served.sdk(OTHER_KEY)
     try:
         with pytest.raises(Exception, match="not found"):
             sdk.create_training_client_from_state(path).result(timeout=60)
@@ -718,7 +729,7 @@ def test_request_limits_are_400s_and_the_sdk_splits_its_batches_under_them(limit
 
     config = http.post("/client/config", json={}).json()
     assert config["fwdbwd_max_chunk_len"] == 4 and config["fwdbwd_max_chunk_bytes_count"] == 12 * 64
-    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    sdk = limited.sdk(KEY)
     tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
     data = [_datum([5 + i, 6, 7, 8, 9], "cross_entropy") for i in range(10)]
     data += [_datum(list(range(5 + i, 35 + i)), "cross_entropy") for i in range(3)]  # 30 tokens each
@@ -756,7 +767,7 @@ def test_a_key_with_too_many_samples_in_flight_gets_429_and_the_sdk_waits(limite
     r = asample(other, f"{other_session}:sample:0", 8)
     assert len(_retrieve(limited, r.json()["request_id"], http=other)["sequences"]) == 8
 
-    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    sdk = limited.sdk(KEY)
     waiting = sdk.create_sampling_client(base_model=tiny_model_dir).result().sample(
         types.ModelInput.from_ints([5, 6, 7]), 4, types.SamplingParams(max_tokens=2)).future()
     time.sleep(2)
@@ -844,7 +855,7 @@ def test_a_key_keeps_at_most_max_checkpoints(limited, tiny_model_dir):
     assert "metrics" in _retrieve(limited, r.json()["request_id"])  # the refused saves held nothing up
     r = save("c0", "save_weights_for_sampler")  # replaces one: allowed
     assert _retrieve(limited, r.json()["request_id"])["path"].endswith("/sampler_weights/c0")
-    sdk = tinker.ServiceClient(base_url=limited.url, api_key=KEY)
+    sdk = limited.sdk(KEY)
     tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0).result()
     with pytest.raises(tinker.PermissionDeniedError, match="delete some"):
         tc.save_state("sdk-save").result(timeout=60)
@@ -1061,7 +1072,7 @@ def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
     tokens = _tokens(tokenizer, "remember this")
     first = Served(tiny_model_dir, store)
     try:
-        sc = tinker.ServiceClient(base_url=first.url, api_key=KEY)
+        sc = first.sdk(KEY)
         tc = sc.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=1,
                                             user_metadata={"renderer_name": "qwen3"}).result()
         tc.forward_backward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
@@ -1080,7 +1091,7 @@ def test_state_survives_a_restart(tiny_model_dir, tmp_path, tokenizer):
         assert rest.get_training_run(run_id).result().user_metadata == {"renderer_name": "qwen3"}
         assert {c.tinker_path
                 for c in rest.list_checkpoints(run_id).result().checkpoints} == {state.path, sampler_path}
-        sc = tinker.ServiceClient(base_url=second.url, api_key=KEY)
+        sc = second.sdk(KEY)
         tc = sc.create_training_client_from_state_with_optimizer(state.path).result()
         got = tc.forward([_datum(tokens, "cross_entropy")],
                          "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
@@ -1589,7 +1600,7 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
         tokens = [5, 6, 7, 8, 9]
         paths = {}
         for key in (KEY, OTHER_KEY):
-            sdk = tinker.ServiceClient(base_url=served.url, api_key=key)
+            sdk = served.sdk(key)
             tc = sdk.create_lora_training_client(base_model=tiny_model_dir, rank=4, seed=0)
             before = tc.forward([_datum(tokens, "cross_entropy")], "cross_entropy").result()
             for _ in range(3):
@@ -1605,7 +1616,7 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
             assert len(base.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences) == 1
             paths[key] = tc.save_state("after-fuzz").result().path
             sdk.close("success").result()
-        sdk = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+        sdk = served.sdk(OTHER_KEY)
         with pytest.raises(Exception, match="not found"):
             sdk.create_training_client_from_state(paths[KEY]).result(timeout=60)
         sdk.close("success").result()

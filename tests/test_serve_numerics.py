@@ -235,8 +235,8 @@ def test_stable_reinforce_through_serve(served, sdk, base, tiny_model_dir):
     unrecorded = plain.sample(
         types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=5)
     ).result()
-    other_session = tinker.ServiceClient(base_url=served.url, api_key=KEY)
-    other_key = tinker.ServiceClient(base_url=served.url, api_key=OTHER_KEY)
+    other_session = served.sdk(KEY)
+    other_key = served.sdk(OTHER_KEY)
     try:
         foreign = [
             sc.create_sampling_client(base_model=tiny_model_dir, record_stability_info=True)
