@@ -472,6 +472,53 @@ def test_sampler_cache_growth_and_pruning_keep_logprobs_exact(service, warm, mon
     assert len(set(lengths)) > 2 and max(lengths) > 6, lengths
 
 
+def _decode_rows(tc) -> tuple[list[int], object]:
+    """The rows of every decode pass of ``tc``'s model (its embedding sees one token per row), and the hook
+    that records them."""
+    fed: list[int] = []
+
+    def record(_module, args, _out):
+        ids = args[0]
+        if ids.dim() == 1 or ids.shape[-1] == 1:  # a decode pass, not a prefill
+            fed.append(int(ids.shape[0]))
+
+    return fed, tc._state.base.hf_model.get_input_embeddings().register_forward_hook(record)
+
+
+def test_rows_with_the_same_history_share_decode_passes(learned):
+    """Samples of one prompt that have drawn the same tokens so far are one row of each decode pass and of
+    the KV cache, and part when they draw different tokens: every sample's logprobs are still the forward
+    pass's, rows ending at different steps included, and the passes fed fewer rows than tokens."""
+    tc, sampler, prompt, target = learned["tc"], learned["sampler"], learned["prompt"], learned["target"]
+    fed, hook = _decode_rows(tc)
+    try:
+        greedy = sampler.sample(types.ModelInput.from_ints(prompt), 4,
+                                types.SamplingParams(max_tokens=len(target), temperature=0.0)).result()
+        assert [list(s.tokens) for s in greedy.sequences] == [target] * 4
+        assert fed == [1] * (len(target) - 1), fed  # one row for the four
+        fed.clear()
+        stops = [t for t in range(0, 1024, 5) if t not in target]  # rows that wander off the answer end
+        requests = [(prompt, 6, types.SamplingParams(max_tokens=12, temperature=1.6, seed=7)),
+                    (prompt, 4, types.SamplingParams(max_tokens=10, temperature=2.0, seed=3, stop=stops)),
+                    (prompt[1:], 3, types.SamplingParams(max_tokens=8, temperature=3.0, seed=5))]
+        futures = [sampler.sample(types.ModelInput.from_ints(p), n, params) for p, n, params in requests]
+        results = [(p, fut.result().sequences) for (p, _, _), fut in zip(requests, futures)]
+    finally:
+        hook.remove()
+    tokens = 0
+    for p, sequences in results:
+        for seq in sequences:
+            tokens += len(seq.tokens) - 1  # each sample's tokens but its last went through a decode pass
+            want = _forward_logprobs_of(tc, p, list(seq.tokens))
+            torch.testing.assert_close(torch.tensor(seq.logprobs, dtype=torch.float32), want,
+                                       rtol=0, atol=1e-4)
+    tempered = [list(s.tokens) for s in results[0][1]]
+    parted = [(a, b) for i, a in enumerate(tempered) for b in tempered[i + 1:] if a[0] == b[0] and a != b]
+    assert parted, "the check needs samples that share a first token, then part"
+    assert len({len(s.tokens) for s in results[1][1]}) > 1, "the check needs samples ending at other steps"
+    assert sum(fed) < tokens, (sum(fed), tokens)
+
+
 def test_seeded_sampling_is_reproducible(service, warm):
     tc = from_state(service, warm["path"])
     sampler = tc.save_weights_and_get_sampling_client("seeded").result()

@@ -42,7 +42,7 @@ from polyrl.local.draw import filtered_logits, inverse_cdf, row_uniforms
 MAX_LOGPROBS_K = 128  # widest top-K / target / alternative-token request (also bounded by the vocabulary)
 TOPK_MASK_LOGPROB = -99999.0  # Tinker's filler for a top-K row with nothing in it (token 0)
 PROMPT_CHUNK_BYTES = 64 << 20  # float32 logits of prompt positions alive at once
-PRUNE_FRACTION = 0.25  # drop finished rows from the cache once this share of the batch is done
+PRUNE_FRACTION = 0.25  # drop ended histories from the decode cache once this share of it is done
 INITIAL_DECODE_CAPACITY = 512  # new-token positions reserved up front in the KV cache (it grows by doubling)
 PADDED_DECODE_CAPACITY = 16  # the same for a padded cache (see _BufferLayer), which grows by as much
 
@@ -98,18 +98,23 @@ def _buffer_layer_class():
         it when longer), not by doubling: each growth copies the cache once, as a step's attention reads
         it, so padding and copies together cost about as much as a tenth of attention."""
 
-        def __init__(self, capacity: int, padded: bool = False):
+        def __init__(self, capacity: int, padded: bool = False, rows: int = 0):
             super().__init__()
             self.capacity = capacity
             self.padded = padded
+            self.row_capacity = rows  # rows reserved up front for :meth:`fork`
             self.length = 0
+            self.rows = 0  # rows in use: the buffer's first ones
+
+        def _new(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+            return like.new_zeros(shape) if self.padded else like.new_empty(shape)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
-            cap = max(self.capacity, key_states.shape[-2])
-            new = key_states.new_zeros if self.padded else key_states.new_empty
-            self._k = new((*key_states.shape[:-2], cap, key_states.shape[-1]))  # [B, KV, cap, D]
-            self._v = new((*value_states.shape[:-2], cap, value_states.shape[-1]))
+            self.rows = key_states.shape[0]
+            rows, cap = max(self.row_capacity, self.rows), max(self.capacity, key_states.shape[-2])
+            self._k = self._new(key_states, (rows, *key_states.shape[1:-2], cap, key_states.shape[-1]))
+            self._v = self._new(value_states, (rows, *value_states.shape[1:-2], cap, value_states.shape[-1]))
             self.is_initialized = True
 
         def _reserve(self, end: int) -> None:
@@ -123,17 +128,21 @@ def _buffer_layer_class():
 
                 self._k, self._v = grow(self._k), grow(self._v)
 
+        def _views(self) -> None:
+            self.keys = self._k[: self.rows, :, : self.length]
+            self.values = self._v[: self.rows, :, : self.length]
+
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             end = self.length + key_states.shape[-2]
             self._reserve(end)
-            self._k[..., self.length : end, :] = key_states
-            self._v[..., self.length : end, :] = value_states
+            self._k[: self.rows, :, self.length : end] = key_states
+            self._v[: self.rows, :, self.length : end] = value_states
             self.length = end
-            self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+            self._views()
             if self.padded and key_states.shape[-2] == 1:
-                return self._k, self._v
+                return self._k[: self.rows], self._v[: self.rows]  # the leading rows: contiguous
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -146,20 +155,40 @@ def _buffer_layer_class():
             return self.length
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep rows ``indices``, in that order, as the buffer's first rows (its room kept)."""
             if self.is_initialized:
-                self._k, self._v = self._k[indices], self._v[indices]
-                self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
+                n = len(indices)
+                if n > self._k.shape[0]:
+                    self._k, self._v = self._k[indices], self._v[indices]
+                else:  # gathered first: ``indices`` may read rows that others overwrite
+                    self._k[:n], self._v[:n] = self._k[indices], self._v[indices]
+                self.rows = n
+                self._views()
+
+        def fork(self, parents: list[int]) -> None:
+            """Append a copy of each of rows ``parents`` (growing the buffer's rows when full)."""
+            n = len(parents)
+            if self.rows + n > self._k.shape[0]:
+                more = max(n, self._k.shape[0] // 2)
+                self._k = torch.cat([self._k, self._new(self._k, (more, *self._k.shape[1:]))])
+                self._v = torch.cat([self._v, self._new(self._v, (more, *self._v.shape[1:]))])
+            index = torch.tensor(parents, device=self._k.device)
+            self._k[self.rows : self.rows + n] = self._k[index]
+            self._v[self.rows : self.rows + n] = self._v[index]
+            self.rows += n
+            self._views()
 
     return _BufferLayer
 
 
-def new_cache(capacity: int, padded: bool = False):
-    """A Hugging Face ``DynamicCache`` whose layers are ``_BufferLayer`` objects of ``capacity`` positions."""
+def new_cache(capacity: int, padded: bool = False, rows: int = 0):
+    """A Hugging Face ``DynamicCache`` whose layers are ``_BufferLayer`` objects of ``capacity`` positions,
+    with room for ``rows`` rows."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     layer_class = _buffer_layer_class()
-    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded)
+    cache.layer_class_to_replicate = lambda: layer_class(capacity, padded, rows)
     return cache
 
 
@@ -234,7 +263,7 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
     padded = getattr(getattr(model, "config", None), "_attn_implementation", None) == DECODE_ATTENTION
     if padded:  # attention runs over the whole buffer: reserve less up front (it grows by a quarter)
         capacity = width + min(PADDED_DECODE_CAPACITY, capacity - width)
-    cache = new_cache(capacity, padded)
+    cache = new_cache(capacity, padded, rows=sum(j.num_samples for j in jobs if not j.prompt_only))
     split = logits_fn is not None and (bool(lp_prompts) or bool(with_images))
     if with_images:  # the multimodal model: images encoded and placed, multimodal positions
         multimodal = positions.unsqueeze(0).repeat(3, 1, 1)  # [3, B, T]: time, height, width
@@ -423,44 +452,48 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
             tokenizer, device, generator, prompt_deltas=None,
             decode_fn=None, stopping=None, banned=()):
-    """Decode ``rows`` to their ends. ``banned``: tokens no row may draw (a vision-language model's image
-    placeholders), filtered out of every draw as top-k is; the logprobs stay the model's own."""
-    index = torch.tensor(row_prompt, device=device)  # [B]: each sample row's prompt (B is now the samples)
-    cache.batch_select_indices(index)
-    mask = prompt_mask[index]  # [B, T]
-    next_pos = prompt_lengths[index]
-    delta = prompt_deltas[index] if prompt_deltas is not None else None  # multimodal positions run ahead
-    logits = prompt_last_logits[index]  # [B, V]
+    """Decode ``rows`` to their ends. Rows with the same tokens so far (a prompt's samples until they draw
+    different tokens: most of a group, once a policy is sure of its answer) have the same hidden states, so
+    they share one row of the KV cache and of every decode pass: the cache holds one row per distinct
+    history, which parts in two when its rows draw different tokens. ``banned``: tokens no row may draw (a
+    vision-language model's image placeholders), filtered out of every draw as top-k is; the logprobs stay
+    the model's own."""
+    # The cache, the masks and positions hold one row per history; it begins as one per prompt
+    of = list(row_prompt)  # each decoding row's history (its cache row)
+    live = list(range(len(rows)))  # the rows still decoding
+    mask, next_pos = prompt_mask, prompt_lengths
+    delta = prompt_deltas  # multimodal positions run ahead
+    logits = prompt_last_logits  # [C, V], C the histories
     temps = torch.tensor([jobs[r.job].params.temperature for r in rows], device=device, dtype=torch.float32)
     top_k = torch.tensor([jobs[r.job].params.top_k or -1 for r in rows], device=device)
     top_p = torch.tensor([jobs[r.job].params.top_p for r in rows], device=device, dtype=torch.float32)
     max_stop_chars = max((len(s) for j in jobs for s in j.stop_strings), default=0)
-    # Row numbers in cache order. Finished rows stay in the cache (and are skipped) until enough
-    # of them finish to make dropping them worth reshaping the cache.
-    in_cache = list(range(len(rows)))
     any_greedy = bool((temps <= 0).any())
     plain = (bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
              and not banned)
     ban = torch.tensor(sorted(banned), dtype=torch.long, device=device) if banned else None
-    # the attention mask of every step is a view of one buffer (no per-step concatenation): [B, T + room]
-    mask_buf = torch.ones((len(rows),
+    # the attention mask of every step is a view of one buffer (no per-step concatenation): [C, T + room]
+    mask_buf = torch.ones((len(mask),
                            mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
                           dtype=mask.dtype, device=device)
     mask_buf[:, : mask.shape[1]] = mask
     width = mask.shape[1]
     seeded = seeds >= 0
-    sel = torch.arange(len(rows), device=device)
     step = 0
     topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
-    # a step's float32 logits and probabilities ([B, V] each, B rows still in the cache) go into these two
-    # buffers: a fresh tensor of that size is fresh pages every step (the engine's mmap threshold)
-    logit_buf, prob_buf = (torch.empty((len(rows), logits.shape[-1]), dtype=torch.float32, device=device)
-                           for _ in range(2))
+    # a step's float32 logits (per history, then per row) and probabilities ([B, V] each at most) go into
+    # these buffers: a fresh tensor of that size is fresh pages every step (the engine's mmap threshold)
+    logit_buf, row_buf, prob_buf = (
+        torch.empty((max(len(rows), len(logits)), logits.shape[-1]), dtype=torch.float32, device=device)
+        for _ in range(3))
 
     while True:
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
-        u = row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B], B the rows still in the cache
+        sel = torch.tensor(live, device=device)  # [B], B the rows still decoding
+        if of != list(range(len(logits))):  # each row's logits: its history's
+            logits = torch.index_select(logits, 0, torch.tensor(of, device=device), out=row_buf[: len(live)])
+        u = row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B]
         if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
             # PyTorch's softmax kernel itself, writing into the buffer (the public function has no `out`)
             probs = torch._softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
@@ -478,10 +511,10 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
         step += 1
         if topk_width:  # [B, K] each
             top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
-        for pos, (row_i, tok, lp) in enumerate(zip(in_cache, tokens.tolist(), token_lp.tolist())):
+        drawn = tokens.tolist()
+        still = []  # positions in `live` of the rows that go on
+        for pos, (row_i, tok, lp) in enumerate(zip(live, drawn, token_lp.tolist())):
             row = rows[row_i]
-            if row.stop_reason is not None:
-                continue
             job = jobs[row.job]
             row.tokens.append(tok)
             row.logprobs.append(lp)
@@ -494,32 +527,64 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 row.stop_reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.stop_reason = "length"
-        alive = [pos for pos, row_i in enumerate(in_cache) if rows[row_i].stop_reason is None]
-        if not alive:
+            else:
+                still.append(pos)
+        if not still:
             return
-        if len(in_cache) - len(alive) >= PRUNE_FRACTION * len(in_cache):
-            keep = torch.tensor(alive, device=device)
-            cache.batch_select_indices(keep)
-            mask_buf, next_pos, tokens, sel = mask_buf[keep], next_pos[keep], tokens[keep], sel[keep]
-            delta = delta[keep] if delta is not None else None
-            in_cache = [in_cache[pos] for pos in alive]
+        # The histories after this step, each a history and the token drawn after it, and their cache rows:
+        # a history's row goes on with its first continuation; each other continuation (the history
+        # parts) gets a copy of it at the end of the cache
+        after: dict[tuple[int, int], int] = {}
+        parents: list[int] = []
+        taken: set[int] = set()
+        for pos in still:
+            key = (of[pos], drawn[pos])
+            if key in after:
+                continue
+            if of[pos] in taken:
+                after[key] = len(mask_buf) + len(parents)
+                parents.append(of[pos])
+            else:
+                after[key] = of[pos]
+                taken.add(of[pos])
+        of = [after[(of[pos], drawn[pos])] for pos in still]
+        live = [live[pos] for pos in still]
+        if parents:
+            for layer in cache.layers:
+                layer.fork(parents)
+            index = torch.tensor(parents, device=device)
+            mask_buf = torch.cat([mask_buf, mask_buf[index]])
+            next_pos = torch.cat([next_pos, next_pos[index]])
+            delta = torch.cat([delta, delta[index]]) if delta is not None else None
+        feed = [0] * len(mask_buf)  # an ended history's row takes any token (its logits go unused) ...
+        for (_, tok), row in after.items():
+            feed[row] = tok
+        if len(mask_buf) - len(after) >= PRUNE_FRACTION * len(mask_buf):  # ... until enough have ended
+            keep = sorted(after.values())
+            renumber = {row: i for i, row in enumerate(keep)}
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask_buf, next_pos = mask_buf[index], next_pos[index]
+            delta = delta[index] if delta is not None else None
+            feed, of = [feed[row] for row in keep], [renumber[row] for row in of]
+        tokens = torch.tensor(feed, device=device)  # [C]: the token each history takes next
         width += 1
         if width > mask_buf.shape[1]:
             mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
         if decode_fn is not None and delta is None:
-            logits = _float32(decode_fn(tokens, next_pos, mask_buf[:, :width], cache), logit_buf)  # [B, V]
+            logits = _float32(decode_fn(tokens, next_pos, mask_buf[:, :width], cache), logit_buf)  # [C, V]
         else:
-            step_pos = next_pos.unsqueeze(1)  # [B, 1]
+            step_pos = next_pos.unsqueeze(1)  # [C, 1]
             if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
-                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, B, 1]
+                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, C, 1]
             out = model(
-                input_ids=tokens.unsqueeze(1),  # [B, 1]
+                input_ids=tokens.unsqueeze(1),  # [C, 1]
                 attention_mask=mask_buf[:, :width],
                 position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
             )
-            logits = _float32(out.logits[:, -1, :], logit_buf)  # [B, 1, V] -> [B, V]
+            logits = _float32(out.logits[:, -1, :], logit_buf)  # [C, 1, V] -> [C, V]
         next_pos = next_pos + 1
 
 
