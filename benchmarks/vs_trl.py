@@ -22,10 +22,11 @@ leave out each run's first step (warm-up); the model is loaded before the timed 
 Output: per-step training reward of polyrl beside each TRL run, median step times, and on the last
 line ``vs_trl_step_time: X.XXx`` (polyrl step time / TRL step time: below 1 means polyrl is faster).
 
-The line before it, ``vs_trl_roofline_floor: X.XXx``, is the least that ratio can be on this machine:
-the FLOPs of the linear layers in each of polyrl's steps, as its metrics log them (rollout and
-training, see ``step_floor_flops``), at the machine's matmul roofline (a 2048^3 ``a @ b`` measured
-in this run, in the sampler's and in the learner's dtype), over TRL's median step.
+The line before it, ``vs_trl_roofline_floor: X.XXx``, is how low that ratio could go on this machine:
+the FLOPs of the linear layers in each of polyrl's steps, every distinct position computed once (from
+its trajectories; rollout and training, see ``step_floor_flops``), at the machine's matmul roofline
+(a 2048^3 ``a @ b`` measured in this run, in the sampler's and in the learner's dtype), over TRL's
+median step.
 
 TRL is a benchmark-only dependency: ``.venv/bin/pip install trl``.
 
@@ -88,7 +89,7 @@ def main() -> None:
 
     ours = run_polyrl(args, model, work)
     print(f"polyrl lr {args.lr:g}: median step {median_step(ours['step_s']):.1f} s", flush=True)
-    floor_s = roofline_floor(args, model, ours)  # measured while the machine is as quiet as for the runs
+    floor = roofline_floor(args, model, work / "polyrl", ours)  # the machine as quiet as for the runs
     theirs = []
     for lr in trl_lrs:
         out = work / f"trl-{lr:g}.json"
@@ -113,9 +114,12 @@ def main() -> None:
     print(f"\nsecond-half mean reward: polyrl {late_mean(ours['reward']):.3f}, "
           f"TRL best (lr {best['lr']:g}) {late_mean(best['reward']):.3f}")
     print(f"median step: polyrl {ours_s:.2f} s, TRL {trl_s:.2f} s (all three runs)")
-    print(f"polyrl's floor at the roofline: median {floor_s:.2f} s a step ({floor_s / ours_s:.0%} of its "
-          f"median step)")
-    print(f"vs_trl_roofline_floor: {floor_s / trl_s:.2f}x")
+    ran = {key: median_step([r[f"time/{key}"] for r in ours["rows"]]) for key in ("rollout", "train")}
+    print("polyrl's steps at the roofline, each distinct position once (median s): "
+          f"rollout {median_step(floor['rollout']):.2f} (ran {ran['rollout']:.2f}), "
+          f"training {median_step(floor['train']):.2f} (ran {ran['train']:.2f}), "
+          f"step {median_step(floor['total']):.2f} (ran {ours_s:.2f})")
+    print(f"vs_trl_roofline_floor: {median_step(floor['total']) / trl_s:.2f}x")
     print(f"vs_trl_step_time: {ours_s / trl_s:.2f}x")
 
 
@@ -195,31 +199,49 @@ def run_polyrl(args, model: str, work: Path) -> dict:
 
 
 # ---- the floor ---------------------------------------------------------------------------------------
-def step_floor_flops(row: dict, group: int, body: int, unembed: int) -> tuple[float, float]:
-    """The FLOPs of one polyrl step's linear layers, from its metrics ``row``: (rollout, training).
+def distinct_positions(sequences: list[list[int]]) -> int:
+    """The distinct prefixes of ``sequences`` (a trie's nodes): the positions a pass computes when it
+    computes each common prefix once."""
+    root: dict = {}
+    count = 0
+    for sequence in sequences:
+        node = root
+        for token in sequence:
+            if token not in node:
+                node[token] = {}
+                count += 1
+            node = node[token]
+    return count
+
+
+def step_floor_flops(episodes: list[dict], body: int, unembed: int) -> tuple[float, float]:
+    """The least FLOPs of one polyrl step's linear layers (rollout, training), from its trajectories.
 
     ``body`` counts the weights of every linear layer but the unembedding, ``unembed`` the unembedding's;
-    a weight costs 2 FLOPs per token it multiplies. Single-turn episodes, prompts shared by their group:
+    a weight costs 2 FLOPs per position it multiplies. Each pass computes every distinct position once
+    (prompts a group shares, and samples that drew the same tokens so far, counted once):
 
-    * rollout: each group's prompt once through the body (the prefill), every sampled token but each
-      row's last through the body, every sampled token's logits;
-    * training, on the datums kept (a group whose rewards are all alike is dropped): the same forward
-      for their groups, then as many FLOPs again for the backward's activation gradients (the frozen
-      weights take no gradient).
+    * rollout: every distinct position before an episode's last token through the body, every sampled
+      token's logits;
+    * training, on the episodes kept (a group whose advantages are all zero is dropped): the same forward,
+      then as many FLOPs again for the backward's activation gradients (the frozen weights take no
+      gradient).
 
-    Attention, norms, the LoRA factors and the optimizer are left out: a floor, not an estimate."""
-    episodes, datums = row["episodes/count"], row["optim/datums"]
-    prompt = row["tokens/total_per_episode"] - row["tokens/action_per_episode"]
-    sampled = row["tokens/action_per_episode"] * episodes
-    rollout = 2 * body * (prompt * episodes / group + sampled - episodes) + 2 * unembed * sampled
-    kept = row["tokens/action"]  # the kept datums' sampled tokens
-    forward = 2 * body * (prompt * datums / group + kept - datums) + 2 * unembed * kept
-    return rollout, 2 * forward
+    Attention, norms, the LoRA factors and the optimizer are left out."""
+    def sampled(eps: list[dict]) -> int:
+        return sum(sum(ep["action_mask"]) for ep in eps)
+
+    def forward(eps: list[dict]) -> float:
+        return 2 * body * distinct_positions([ep["tokens"][:-1] for ep in eps]) + 2 * unembed * sampled(eps)
+
+    kept = [ep for ep in episodes if any(ep["advantages"])]
+    return forward(episodes), 2 * forward(kept)
 
 
-def roofline_floor(args, model: str, ours: dict) -> float:
-    """polyrl's median step at the floor: each step's rollout FLOPs at the matmul roofline in the sampler's
-    dtype, its training FLOPs at the roofline in the learner's (``step_floor_flops``); seconds."""
+def roofline_floor(args, model: str, log: Path, ours: dict) -> dict[str, list[float]]:
+    """polyrl's steps at their floor, in seconds per step (``rollout``, ``train``, ``total``): each step's
+    rollout FLOPs (``step_floor_flops``, from its trajectories under ``log``) at the matmul roofline in the
+    sampler's dtype, its training FLOPs at the roofline in the learner's."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -229,15 +251,19 @@ def roofline_floor(args, model: str, ours: dict) -> float:
     unembed = hf_model.get_output_embeddings().weight.numel()
     if args.threads:
         torch.set_num_threads(args.threads)
-    roof = {name: matmul_rate(dtype=getattr(torch, name)) * 1e9
+    roof = {name: matmul_rate(dtype=getattr(torch, name), repeats=20) * 1e9
             for name in {ours["sampler_dtype"], ours["learner_dtype"]}}
-    print("roofline (2048^3 matmul): " + ", ".join(f"{name} {rate / 1e9:.1f} GFLOP/s"
-                                                   for name, rate in roof.items()), flush=True)
-    floors = []
+    print("roofline (2048^3 matmul, best of 20): "
+          + ", ".join(f"{name} {rate / 1e9:.1f} GFLOP/s" for name, rate in roof.items()), flush=True)
+    floor: dict[str, list[float]] = {"rollout": [], "train": [], "total": []}
     for row in ours["rows"]:
-        rollout, train = step_floor_flops(row, args.group, weights - unembed, unembed)
-        floors.append(rollout / roof[ours["sampler_dtype"]] + train / roof[ours["learner_dtype"]])
-    return median_step(floors)
+        path = log / "trajectories" / f"step_{int(row['step']):06d}.jsonl"
+        episodes = [json.loads(line) for line in path.read_text().splitlines()]
+        rollout, train = step_floor_flops(episodes, weights - unembed, unembed)
+        rollout, train = rollout / roof[ours["sampler_dtype"]], train / roof[ours["learner_dtype"]]
+        for key, value in (("rollout", rollout), ("train", train), ("total", rollout + train)):
+            floor[key].append(value)
+    return floor
 
 
 # ---- TRL --------------------------------------------------------------------------------------------
