@@ -252,6 +252,21 @@ def test_a_bfloat16_sampler_samples_snapshots_folded_into_its_own_copy(tiny_mode
     assert again.tokens == greedy["one"].tokens and again.logprobs == greedy["one"].logprobs
 
 
+def test_a_bfloat16_sampler_decodes_samples_batched_with_prompt_only_requests(tiny_model_dir, tmp_path):
+    """A bfloat16 copy's logits are cast into a buffer of the decode cache's rows: a prompt that only asks
+    for logprobs keeps its row beside the samples' histories until enough have ended, so the cache can
+    hold more rows than there are samples."""
+    service = ServiceClient(store_dir=tmp_path / "store", sampler_dtype="bfloat16")
+    sampler = service.create_sampling_client(base_model=tiny_model_dir).result()
+    prompt = [5, 17, 230, 41, 9]
+    params = types.SamplingParams(max_tokens=6, seed=1)
+    futures = [sampler.sample(types.ModelInput.from_ints(prompt), 8, params)]
+    futures += [sampler.compute_logprobs(types.ModelInput.from_ints([3 + i, 4, 5, 6])) for i in range(2)]
+    samples, *scored = [f.result() for f in futures]
+    assert len(samples.sequences) == 8 and all(1 <= len(s.tokens) <= 6 for s in samples.sequences)
+    assert all(len(lp) == 4 for lp in scored)
+
+
 def test_a_fold_is_the_learners_weight_plus_the_adapters_delta_in_each_held_weight(tiny_model_dir):
     """The copy folds a snapshot weight by weight into reused buffers, fused siblings stacked in place:
     every held weight (packed, fused or plain) must be the learner's weight plus PEFT's own delta of that

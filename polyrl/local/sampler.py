@@ -481,11 +481,12 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
     seeded = seeds >= 0
     step = 0
     topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
-    # a step's float32 logits (per history, then per row) and probabilities ([B, V] each at most) go into
-    # these buffers: a fresh tensor of that size is fresh pages every step (the engine's mmap threshold)
-    logit_buf, row_buf, prob_buf = (
-        torch.empty((max(len(rows), len(logits)), logits.shape[-1]), dtype=torch.float32, device=device)
-        for _ in range(3))
+    # a step's float32 logits, per history then per row, and probabilities go into these buffers (a fresh
+    # tensor of that size is fresh pages every step: the engine's mmap threshold). The cache holds at most
+    # a row per sample and per prompt: a row per live history (at most one per live sample), and until they
+    # are dropped the ended ones (prompts with no samples, histories whose samples all ended)
+    logit_buf, row_buf, prob_buf = (torch.empty((n, logits.shape[-1]), dtype=torch.float32, device=device)
+                                    for n in (len(rows) + len(logits), len(rows), len(rows)))
 
     while True:
         if stopping is not None and stopping():
