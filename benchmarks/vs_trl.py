@@ -245,6 +245,8 @@ def roofline_floor(args, model: str, log: Path, ours: dict) -> dict[str, list[fl
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from polyrl.tracking.files import step_file
+
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
     weights = sum(w.numel() for w in linear_weights(hf_model))
@@ -257,7 +259,7 @@ def roofline_floor(args, model: str, log: Path, ours: dict) -> dict[str, list[fl
           + ", ".join(f"{name} {rate / 1e9:.1f} GFLOP/s" for name, rate in roof.items()), flush=True)
     floor: dict[str, list[float]] = {"rollout": [], "train": [], "total": []}
     for row in ours["rows"]:
-        path = log / "trajectories" / f"step_{int(row['step']):06d}.jsonl"
+        path = log / "trajectories" / step_file(int(row["step"]))
         episodes = [json.loads(line) for line in path.read_text().splitlines()]
         rollout, train = step_floor_flops(episodes, weights - unembed, unembed)
         rollout, train = rollout / roof[ours["sampler_dtype"]], train / roof[ours["learner_dtype"]]
