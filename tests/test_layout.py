@@ -4,8 +4,7 @@
   ``if TYPE_CHECKING:`` and inside functions do not count);
 - no polyrl import inside a function in ``polyrl/envs``, ``polyrl/workflows`` and ``polyrl/config*.py``:
   those sit low, and a function-level import is how an upward import hides;
-- no import of an underscore name from another module;
-- no ``.py`` file in ``polyrl/`` over 600 lines.
+- no import of an underscore name from another module.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -168,12 +166,6 @@ def _private_names(tree: ast.Module, importer: str) -> list[str]:
 def test_no_underscore_name_is_imported_from_another_module(name):
     found = _private_names(TREES[name], name)
     assert not found, f"{_rel(name)} imports private names of other modules: {', '.join(found)}"
-
-
-@pytest.mark.parametrize("name", _cases(list(FILES), {}))
-def test_no_python_file_over_600_lines(name):
-    lines = len(FILES[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{_rel(name)} has {lines} lines (at most {MAX_LINES})"
 
 
 def test_the_config_schema_is_a_leaf():
