@@ -10,9 +10,10 @@ bounded per image by the processor's own ``max_pixels`` and kept in a small cach
 group's samples, the sampler and the learner process a picture once.
 
 Positions: Qwen-VL models rotate each token by (time, height, width) positions; an image's tokens get
-their grid, the text after it continues from the largest. ``rope`` gives a sequence's ``[3, length]``
-positions and its delta (how far the last position is from the token count); decoding continues at
-``length + delta``. Supported: the Qwen2-VL family's layout (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its MoE).
+their grid, the text after it continues from the largest (so does an image right after another image).
+``rope`` gives a sequence's ``[3, length]`` positions and its delta (how far the last position is from the
+token count); decoding continues at ``length + delta``. Supported: the Qwen2-VL family's layout (Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL and its MoE).
 """
 
 from __future__ import annotations
@@ -140,13 +141,25 @@ class Vision:
         index (text only: every axis the token's index, delta 0)."""
         if not found:
             return torch.arange(len(tokens)).unsqueeze(0).expand(3, -1), 0
-        ids = torch.tensor([tokens], dtype=torch.long)
-        kinds = torch.zeros_like(ids, dtype=torch.int32)
+        # The rope index reads each run of image tokens as one image, so two images side by side would
+        # read as one picture of both grids. A text token between them keeps them apart; it is dropped
+        # after, and every later position moves back by one for it: each image keeps its own grid, placed
+        # where the previous one ended, and the text after continues from the largest position.
+        ids, kinds, spacer = list(tokens), [0] * len(tokens), [False] * len(tokens)
         for image in found:
-            kinds[0, image.start:image.end] = 1
+            kinds[image.start:image.end] = [1] * image.length
+        for image, before in reversed(list(zip(found[1:], found))):
+            if image.start == before.end:
+                ids.insert(image.start, 0)
+                kinds.insert(image.start, 0)
+                spacer.insert(image.start, True)
         grids = torch.stack([image.grid_thw for image in found])
-        positions, deltas = self.inner.get_rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=grids)
-        return positions[:, 0].cpu(), int(deltas.reshape(-1)[0])
+        positions, _ = self.inner.get_rope_index(torch.tensor([ids], dtype=torch.long),
+                                                 mm_token_type_ids=torch.tensor([kinds], dtype=torch.int32),
+                                                 image_grid_thw=grids)
+        spacer_T = torch.tensor(spacer)
+        positions = (positions[:, 0].cpu() - spacer_T.cumsum(0))[:, ~spacer_T]  # [3, T]
+        return positions, int(positions.max()) + 1 - len(tokens)  # the delta as the rope index computes it
 
     def inputs(self, found: list[ModelImage], device: torch.device) -> dict[str, torch.Tensor]:
         """``pixel_values`` and ``image_grid_thw`` of images in the order their placeholders appear."""
