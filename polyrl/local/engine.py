@@ -3,12 +3,15 @@
 Training operations run strictly in submission order (so ``forward_backward`` then ``optim_step``
 submitted back to back keep their order). Sampling requests against fixed weight snapshots do not
 depend on that order, so the worker gathers every sampling request waiting in the queue and
-generates them in one batch (see :mod:`polyrl.local.sampler`).
+generates them in one batch (see :mod:`polyrl.local.sampler`). Work is submitted on behalf of an owner
+(``polyrl serve``'s API keys); owners take turns, and a long decode pauses between slices for another
+owner's work (see :meth:`Engine._run`).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import io
 import itertools
@@ -22,7 +25,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from tinker import types
@@ -38,7 +41,7 @@ from polyrl.local.datums import PreparedDatum, batch_loss, prepare_datum, reduce
 from polyrl.local.model import BaseModel, LoraSpec, select_device
 from polyrl.local.optim import DimuonSettings, check_kind, configure, make_optimizer
 from polyrl.local.packing import CPU_CALL_TOKENS, MicroBatch, micro_batch_budget, micro_batches
-from polyrl.local.sampler import SampleJob, generate
+from polyrl.local.sampler import SampleJob, SamplingStopped, generate_steps
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
 from polyrl.local.vision import keyed
@@ -52,6 +55,8 @@ log = logging.getLogger("polyrl.local")
 BATCH_GAP_S = 0.010
 BATCH_MAX_WAIT_S = 0.100
 MAX_BATCH_ROWS = 512
+# Decode steps a sampling batch runs before another owner's waiting work gets its turn (see Engine._run).
+SLICE_STEPS = 8
 
 
 @dataclass
@@ -88,6 +93,7 @@ STOP_TIMEOUT_S = 30.0  # how long interpreter exit waits for the operation the w
 class _Op:
     fn: Callable[[], Any]
     future: Future
+    owner: str = ""
 
 
 @dataclass
@@ -95,6 +101,16 @@ class _SampleOp:
     sampler: SamplerState
     job: SampleJob
     future: Future
+    owner: str = ""
+
+
+@dataclass
+class _Decoding:
+    """A sampling batch under way: one sampler's requests in one decode loop, run a slice at a time."""
+
+    owner: str
+    ops: list[_SampleOp]
+    steps: Generator | None = None  # generate_steps, once started
 
 
 class Engine:
@@ -143,6 +159,7 @@ class Engine:
         self._bases: dict[str, BaseModel] = {}
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
+        self._work: dict[str, collections.deque] = {}  # the worker's: owner -> its work, first owner next
         self._generator: torch.Generator | None = None
         self._stopped = False
         # a daemon thread, so that an operation that never ends cannot keep the process alive; stopped
@@ -154,11 +171,12 @@ class Engine:
         self._thread.start()
 
     # ---- submission -------------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        return self._put(_Op(fn, Future()))
+    def submit(self, fn: Callable[[], Any], owner: str = "") -> Future:
+        """Run ``fn`` on the worker after ``owner``'s earlier work (:meth:`_run`: how owners share it)."""
+        return self._put(_Op(fn, Future(), owner))
 
-    def submit_sample(self, sampler: SamplerState, job: SampleJob) -> Future:
-        return self._put(_SampleOp(sampler, job, Future()))
+    def submit_sample(self, sampler: SamplerState, job: SampleJob, owner: str = "") -> Future:
+        return self._put(_SampleOp(sampler, job, Future(), owner))
 
     def _put(self, op: "_Op | _SampleOp") -> Future:
         self._queue.put(op)
@@ -199,31 +217,95 @@ class Engine:
 
     # ---- worker ------------------------------------------------------------------------------
     def _run(self) -> None:
-        pending: list = []
+        """Run every owner's work, the owners taking turns.
+
+        Each owner (an API key of ``polyrl serve``; everything in process is one owner, ``""``) has its own
+        queue, run in order, except that its sampling requests are gathered into batches ahead of its other
+        work, as they arrive together. A turn is one operation, or one slice of a sampling batch: a batch
+        decodes to its end unless another owner has work waiting, in which case it pauses after
+        ``SLICE_STEPS`` decode steps (its KV cache kept) and goes on at its owner's next turn. So one key's
+        small request waits for at most one operation or slice of each other key's, however long their
+        decodes are; with one owner, work runs in submission order with no pause, as a single queue would."""
         while True:
-            op = pending.pop(0) if pending else self._queue.get()
+            if not self._work and not self._take(block=True):
+                break
+            if not self._take(block=False):
+                break
+            owner, work = next(iter(self._work.items()))
+            task = work[0]
+            if isinstance(task, _Op):
+                work.popleft()
+                self._execute(task.future, task.fn)
+            else:
+                if isinstance(task, _SampleOp):
+                    work.extendleft(reversed(self._gather(owner)))
+                if work and isinstance(work[0], _Decoding) and self._run_slice(work[0]):
+                    work.popleft()
+            del self._work[owner]  # its turn is over: to the back of the line
+            if work:
+                self._work[owner] = work
+        self._cancel([])
+
+    def _take(self, block: bool) -> bool:
+        """Move queued work to its owner's queue (waiting for some if ``block``); False once stopping."""
+        while True:
+            try:
+                op = self._queue.get(block=block)
+            except queue.Empty:
+                return not self._stopped
+            block = False
             if op is _STOP or self._stopped:
-                self._cancel([op, *pending])
-                return
-            if isinstance(op, _Op):
-                self._execute(op.future, op.fn)
-                continue
-            batch = [op]
-            last_call = time.monotonic() + BATCH_MAX_WAIT_S
-            while sum(o.job.num_samples for o in batch) < MAX_BATCH_ROWS:
-                wait = min(BATCH_GAP_S, last_call - time.monotonic())
-                try:
-                    nxt = self._queue.get(timeout=max(0.0, wait))
-                except queue.Empty:
+                return False
+            self._work.setdefault(op.owner, collections.deque()).append(op)
+
+    def _others_waiting(self, owner: str) -> bool:
+        self._take(block=False)
+        return any(o != owner and work for o, work in self._work.items())
+
+    def _gather(self, owner: str) -> list[_Decoding]:
+        """``owner``'s sampling requests as batches, one per sampler: those already queued and those that
+        arrive within ``BATCH_GAP_S`` of each other (for ``BATCH_MAX_WAIT_S`` at most, up to
+        ``MAX_BATCH_ROWS`` rows)."""
+        work = self._work[owner]
+        batch: list[_SampleOp] = []
+        last_call = time.monotonic() + BATCH_MAX_WAIT_S
+        while True:
+            for op in [op for op in work if isinstance(op, _SampleOp)]:
+                if sum(o.job.num_samples for o in batch) >= MAX_BATCH_ROWS:
                     break
-                (batch if isinstance(nxt, _SampleOp) else pending).append(nxt)
-            self._run_samples(batch)
+                work.remove(op)
+                batch.append(op)
+            wait = min(BATCH_GAP_S, last_call - time.monotonic())
+            if sum(o.job.num_samples for o in batch) >= MAX_BATCH_ROWS or wait <= 0:
+                break
+            try:
+                op = self._queue.get(timeout=wait)
+            except queue.Empty:
+                break
+            if op is _STOP:
+                self._queue.put(op)  # seen again by the loop, which then stops
+                break
+            self._work.setdefault(op.owner, collections.deque()).append(op)
+        groups: dict[int, list[_SampleOp]] = {}
+        for op in batch:
+            if op.future.set_running_or_notify_cancel():
+                groups.setdefault(id(op.sampler), []).append(op)
+        return [_Decoding(owner, ops) for ops in groups.values()]
 
     def _cancel(self, ops: list) -> None:
-        """Cancel ``ops`` and everything still queued."""
+        """Cancel ``ops``, everything waiting in the owners' queues and everything still queued; batches
+        under way fail with :class:`SamplingStopped`."""
+        for work in self._work.values():
+            ops.extend(work)
+            work.clear()
         while True:
             for op in ops:
-                if op is not _STOP:
+                if isinstance(op, _Decoding):
+                    stopped = SamplingStopped("the local engine is stopping: sampling ended early")
+                    for sample in op.ops:
+                        if not sample.future.done():
+                            sample.future.set_exception(stopped)
+                elif op is not _STOP:
                     op.future.cancel()
             try:
                 ops = [self._queue.get_nowait()]
@@ -239,34 +321,46 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - delivered to the caller through the future
             future.set_exception(e)
 
-    def _run_samples(self, batch: list[_SampleOp]) -> None:
-        groups: dict[int, list[_SampleOp]] = {}
-        for op in batch:
-            if op.future.set_running_or_notify_cancel():
-                groups.setdefault(id(op.sampler), []).append(op)
-        for ops in groups.values():
-            sampler = ops[0].sampler
-            try:
-                base = sampler.base
-                adapter = None
-                if sampler.weights is not None:
-                    adapter = base.load_snapshot(sampler.spec, sampler.weights, owner=sampler)
-                if self._generator is None:
-                    self._generator = torch.Generator(device=base.device)
-                    self._generator.seed()
-                with heap_for_the_pass(), base.use_for_sampling(adapter) as model:
-                    results = generate(model, [op.job for op in ops], base.tokenizer, base.device,
-                                       self._generator,
-                                       logits_fn=(base.sampler_logits if base.split_head or base.vision
-                                                  else None),
-                                       vision=base.vision, decode_fn=base.sampler_decode_step,
-                                       stopping=lambda: self._stopped)
-                for op, res in zip(ops, results):
-                    op.future.set_result(res)
-            except BaseException as e:  # noqa: BLE001
-                for op in ops:
-                    if not op.future.done():
-                        op.future.set_exception(e)
+    def _run_slice(self, decoding: _Decoding) -> bool:
+        """Run ``decoding`` until it ends or, after ``SLICE_STEPS`` decode steps, another owner has work
+        waiting; whether it ended (its futures are then done)."""
+        ops = decoding.ops
+        sampler = ops[0].sampler
+        try:
+            base = sampler.base
+            adapter = None
+            if sampler.weights is not None:  # (again after a pause: another sampler may have used the slot)
+                adapter = base.load_snapshot(sampler.spec, sampler.weights, owner=sampler)
+            if self._generator is None:
+                self._generator = torch.Generator(device=base.device)
+                self._generator.seed()
+            with heap_for_the_pass(), base.use_for_sampling(adapter) as model:
+                resume = None
+                if decoding.steps is None:
+                    decoding.steps = generate_steps(
+                        model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
+                        logits_fn=base.sampler_logits if base.split_head or base.vision else None,
+                        vision=base.vision, decode_fn=base.sampler_decode_step,
+                        stopping=lambda: self._stopped)
+                else:
+                    resume = model
+                steps = 0
+                while True:
+                    try:
+                        decoding.steps.send(resume)
+                    except StopIteration as done:
+                        results = done.value
+                        break
+                    resume, steps = None, steps + 1
+                    if steps >= SLICE_STEPS and self._others_waiting(decoding.owner):
+                        return False
+            for op, res in zip(ops, results):
+                op.future.set_result(res)
+        except BaseException as e:  # noqa: BLE001
+            for op in ops:
+                if not op.future.done():
+                    op.future.set_exception(e)
+        return True
 
     # ---- models (worker thread only) ---------------------------------------------------------
     def base(self, name: str) -> BaseModel:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,11 +226,30 @@ class SamplingStopped(RuntimeError):
     running its jobs to the end, so the worker stops within one step."""
 
 
-@torch.inference_mode()
 def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
              logits_fn=None, vision=None, decode_fn=None,
              stopping: Callable[[], bool] | None = None) -> list[types.SampleResponse]:
-    """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order.
+    """Run all ``jobs`` in one batched decode loop to the end; one ``SampleResponse`` per job, in order.
+    (:func:`generate_steps` is the same loop, paused between decode steps.)"""
+    steps = generate_steps(model, jobs, tokenizer, device, generator, logits_fn, vision, decode_fn, stopping)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def generate_steps(model, jobs: list[SampleJob], tokenizer, device, generator: torch.Generator | None,
+                   logits_fn=None, vision=None, decode_fn=None, stopping: Callable[[], bool] | None = None
+                   ) -> Generator[None, torch.nn.Module | None, list[types.SampleResponse]]:
+    """Run all ``jobs`` in one batched decode loop; one ``SampleResponse`` per job, in order (the
+    generator's return value).
+
+    The generator yields before each decode step, so that its caller can pause it there (the engine runs
+    another API key's work between slices of a long decode) and resume it with ``send(model)``: the model
+    to go on with, as the caller's sampling context gives it again (``None``: the same). Its KV cache and
+    rows live in the generator meanwhile.
 
     ``logits_fn`` maps hidden states to float32 logits (the model's unembedding); with it the prefill
     unembeds every position only of the prompts whose logprobs were asked for. ``vision``: a
@@ -321,9 +340,9 @@ def generate(model, jobs: list[SampleJob], tokenizer, device, generator: torch.G
 
     if rows:
         seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer, device,
-                generator, deltas if bool(deltas.any()) else None,
-                decode_fn, stopping, vision.placeholder_ids if vision is not None else ())
+        yield from _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer,
+                           device, generator, deltas if bool(deltas.any()) else None,
+                           decode_fn, stopping, vision.placeholder_ids if vision is not None else ())
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -452,7 +471,8 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
 def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
             tokenizer, device, generator, prompt_deltas=None,
             decode_fn=None, stopping=None, banned=()):
-    """Decode ``rows`` to their ends. Rows with the same tokens so far (a prompt's samples until they draw
+    """Decode ``rows`` to their ends, yielding before each step (see :func:`generate_steps`). Rows with
+    the same tokens so far (a prompt's samples until they draw
     different tokens: most of a group, once a policy is sure of its answer) have the same hidden states, so
     they share one row of the KV cache and of every decode pass: the cache holds one row per distinct
     history, which parts in two when its rows draw different tokens. ``banned``: tokens no row may draw (a
@@ -489,6 +509,9 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                                     for n in (len(rows) + len(logits), len(rows), len(rows)))
 
     while True:
+        resumed = yield  # a pause point: the caller may run other work here, then send the model back
+        if resumed is not None:
+            model = resumed
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
         sel = torch.tensor(live, device=device)  # [B], B the rows still decoding
