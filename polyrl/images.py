@@ -29,6 +29,7 @@ import hashlib
 import io
 import os
 import re
+import stat
 import struct
 import warnings
 from collections.abc import Iterator
@@ -48,6 +49,8 @@ MAX_ASPECT_RATIO = 200  # Qwen-VL's processors refuse images more elongated than
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what Pillow may open (never its rarer, riskier parsers)
 ENCODING = "jpeg"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_SIGNATURES = {"png": (_PNG_SIGNATURE,), "jpeg": (b"\xff\xd8\xff",), "gif": (b"GIF87a", b"GIF89a"),
+               "bmp": (b"BM",)}  # first bytes of each format (WEBP's sit at 0 and 8: see signature())
 
 
 class ImageError(ValueError):
@@ -113,7 +116,30 @@ def read_image(value: Any, limits: ImageLimits = DEFAULT_LIMITS) -> PILImage.Ima
     if isinstance(value, Image.Image):
         _check_size(value.size, limits, value.format or "")
         return value if value.mode == "RGB" else value.convert("RGB")
-    return decode(image_bytes(value, limits), limits)
+    data = image_bytes(value, limits)
+    try:
+        return decode(data, limits)
+    except ImageError as e:
+        path = _path_of(value)
+        if path is None:
+            raise
+        raise ImageError(f"image file {_named(path)}: {e}") from None
+
+
+def _path_of(value: Any) -> Path | None:
+    """The file an image given as a path (a string, ``file://``, ``{"path": ...}``) is read from."""
+    if isinstance(value, dict) and not value.get("bytes"):
+        value = value.get("path")
+    if isinstance(value, str) and value.startswith("data:"):
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return Path(str(value).removeprefix("file://")).expanduser()
+    return None
+
+
+def _named(path: Path) -> str:
+    """A file's name for a message (its path, never its content)."""
+    return repr(str(path)[:200])
 
 
 def image_bytes(value: Any, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
@@ -141,13 +167,18 @@ def image_bytes(value: Any, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
     if isinstance(value, (str, os.PathLike)):
         path = Path(str(value).removeprefix("file://")).expanduser()
         try:
-            size = path.stat().st_size
-            _check_bytes(size, limits)
+            info = path.stat()
+            if not stat.S_ISREG(info.st_mode):  # a folder, a device or a pipe: nothing to read as an image
+                raise ImageError(f"image file {_named(path)} is not a regular file")
+            try:
+                _check_bytes(info.st_size, limits)
+            except ImageError as e:
+                raise ImageError(f"image file {_named(path)}: {e}") from None
             return path.read_bytes()
         except ImageError:
             raise
         except (OSError, ValueError) as exc:
-            raise ImageError(f"cannot read the image file {str(path)[:200]!r}: "
+            raise ImageError(f"cannot read the image file {_named(path)}: "
                              f"{getattr(exc, 'strerror', None) or exc}") from None
     raise ImageError(f"an image must be a PIL image, PNG/JPEG bytes, a file path or a data: URI, "
                      f"not {type(value).__name__}")
@@ -166,8 +197,7 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> PILImage.Image:
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
         except UnidentifiedImageError:
-            raise ImageError(f"not an image in a known format ({', '.join(FORMATS)}; {len(data):,} bytes "
-                             f"starting {data[:8]!r})") from None
+            raise ImageError(_unknown_format(data)) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             pixels = re.search(r"\((\d+) pixels\)", str(exc))
             declared = f"{int(pixels.group(1)):,} pixels" if pixels else "too many pixels"
@@ -185,12 +215,16 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> PILImage.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def check_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[int, int]:
-    """(width, height) of encoded ``data`` read from its header alone, within ``limits``: what a server
-    checks before it queues an image (no pixel is decoded here)."""
+def check_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, declared: str | None = None
+                 ) -> tuple[int, int]:
+    """(width, height) of encoded ``data`` read from its header alone, within ``limits``, and in the
+    ``declared`` format when one is given: what a server checks before it queues an image (no pixel is
+    decoded here)."""
     from PIL import Image, UnidentifiedImageError
 
     _check_bytes(len(data), limits)
+    if declared is not None:
+        check_format(data, declared)
     if data.startswith(_PNG_SIGNATURE) and len(data) >= 24:
         _check_size(struct.unpack(">II", data[16:24]), limits, "PNG")
     with warnings.catch_warnings():
@@ -202,13 +236,32 @@ def check_header(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[int
         except ImageError:
             raise
         except UnidentifiedImageError:
-            raise ImageError(f"not an image in a known format ({', '.join(FORMATS)}; {len(data):,} bytes "
-                             f"starting {data[:8]!r})") from None
+            raise ImageError(_unknown_format(data)) from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             raise ImageError(f"the image declares more than max_image_pixels={limits.max_pixels:,} pixels "
                              "(a decompression bomb?)") from None
         except (OSError, SyntaxError, ValueError, struct.error, EOFError) as exc:
             raise ImageError(f"the image is corrupt or truncated ({_reason(exc)})") from None
+
+
+def signature(data: bytes) -> str | None:
+    """The format whose signature ``data`` starts with (png, jpeg, gif, webp, bmp), None for another."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return next((fmt for fmt, starts in _SIGNATURES.items() if data.startswith(starts)), None)
+
+
+def check_format(data: bytes, declared: str) -> None:
+    """An :class:`ImageError` unless ``data`` starts with the signature of the ``declared`` format."""
+    found = signature(data)
+    if found == declared.lower():
+        return
+    what = f"a {found.upper()} image" if found else _unknown_format(data)
+    raise ImageError(f"the chunk declares format {declared!r} but its bytes are {what}")
+
+
+def _unknown_format(data: bytes) -> str:
+    return f"not an image in a known format ({', '.join(FORMATS)}; {len(data):,} bytes)"
 
 
 def _reason(exc: BaseException) -> str:

@@ -5,10 +5,15 @@ what is wrong with it, strict numbers in every JSON request, and image files nam
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
+import tinker
 import torch
-from test_serve import KEY, Served
+from PIL import Image
+from test_serve import KEY, PROTO, Served, _fwdbwd_body, _retrieve, _session
 from test_vision_engine import Seq, jpeg
 from tinker import types
 
@@ -133,3 +138,145 @@ def test_two_images_side_by_side_give_the_plain_models_logprobs(local, served, t
             tokens = side_by_side.tokens + list(seq.tokens)
             sampled = plain_logprobs(plain, processor, side_by_side, tokens)[-len(seq.tokens):]
             np.testing.assert_allclose(seq.logprobs, sampled.numpy(), atol=1e-4)
+
+
+# ---- what is wrong with an image chunk -----------------------------------------------------------------
+def encoded(fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def chunk_json(data: bytes | str, fmt: str = "png", expected=4) -> dict:
+    text = data if isinstance(data, str) else base64.b64encode(data).decode()
+    return {"type": "image", "data": text, "format": fmt, "expected_tokens": expected}
+
+
+BAD_CHUNKS = [  # (what, chunk, words of the one line that answers it)
+    ("JPEG as png", chunk_json(encoded("JPEG")), "declares format 'png' but its bytes are a JPEG"),
+    ("GIF as png", chunk_json(encoded("GIF")), "declares format 'png' but its bytes are a GIF"),
+    ("WebP as png", chunk_json(encoded("WEBP")), "declares format 'png' but its bytes are a WEBP"),
+    ("PNG as jpeg", chunk_json(encoded("PNG"), "jpeg"), "declares format 'jpeg' but its bytes are a PNG"),
+    ("-3 tokens", chunk_json(RED, "jpeg", -3), "expected_tokens must be a positive count, got -3"),
+    ("true tokens", chunk_json(RED, "jpeg", True), "expected_tokens must be a positive count, got True"),
+    ("no tokens", chunk_json(RED, "jpeg", None), "needs expected_tokens"),
+    ("bad base64", chunk_json("not base64 at all!"), "data is not valid base64"),
+    ("gif", chunk_json(encoded("GIF"), "gif"), "format 'gif' is not supported (supported: 'png', 'jpeg')"),
+]
+
+
+def test_each_bad_image_chunk_is_one_400_line_saying_what_is_wrong(served):
+    """Over JSON (sampling) and protobuf (forward_backward): the declared format against the bytes'
+    signature, a count of tokens that is not one, bad base64, an unsupported format: each a 400 of one line
+    that names the chunk and the problem (never another chunk type's missing fields)."""
+    http = served.http
+    session = http.post("/create_sampling_session", json={
+        "session_id": _session(served), "sampling_session_seq_id": 0, "base_model": served.model_dir})
+    sampler = session.json()["sampling_session_id"]
+    for seq, (what, chunk, words) in enumerate(BAD_CHUNKS):
+        body = {"sampling_session_id": sampler, "seq_id": seq, "num_samples": 1,
+                "sampling_params": {"max_tokens": 2},
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 342]}, chunk,
+                                      {"type": "encoded_text", "tokens": [2]}]}}
+        r = http.post("/asample", json=body)
+        error = r.json().get("error", "")
+        assert r.status_code == 400 and r.json()["category"] == "user", (what, r.status_code, r.text[:300])
+        assert words in error and "chunk 1" in error and "\n" not in error, (what, error)
+        assert "EncodedTextChunk" not in error and "Field required" not in error, (what, error)
+    model = http.post("/create_model", json={"session_id": _session(served), "model_seq_id": 0,
+                                             "base_model": served.model_dir, "lora_config": {"rank": 2}})
+    model_id = _retrieve(served, model.json()["request_id"])["model_id"]
+    for seq, (what, chunk, words) in enumerate(BAD_CHUNKS[:5], start=1):
+        datum = types.Datum(model_input=types.ModelInput(chunks=[
+            types.EncodedTextChunk(tokens=[1, 342]),
+            types.ImageChunk(data=base64.b64decode(chunk["data"]), format=chunk["format"],
+                             expected_tokens=chunk["expected_tokens"]),
+            types.EncodedTextChunk(tokens=[2])]),
+            loss_fn_inputs={"target_tokens": types.TensorData(data=[0] * 7, dtype="int64")})
+        r = http.post("/forward_backward", content=_fwdbwd_body(model_id, seq, [datum]), headers=PROTO)
+        assert r.status_code == 400 and words in r.json()["error"], (what, r.status_code, r.text[:300])
+        assert "model_input chunk 1" in r.json()["error"]
+    assert served.alive()
+
+
+def test_the_engine_checks_an_image_chunks_format_against_its_bytes(local, tiny_vl_dir):
+    tc = local.create_lora_training_client(tiny_vl_dir, rank=2, seed=0).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for data, fmt, found in ((encoded("JPEG"), "png", "JPEG"), (encoded("PNG"), "jpeg", "PNG")):
+        prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 342]),
+                                          types.ImageChunk(data=data, format=fmt, expected_tokens=4)])
+        datum = types.Datum(model_input=prompt, loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[0] * prompt.length, dtype="int64")})
+        for call in (lambda: tc.forward([datum], "cross_entropy").result(),
+                     lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()):
+            with pytest.raises(ValueError, match=f"chunk 1: the chunk declares format '{fmt}' but its bytes "
+                                                 f"are a {found} image"):
+                call()
+
+
+# ---- strict numbers ------------------------------------------------------------------------------------
+def test_a_bool_or_a_string_is_never_a_number_in_a_request(served, tiny_vl_dir):
+    """``true`` is not a 1-second TTL, ``"2"`` is not two samples: every numeric field of every JSON request
+    takes numbers only (a JSON integer still fills a float field); the official SDK's requests pass."""
+    sdk = served.sdk(KEY)
+    tc = sdk.create_lora_training_client(base_model=tiny_vl_dir, rank=2, seed=0)
+    path = tc.save_state("strict-ttl").result().path
+    rest = sdk.create_rest_client()
+    run_id, name = tc.model_id, path.rsplit("/", 1)[-1]
+    ttl = f"/training_runs/{run_id}/checkpoints/weights/{name}/ttl"
+    for value in (True, "60", 60.0):
+        r = served.http.put(ttl, json={"ttl_seconds": value})
+        assert r.status_code == 400 and "ttl_seconds" in r.json()["error"], (value, r.status_code, r.text)
+    [row] = [c for c in rest.list_checkpoints(run_id).result().checkpoints if c.tinker_path == path]
+    assert row.expires_at is None  # nothing was set
+    assert served.http.put(ttl, json={"ttl_seconds": 60}).status_code == 200
+
+    http = served.http
+    sampler = http.post("/create_sampling_session", json={
+        "session_id": _session(served), "sampling_session_seq_id": 0, "base_model": served.model_dir})
+    sampler = sampler.json()["sampling_session_id"]
+    good = {"sampling_session_id": sampler, "num_samples": 1, "sampling_params": {"max_tokens": 2},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 342]}]}}
+    bad = [("num_samples", {"num_samples": "2"}), ("num_samples", {"num_samples": True}),
+           ("sampling_params.max_tokens", {"sampling_params": {"max_tokens": True}}),
+           ("sampling_params.temperature", {"sampling_params": {"max_tokens": 2, "temperature": "1"}}),
+           ("sampling_params.seed", {"sampling_params": {"max_tokens": 2, "seed": False}}),
+           ("prompt.chunks.0.tokens.1",
+            {"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, True]}]}}),
+           ("seq_id", {"seq_id": "3"}), ("topk_prompt_logprobs", {"topk_prompt_logprobs": True})]
+    for seq, (field, change) in enumerate(bad, start=1):
+        r = http.post("/asample", json={**good, "seq_id": seq, **change})
+        error = r.json().get("error", "")
+        assert r.status_code == 400 and error.startswith(f"invalid request body: {field}: "), (change, error)
+        assert "ImageChunk" not in error, error
+    model = http.post("/create_model", json={"session_id": _session(served), "model_seq_id": 0,
+                                             "base_model": served.model_dir, "lora_config": {"rank": True}})
+    assert model.status_code == 400 and "lora_config.rank" in model.json()["error"], model.text
+    r = http.post("/asample", json={**good, "seq_id": 100,
+                                    "sampling_params": {"max_tokens": 2, "temperature": 1}})
+    assert r.status_code == 200 and len(_retrieve(served, r.json()["request_id"])["sequences"]) == 1
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+        tc.save_state("strict-zero", ttl_seconds=0).result(timeout=60)
+
+
+# ---- image files ---------------------------------------------------------------------------------------
+def test_an_image_file_that_is_not_an_image_is_named_never_shown(tmp_path):
+    """The error names the file and what is wrong with it, and holds nothing of what the file holds."""
+    secret = tmp_path / "hostname"
+    secret.write_bytes(b"vm-secret-box\n")
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for source, path, words in ((str(secret), secret, "not an image in a known format"),
+                                (f"file://{secret}", secret, "not an image"),
+                                ({"path": str(secret)}, secret, "not an image"),
+                                (str(folder), folder, "not a regular file")):
+        with pytest.raises(images.ImageError) as e:
+            images.read_image(source)
+        message = str(e.value)
+        assert words in message and repr(str(path)) in message and "secret-box" not in message, message
+    with pytest.raises(images.ImageError) as e:
+        images.decoded_parts([{"role": "user", "content": [{"type": "image", "image": str(secret)}]}])
+    assert repr(str(secret)) in str(e.value) and "secret-box" not in str(e.value)
+    with pytest.raises(images.ImageError) as e:
+        images.decode(b"vm-secret-box\n")
+    assert "secret" not in str(e.value) and "14 bytes" in str(e.value)

@@ -93,6 +93,10 @@ class Vision:
                                      "video placeholder; a picture goes in an ImageChunk (its bytes)")
                 tokens.extend(text)
             elif kind == "image":
+                try:  # the declared format against the bytes' signature, as polyrl serve checks it
+                    images.check_format(bytes(chunk.data), str(chunk.format))
+                except images.ImageError as e:
+                    raise ValueError(f"{where} chunk {k}: {e}") from None
                 image = self.image(chunk.data, chunk.expected_tokens, len(tokens), f"{where} chunk {k}")
                 found.append(image)
                 tokens.extend([self.image_token_id] * image.length)

@@ -9,8 +9,11 @@ SDK's own types for the nested parts (``ModelInput``, ``SamplingParams``, ``Adam
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -153,6 +156,18 @@ class SampleReq(_Req):
     prompt_logprobs_last_n: int | None = None
     record_stability_info: bool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _images(cls, data: Any) -> Any:
+        """Each image chunk of the prompt said wrong in its own words: the SDK's chunk union would
+        report every other chunk type's missing fields instead."""
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+        for k, chunk in enumerate(chunks if isinstance(chunks, list) else []):
+            if isinstance(chunk, dict) and chunk.get("type") == "image":
+                check_image_json(chunk, f"prompt chunk {k}")
+        return data
+
     @model_validator(mode="after")
     def _sane(self) -> "SampleReq":
         p = self.sampling_params
@@ -223,10 +238,10 @@ def parse_json(model: type[R], body: bytes) -> R:
         raise RequestError(400, "request body holds a number too large to read") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
+    try:  # strict: a bool or a string is never a number (a JSON integer still fills a float field)
+        return model.model_validate(data, strict=True)
     except ValidationError as e:
-        raise RequestError(400, f"invalid request body: {_summarize(e)}") from None
+        raise RequestError(400, f"invalid request body: {_summarize(e, data)}") from None
     except RecursionError:
         raise RequestError(400, "request body is nested too deeply") from None
 
@@ -243,13 +258,59 @@ def peek_json_ids(body: bytes) -> tuple[str, int] | None:
     return (model_id, seq_id) if ok else None
 
 
-def _summarize(e: ValidationError, limit: int = 3) -> str:
-    errors = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg'][:300]}"
-             for err in errors[:limit]]
+def _summarize(e: ValidationError, data: Any = None, limit: int = 3) -> str:
+    """One line of a validation's first errors, each ``field: problem`` (a validator's own message, which
+    names its field, alone)."""
+    errors = _one_member(e.errors(), data)
+    parts = []
+    for err in errors[:limit]:
+        where, message = ".".join(str(x) for x in err["loc"]), err["msg"].removeprefix("Value error, ")[:300]
+        own = not where and err["type"] == "value_error"
+        parts.append(message if own else f"{where or 'body'}: {message}")
     if len(errors) > limit:
         parts.append(f"... {len(errors) - limit} more")
     return "; ".join(parts)
+
+
+def _members(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a (nested, annotated) union."""
+    out: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        out += [arg] if isinstance(arg, type) and issubclass(arg, BaseModel) else _members(arg)
+    return out
+
+
+_CHUNK_TYPES = {cls.__name__: cls.model_fields["type"].default
+                for cls in _members(types.ModelInput.model_fields["chunks"].annotation)}
+
+
+def _one_member(errors: list[dict], data: Any) -> list[dict]:
+    """``errors`` with a chunk's narrowed to the chunk type its ``type`` names: pydantic reports a chunk
+    that fits no member of the union once per member, and the first of those is rarely the one meant."""
+    out, unknown = [], set()
+    for err in errors:
+        loc = list(err["loc"])
+        at = next((i for i, x in enumerate(loc) if x in _CHUNK_TYPES), None)
+        if at is None:
+            out.append(err)
+            continue
+        where, chunk = tuple(loc[:at]), data
+        for key in where:
+            chunk = chunk[key] if isinstance(chunk, (dict, list)) and _has(chunk, key) else None
+        declared = chunk.get("type") if isinstance(chunk, dict) else None
+        if declared in _CHUNK_TYPES.values():
+            if _CHUNK_TYPES[loc[at]] == declared:
+                out.append({**err, "loc": (*where, *loc[at + 1:])})
+        elif where not in unknown:
+            unknown.add(where)
+            kinds = ", ".join(repr(t) for t in _CHUNK_TYPES.values())
+            out.append({**err, "loc": where, "type": "chunk_type",
+                        "msg": f"a chunk's type is one of {kinds}, not {str(declared)[:40]!r}"})
+    return out
+
+
+def _has(container: dict | list, key: Any) -> bool:
+    return key in container if isinstance(container, dict) else isinstance(key, int) and key < len(container)
 
 
 def tensor_from_json(value: Any, field: str, max_values: int) -> types.TensorData:
@@ -259,7 +320,7 @@ def tensor_from_json(value: Any, field: str, max_values: int) -> types.TensorDat
         raise RequestError(400, f"{field} must be a tensor object (data, dtype, shape), got "
                                 f"{type(value).__name__}")
     try:
-        td = _TensorJson.model_validate(value)
+        td = _TensorJson.model_validate(value, strict=True)
     except ValidationError as e:
         raise RequestError(400, f"invalid {field}: {_summarize(e)}") from None
     if any(n < 0 for n in td.shape) or math.prod(td.shape) > max_values:
@@ -400,15 +461,45 @@ class _TooLarge(ValueError):
     """An image past the server's bytes or pixels bound (413)."""
 
 
-def check_image(data: bytes, fmt: str, expected_tokens: int | None, limits: RequestLimits, where: str) -> int:
-    """An image chunk's token count, once its format, declared size and bytes are within ``limits``
-    (from the header alone: nothing is decoded); a ValueError naming the problem otherwise."""
-    if fmt not in ("png", "jpeg"):
-        raise ValueError(f"{where}: image format must be 'png' or 'jpeg', got {fmt!r}")
-    if not expected_tokens or expected_tokens < 1:
+IMAGE_FORMATS: tuple[str, ...] = typing.get_args(types.ImageChunk.model_fields["format"].annotation)
+
+
+def check_image_format(fmt: Any, where: str) -> None:
+    if fmt not in IMAGE_FORMATS:
+        raise ValueError(f"{where}: image format {str(fmt)[:40]!r} is not supported (supported: "
+                         f"{', '.join(repr(f) for f in IMAGE_FORMATS)})")
+
+
+def check_expected_tokens(value: Any, where: str) -> int:
+    if value is None:
         raise ValueError(f"{where}: an ImageChunk needs expected_tokens (the image's token count)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: expected_tokens must be a positive count, got {str(value)[:40]}")
+    return value
+
+
+def check_image_json(chunk: dict, where: str) -> None:
+    """A JSON image chunk's format, base64 data and expected_tokens, each a ValueError naming it."""
+    check_image_format(chunk.get("format"), where)
+    data = chunk.get("data")
     try:
-        images.check_header(data, images.ImageLimits(limits.max_image_bytes, limits.max_image_pixels))
+        if not isinstance(data, str):
+            raise ValueError
+        base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: image data is not valid base64 (send the image's bytes base64-encoded)"
+                         ) from None
+    check_expected_tokens(chunk.get("expected_tokens"), where)
+
+
+def check_image(data: bytes, fmt: str, expected_tokens: int | None, limits: RequestLimits, where: str) -> int:
+    """An image chunk's token count, once its format (declared, and the bytes' signature), declared size
+    and bytes are within ``limits`` (from the header alone: nothing is decoded); a ValueError naming the
+    problem otherwise."""
+    check_image_format(fmt, where)
+    check_expected_tokens(expected_tokens, where)
+    try:
+        images.check_header(data, images.ImageLimits(limits.max_image_bytes, limits.max_image_pixels), fmt)
     except images.ImageError as e:
         too_large = "more than max_image" in str(e)
         flag = " (--max-image-bytes / --max-image-pixels)" if too_large else ""
@@ -442,8 +533,8 @@ def _datum_size(d: pb.Datum, limits: RequestLimits) -> tuple[int, int, int]:
         kind = c.WhichOneof("chunk")
         if kind == "image":
             image = c.image
-            n += check_image(image.data, image.format, image.expected_tokens, limits,
-                             f"model_input chunk {k}")
+            tokens = image.expected_tokens if image.HasField("expected_tokens") else None
+            n += check_image(image.data, image.format, tokens, limits, f"model_input chunk {k}")
             pictures += 1
             continue
         if kind != "encoded_text":
