@@ -304,8 +304,9 @@ def _one_member(errors: list[dict], data: Any) -> list[dict]:
         elif where not in unknown:
             unknown.add(where)
             kinds = ", ".join(repr(t) for t in _CHUNK_TYPES.values())
+            given = "none is given" if declared is None else f"not {str(declared)[:40]!r}"
             out.append({**err, "loc": where, "type": "chunk_type",
-                        "msg": f"a chunk's type is one of {kinds}, not {str(declared)[:40]!r}"})
+                        "msg": f"a chunk's type is one of {kinds}; {given}"})
     return out
 
 
