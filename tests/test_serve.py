@@ -1260,20 +1260,25 @@ def test_engine_settings_on_the_command_line_are_the_train_configs():
 
 
 def test_serve_command_line_errors_are_one_line(tmp_path):
+    """Each mistake is named, before anything binds the port: the other cases ask for a port in use, and
+    still hear about their own mistake."""
     import socket
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
+    taken = ["--port", str(busy.getsockname()[1])]
     try:
         cases = [
             (["--port", "70000"], "--port"),
-            (["--port", str(busy.getsockname()[1])], "in use"),
-            (["--models", str(tmp_path / "no-such-model")], "no such model directory"),
-            (["--api-key-file", str(tmp_path / "no-keys")], "no-keys"),
-            (["--device", "warp-drive"], "--device"),
-            (["--max-checkpoints", "0"], "--max-checkpoints must be a positive integer"),
-            (["--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
+            (taken, "in use"),
+            ([*taken, "--models", str(tmp_path / "no-such-model")], "no such model directory"),
+            ([*taken, "--api-key-file", str(tmp_path / "no-keys")], "no-keys"),
+            ([*taken, "--device", "warp-drive"], "--device"),
+            ([*taken, "--max-checkpoints", "0"], "--max-checkpoints must be a positive integer"),
+            ([*taken, "--max-lora-rank", "0"], "--max-lora-rank must be a positive integer"),
+            ([*taken, "--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
+            ([*taken, "--micro-batch-tokens", "0"], "--micro-batch-tokens must be a positive integer"),
         ]
         for args, words in cases:
             done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -135,9 +136,11 @@ class BaseModel:
         self._adapter_specs: dict[str, LoraSpec] = {}
         self._sampling_slots: dict[tuple, str] = {}
         self._slot_owner: dict[str, object] = {}
+        self._slot_names = itertools.count()  # slots come and go (release_snapshot): names are never reused
         self._merged: dict[str, tuple[object, list[tuple[torch.nn.Module, torch.nn.Parameter]]]] = {}
         self._tokenizer = None
         self._linears = self._linear_layers()
+        self._lora_widths = self._layer_widths()
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # the sampler's own copy of the weights when it samples in another dtype or decodes packed on a CPU
         # (before PEFT wraps the model and the blocks are wrapped for checkpointing, neither of which the
@@ -304,6 +307,30 @@ class BaseModel:
                         kinds[f"{name}.{param_name}"] = ("mlp", "parameter")
         return kinds
 
+    def _layer_widths(self) -> dict[str, int]:
+        """For each layer LoRA can train, its input plus output width (times its experts for fused expert
+        weights): an adapter of rank r adds r times that many parameters there."""
+        widths = {}
+        for name, (_, how) in self._linears.items():
+            if how == "module":
+                layer = self.hf_model.get_submodule(name)
+                widths[name] = layer.in_features + layer.out_features
+            else:
+                experts, rows, cols = self.hf_model.get_parameter(name).shape
+                widths[name] = experts * (rows + cols)
+        return widths
+
+    def lora_parameters(self, spec: LoraSpec) -> int:
+        """How many parameters an adapter of ``spec`` has, from the layers' shapes, without making it (what
+        admitting a new adapter will cost)."""
+        wanted = {"attn": spec.train_attn, "mlp": spec.train_mlp, "unembed": spec.train_unembed}
+        return spec.rank * sum(self._lora_widths[n] for n, (kind, _) in self._linears.items() if wanted[kind])
+
+    @property
+    def width(self) -> int:
+        """The model's hidden size: a LoRA of a higher rank adds nothing a full-rank update would not."""
+        return int(self.text_config.hidden_size)
+
     def lora_targets(self, spec: LoraSpec) -> dict[str, list[str]]:
         """``target_modules`` and ``target_parameters`` (full names) of the layers ``spec`` trains. A kind
         asked for that matches nothing is an error: silently training less than asked ruins a run."""
@@ -390,7 +417,7 @@ class BaseModel:
         key = spec.shape_key
         slot = self._sampling_slots.get(key)
         if slot is None:
-            slot = f"sampler_{len(self._sampling_slots)}"
+            slot = f"sampler_{next(self._slot_names)}"
             self.add_adapter(slot, LoraSpec(spec.rank, spec.train_mlp, spec.train_attn, spec.train_unembed,
                                             seed=0))
             self._sampling_slots[key] = slot
@@ -400,6 +427,23 @@ class BaseModel:
                     dst.copy_(src)
             self._slot_owner[slot] = owner
         return slot
+
+    def release_snapshot(self, owner: object) -> int:
+        """Give back the sampling slots holding ``owner``'s weights (a sampling client that is gone): the
+        slot's adapter, the folded weights made from it, and the reference to ``owner`` that kept its
+        snapshot alive. Slots are made per adapter shape, so without this every LoRA shape ever sampled
+        would keep a slot (and, with merged sampling, a folded copy of the weights it adapts) for the
+        server's life. A sampler that samples again gets a new slot. Returns the number of slots freed."""
+        freed = [(key, slot) for key, slot in self._sampling_slots.items()
+                 if self._slot_owner.get(slot) is owner]
+        for key, slot in freed:
+            del self._sampling_slots[key]
+            self._slot_owner.pop(slot, None)
+            self._merged.pop(slot, None)
+            if self.sampler_copy is not None:
+                self.sampler_copy.forget(slot)
+            self.delete_adapter(slot)
+        return len(freed)
 
     # ---- sampling ---------------------------------------------------------------------------
     @property

@@ -36,6 +36,14 @@ LIMITS = [  # (flag, default, help): past a per-request limit 400, past a key's 
     ("--max-tokens-in-flight", 1 << 22, "per key: forward_backward and prompt tokens accepted, not yet done "
                                         "(one forward_backward call's chunks must fit in it together)"),
     ("--max-samples-in-flight", 8192, "per key: samples (num_samples) of sampling requests not yet done"),
+    ("--max-decode-tokens-in-flight", 1 << 21, "per key: tokens its sampling requests not yet done may "
+                                               "decode (num_samples x max_tokens, max_tokens capped by the "
+                                               "model's context)"),
+    ("--max-sessions", 256, "per key: live sessions (a closed or timed-out one frees its place)"),
+    ("--max-models", 64, "per key: live training clients (freed when their session ends)"),
+    ("--max-adapter-bytes", 4 << 30, "per key: memory of its training clients' adapters, gradients and "
+                                     "optimizer state (16 bytes per LoRA parameter)"),
+    ("--max-lora-rank", 256, "largest LoRA rank of a training client (also at most the model's width)"),
     ("--max-checkpoints", 1000, "per key: checkpoints kept in the store; past it a save gets 403 until some "
                                 "are deleted"),
     ("--max-recorded-tokens", 1 << 24, "per key: prompt and sampled tokens of the sequences its samplers "
@@ -141,7 +149,11 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                        max_target_k=args.max_target_k, max_request_images=args.max_request_images,
                        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                        max_tokens_in_flight=args.max_tokens_in_flight,
-                       max_samples_in_flight=args.max_samples_in_flight, max_checkpoints=args.max_checkpoints,
+                       max_samples_in_flight=args.max_samples_in_flight,
+                       max_decode_tokens_in_flight=args.max_decode_tokens_in_flight,
+                       max_sessions=args.max_sessions, max_models=args.max_models,
+                       max_adapter_bytes=args.max_adapter_bytes, max_lora_rank=args.max_lora_rank,
+                       max_checkpoints=args.max_checkpoints,
                        max_recorded_tokens=args.max_recorded_tokens, sweep_interval_s=args.sweep_interval,
                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
 
@@ -154,7 +166,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse options that cannot work, before anything heavy is loaded."""
+    """Refuse options that cannot work, before the port is bound or anything heavy is loaded."""
     from polyrl.models import resolve_model_path
 
     if not 0 <= args.port <= 65535:
@@ -176,6 +188,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise UserInputError(f"{flag} must be a positive number of seconds, got {value}")
     for name in args.models:
         resolve_model_path(name)
+    import torch
+
+    try:
+        torch.device(args.device if args.device != "auto" else "cpu")
+    except (RuntimeError, ValueError):
+        raise UserInputError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:N or "
+                             "mps)") from None
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -200,20 +219,15 @@ def run(args: argparse.Namespace) -> None:
         if not k.startswith("tml-"):
             print(f"warning: key {k[:6]}... does not start with 'tml-'; the tinker SDK refuses to send such "
                   "keys", file=sys.stderr)
-    sock = listen(args.host, args.port)
+    config = config_from_args(args, keys)
+    sock = listen(args.host, args.port)  # once every option is known to be good
 
-    import torch
     import uvicorn
 
     from polyrl.serve.app import create_app, read_timeout_protocol
     from polyrl.serve.server import Server
 
-    try:
-        torch.device(args.device if args.device != "auto" else "cpu")
-    except (RuntimeError, ValueError):
-        raise UserInputError(f"--device {args.device!r} is not a device (auto, cpu, cuda, cuda:N or "
-                             "mps)") from None
-    server = Server(config_from_args(args, keys))
+    server = Server(config)
     if server.config.preload:
         try:
             server.preload()

@@ -2,12 +2,14 @@
 starves the others.
 
 :class:`Quotas` is part of :class:`~polyrl.serve.server.Server` (a base class of it), kept here so that
-each file has one job. It uses the server's ``config`` (the limits), ``usage`` (what each key holds) and
-``models`` (data waiting for earlier seq_ids).
+each file has one job. It uses the server's ``config`` (the limits), ``usage`` (what each key holds),
+``models`` (data waiting for earlier seq_ids, and the key's training clients), ``sessions`` and ``engine``
+(the loaded models' shapes).
 """
 
 from __future__ import annotations
 
+from polyrl.local.model import LoraSpec
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.state import ModelRecord
 
@@ -32,7 +34,8 @@ class Quotas:
             raise e
 
     IN_FLIGHT = {"tokens": ("max_tokens_in_flight", "tokens (forward_backward data and sampling prompts)"),
-                  "samples": ("max_samples_in_flight", "samples")}
+                 "samples": ("max_samples_in_flight", "samples"),
+                 "decode": ("max_decode_tokens_in_flight", "tokens to decode (num_samples x max_tokens)")}
 
     def in_flight_room(self, owner: str, what: str, amount: int) -> None:
         """A 429 the SDK waits out (Retry-After) when ``amount`` more would pass the key's limit; a key with
@@ -45,3 +48,50 @@ class Quotas:
             raise RequestError(429, f"this key has {held} {label} in flight; {amount} more would pass its "
                                     f"limit of {limit} ({flag}); retry once earlier requests finish",
                                retry_after=1)
+
+    # ---- what a key keeps --------------------------------------------------------------------------
+    def session_room(self, owner: str) -> None:
+        """A 403 when the key already has ``max_sessions`` live sessions."""
+        live = sum(s.owner == owner for s in self.sessions.values())
+        if live >= self.config.max_sessions:
+            raise RequestError(403, f"this key has {live} live sessions, the most this server allows per key "
+                                    f"(--max-sessions {self.config.max_sessions}); close some "
+                                    "(ServiceClient.close) or let them time out")
+
+    def adapter_room(self, owner: str, base_name: str, rank: int, lora: LoraSpec) -> int:
+        """The bytes a new training client of ``lora`` on ``base_name`` holds (adapter, gradient, optimizer
+        moments: ``ADAPTER_BYTES_PER_PARAMETER`` per LoRA parameter; 0 while the base model is not loaded),
+        or a 4xx naming the limit it passes: its rank (400), the key's training clients or their memory
+        (403)."""
+        cfg = self.config
+        if rank > cfg.max_lora_rank:
+            raise RequestError(400, f"lora rank {rank} is more than this server allows "
+                                    f"(--max-lora-rank {cfg.max_lora_rank})")
+        # the key's training clients (read from the engine's thread too: the list is taken at once)
+        mine = [r for r in list(self.models.values()) if r.owner == owner
+                and not (r.ready.done() and r.ready.exception() is not None)]
+        if len(mine) >= cfg.max_models:
+            raise RequestError(403, f"this key has {len(mine)} training clients, the most this server allows "
+                                    f"per key (--max-models {cfg.max_models}); close their sessions to make "
+                                    "more")
+        base = next((m for m in self.engine.loaded_models() if m.name == base_name), None)
+        if base is None:
+            return 0
+        if rank > base.width:
+            raise RequestError(400, f"lora rank {rank} is more than model {base_name!r}'s width "
+                                    f"({base.width}): a higher rank adds nothing")
+        size = ADAPTER_BYTES_PER_PARAMETER * base.lora_parameters(lora)
+        held = sum(r.adapter_bytes for r in mine)
+        if held + size > cfg.max_adapter_bytes:
+            raise RequestError(403, f"a rank-{rank} adapter of {base_name!r} holds {_mb(size)} (weights, "
+                                    f"gradient, optimizer state); this key's training clients hold "
+                                    f"{_mb(held)} of the {_mb(cfg.max_adapter_bytes)} this server allows per "
+                                    "key (--max-adapter-bytes): close sessions, or use a lower rank")
+        return size
+
+
+ADAPTER_BYTES_PER_PARAMETER = 16  # float32 weight, gradient and the optimizer's two moments
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -10,6 +10,7 @@ each file has one job. It uses the server's ``engine``, ``config``, ``samplers``
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from concurrent.futures import Future
@@ -44,10 +45,10 @@ class Sampling:
             meta = self._checkpoint_meta(req.model_path, owner, loading=True)
             base = self.base_model_name(meta["base_model"])
             path = req.model_path
-            ready = self._submit(lambda: self.engine.load_sampler(path))
+            ready = self._submit(lambda: self.engine.load_sampler(path), owner)
         elif req.base_model is not None:
             base = self.base_model_name(req.base_model)
-            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None))
+            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None), owner)
         else:
             raise RequestError(400, "create_sampling_session needs model_path or base_model")
         self.add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path,
@@ -84,11 +85,19 @@ class Sampling:
             raise RequestError(400, f"num_samples {req.num_samples} is more than this server lets a key "
                                     f"have in flight ({cfg.max_samples_in_flight}, --max-samples-in-flight); "
                                     "ask in smaller requests")
+        decode = req.num_samples * _new_tokens(rec, req.sampling_params.max_tokens, n_prompt)
+        if decode > cfg.max_decode_tokens_in_flight:
+            raise RequestError(400, f"{req.num_samples} samples of up to {decode // req.num_samples} tokens "
+                                    "are more than this server lets a key decode at once "
+                                    f"({cfg.max_decode_tokens_in_flight} tokens, "
+                                    "--max-decode-tokens-in-flight); ask for fewer samples or a lower "
+                                    "max_tokens")
         self.in_flight_room(owner, "samples", req.num_samples)
         self.in_flight_room(owner, "tokens", n_prompt)
+        self.in_flight_room(owner, "decode", decode)
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
         out: Future = Future()
-        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples)
+        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples, decode=decode)
         rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
                                owner=owner, session_id=rec.session_id)
         done = out
@@ -101,7 +110,7 @@ class Sampling:
             if len(rec.seen) > 8192:  # retries only ever repeat recent requests
                 for seq in list(rec.seen)[:4096]:
                     del rec.seen[seq]
-        loop_add = self.gate.add
+        loop_add = functools.partial(self.gate.add, owner=owner)
 
         loop = asyncio.get_running_loop()
 
@@ -146,3 +155,18 @@ class Sampling:
 
             rec.ready.add_done_callback(when_ready)
         return {"request_id": rid, "sample_sequence_ids": ids}
+
+
+UNKNOWN_CONTEXT_TOKENS = 4096  # a sample's tokens when neither max_tokens nor the model's context is known
+
+
+def _new_tokens(rec: SamplerRecord, max_tokens: int | None, prompt: int) -> int:
+    """The most tokens one sample of a request may decode: ``max_tokens``, within the model's context (the
+    engine stops there)."""
+    context = None
+    if rec.ready.done() and rec.ready.exception() is None:
+        context = rec.ready.result().base.max_context_length
+    if context is None:
+        return max(1, max_tokens or UNKNOWN_CONTEXT_TOKENS)
+    room = max(1, context - prompt)
+    return min(max_tokens or room, room)

@@ -14,6 +14,7 @@ quotas (:mod:`~polyrl.serve.quotas`) and the checkpoint lifecycle (:mod:`~polyrl
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from tinker import types
 
 from polyrl.config import LocalEngineConfig
 from polyrl.local import losses
+from polyrl.local.allocator import give_back_free_memory
 from polyrl.local.engine import Engine, SamplerState, TrainerState
 from polyrl.local.model import LoraSpec, resolve_model_path
 from polyrl.local.optim import check_kind, optimizer_type
@@ -39,8 +41,8 @@ from polyrl.serve.quotas import Quotas
 from polyrl.serve.runs import Runs, check_id, check_tinker_path, paginate
 from polyrl.serve.sampling import Sampling
 from polyrl.serve.state import (
-    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, error_body,
-    wait_done,
+    Futures, ModelRecord, OrderedOps, Outstanding, SampleGate, SamplerRecord, Session, Usage, chain,
+    error_body, wait_done,
 )
 
 log = logging.getLogger("polyrl.serve")
@@ -78,7 +80,14 @@ class ServeConfig:
     # would hang); checkpoints stored (403 past it, until some are deleted).
     max_tokens_in_flight: int = 1 << 22
     max_samples_in_flight: int = 8192
+    max_decode_tokens_in_flight: int = 1 << 21  # num_samples x max_tokens of sampling requests
     max_checkpoints: int = 1000
+    # What one key may keep (403 past them): live sessions, training clients, and their adapters' memory
+    # (weights, gradients, optimizer moments); a LoRA rank above max_lora_rank or the model's width is a 400.
+    max_sessions: int = 256
+    max_models: int = 64
+    max_adapter_bytes: int = 4 << 30
+    max_lora_rank: int = 256
     max_recorded_tokens: int = DEFAULT_MAX_RECORDED_TOKENS  # per key, for stable_reinforce (LRU eviction)
     sweep_interval_s: float = 60.0  # how often expired checkpoints are removed from the store
     # A connection's request headers, then its body, must arrive within these (slow clients are closed).
@@ -120,11 +129,12 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
             self.served[name] = self.served[canonical] = canonical
         self._init_lifecycle()
 
-    def _submit(self, fn) -> Future:
-        return self.outstanding.track(self.engine.submit(fn))
+    def _submit(self, fn, owner: str) -> Future:
+        """Run ``fn`` on the engine as ``owner``'s work (keys take turns on the engine)."""
+        return self.outstanding.track(self.engine.submit(fn, owner))
 
-    def _submit_sample(self, state: SamplerState, job) -> Future:
-        return self.outstanding.track(self.engine.submit_sample(state, job))
+    def _submit_sample(self, state: SamplerState, job, owner: str) -> Future:
+        return self.outstanding.track(self.engine.submit_sample(state, job, owner))
 
     # ---- models --------------------------------------------------------------------------------
     def preload(self) -> None:
@@ -164,6 +174,7 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
 
     # ---- sessions ------------------------------------------------------------------------------
     def create_session(self, req: P.CreateSessionReq, owner: str) -> dict:
+        self.session_room(owner)
         sid = f"sess-{uuid.uuid4().hex[:12]}"
         self.sessions[sid] = Session(sid, owner, req.tags, req.user_metadata)
         return {"session_id": sid, "type": "create_session"}
@@ -208,42 +219,65 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         self.finished[session_id] = owner
         while len(self.finished) > 10_000:
             self.finished.popitem(last=False)
-        for mid in s.models:
-            if mid in self.models:
-                self._release_model(self.models.pop(mid), f"model {mid} was released: its session {reason}")
-        for sid in s.samplers:
-            self.samplers.pop(sid, None)
+        models = [self.models.pop(mid) for mid in s.models if mid in self.models]
+        for rec in models:
+            rec.ops.close(f"model {rec.model_id} was released: its session {reason}")
+        samplers = [self.samplers.pop(sid) for sid in s.samplers if sid in self.samplers]
         self.futures.drop_session(session_id)
         self.records.drop_session(session_id)
+        self._release_model(models, samplers, owner)
         return {}
 
-    def _release_model(self, rec: ModelRecord, reason: str) -> None:
-        rec.ops.close(reason)
+    def _release_model(self, models: list[ModelRecord], samplers: list[SamplerRecord], owner: str) -> None:
+        """Have the engine give back what released training and sampling clients held: each model's
+        adapter and optimizer state, the sampling slots (and folded weights) of each sampler's snapshot,
+        then the allocator's free pages, so that memory returns to where it was once sessions end.
+        Runs on the engine's worker after ``owner``'s work already queued, which may still use them."""
 
         def free() -> None:
-            if rec.ready.done() and rec.ready.exception() is None:
-                st: TrainerState = rec.ready.result()
-                st.base.delete_adapter(st.adapter)
+            for rec in models:
+                if (st := _result(rec.ready)) is not None:
+                    st.base.delete_adapter(st.adapter)
+                    # a future or callback that still holds the state keeps no tensors alive through it
+                    st.optimizer.state.clear()
+                    st.params.clear()
+            for srec in samplers:
+                if (state := _result(srec.ready)) is not None and state.weights is not None:
+                    state.base.release_snapshot(state)
+            give_back_free_memory()
 
-        self.engine.submit(free)
+        if models or samplers:
+            self.engine.submit(free, owner)
 
     # ---- training clients ----------------------------------------------------------------------
     def _new_model(self, session: Session, model_seq_id: int, base_model: str, lora: dict,
                    user_metadata: dict | None, start) -> str:
-        """Record the run (and its owner) in the store, then have the engine ``start()`` the model."""
+        """Admit the model against the key's quotas, record the run (and its owner) in the store, then have
+        the engine ``start()`` the model."""
         model_id = f"{session.session_id}:train:{model_seq_id}"
+        spec = LoraSpec(**lora)
+        size = self.adapter_room(session.owner, base_model, spec.rank, spec)
         try:
             self.runs.record(model_id, session.owner, base_model, lora, user_metadata)
         except OSError as e:
             raise RequestError(503, f"could not record training run {model_id}: {e}", "server") from None
-        ready = self._submit(start)
+
+        def admitted() -> TrainerState:
+            if rec.adapter_bytes == 0:  # its base model was not loaded at the request: admitted here
+                self.engine.base(base_model)
+                rec.adapter_bytes = self.adapter_room(session.owner, base_model, spec.rank, spec) or 1
+            return start()
+
+        ready: Future = Future()
         rid = self.futures.add(ready, lambda st: {"model_id": st.model_id, "type": "create_model"},
                                owner=session.owner, session_id=session.session_id)
-        ops = OrderedOps(self._submit, self.futures, max_ahead=self.config.max_seq_ahead, owner=session.owner,
+        ops = OrderedOps(functools.partial(self._submit, owner=session.owner), self.futures,
+                         max_ahead=self.config.max_seq_ahead, owner=session.owner,
                          session_id=session.session_id)
         rec = ModelRecord(model_id, session.session_id, session.owner, base_model, lora, user_metadata, ready,
-                          ops, rid)
+                          ops, rid, adapter_bytes=size)
         self.models[model_id] = rec
+        chain(self._submit(admitted, session.owner), ready)
         session.models.append(model_id)
         ready.add_done_callback(lambda f: self.runs.forget(model_id) if f.exception() is not None else None)
         return rid
@@ -520,7 +554,13 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         return run_id
 
     def training_run(self, run_id: str, owner: str, access_scope: str = "owned") -> dict:
-        return self.runs.training_run(self._visible_run(run_id, owner, access_scope), self._live_run(run_id))
+        return self._run_view(self._visible_run(run_id, owner, access_scope), owner)
+
+    def _run_view(self, run_id: str, owner: str) -> dict:
+        """A run as ``owner`` may see it: all of it if it may read the run, else only what is published."""
+        if self._readable(run_id, owner):
+            return self.runs.training_run(run_id, self._live_run(run_id))
+        return self.runs.training_run(run_id, public_only=True)
 
     def _own_runs(self, owner: str) -> list[str]:
         return self.runs.run_ids([m for m, rec in self.models.items() if rec.owner == owner], owner)
@@ -537,7 +577,7 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         rows = []
         for run_id in run_ids:
             try:
-                rows.append(self.runs.training_run(run_id, self._live_run(run_id)))
+                rows.append(self._run_view(run_id, owner))
             except RequestError:
                 continue
         rows.sort(key=lambda r: r["last_request_time"], reverse=True)
@@ -581,6 +621,11 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
                 log.warning("session %s sent no heartbeat for %.0f s; releasing its models", s.session_id,
                             now - s.last_seen)
                 self.finish_session(s.session_id, s.owner, "timed out")
+
+
+def _result(future: Future) -> Any:
+    """A done future's result, or None while it runs or when it failed."""
+    return future.result() if future.done() and future.exception() is None else None
 
 
 def _optimizer_config(kind: str) -> dict:

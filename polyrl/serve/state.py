@@ -262,6 +262,7 @@ class ModelRecord:
     ops: OrderedOps
     create_request_id: str
     last_request: float = field(default_factory=time.time)
+    adapter_bytes: int = 0  # what its adapter, gradients and optimizer state hold (the key's memory quota)
     waiting_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens of data behind a gap
 
 
@@ -291,19 +292,19 @@ class SampleGate:
     engine is busy they go straight to its queue, where its next batch collects them anyway.
     """
 
-    def __init__(self, submit: Callable[[Any, Any], Future], busy: Callable[[], bool], quiet: float,
+    def __init__(self, submit: Callable[[Any, Any, str], Future], busy: Callable[[], bool], quiet: float,
                  burst_quiet: float, max_wait: float):
         self._submit = submit
         self._busy = busy
         self.quiet = quiet
         self.burst_quiet = burst_quiet
         self.max_wait = max_wait
-        self._held: list[tuple[Any, Any, Future]] = []
+        self._held: list[tuple[Any, Any, Future, str]] = []
         self._first = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
-    def add(self, sampler_state: Any, job: Any, out: Future) -> None:
-        self._held.append((sampler_state, job, out))
+    def add(self, sampler_state: Any, job: Any, out: Future, owner: str = "") -> None:
+        self._held.append((sampler_state, job, out, owner))
         if self.quiet <= 0 or self._busy():
             self.flush()
             return
@@ -325,8 +326,8 @@ class SampleGate:
         held, self._held, self._timer = self._held, [], None
         if held:
             log.debug("sampling: %d requests to the engine (busy=%s)", len(held), self._busy)
-        for sampler_state, job, out in held:
-            chain(self._submit(sampler_state, job), out)
+        for sampler_state, job, out, owner in held:
+            chain(self._submit(sampler_state, job, owner), out)
 
 
 class Outstanding:
