@@ -3,16 +3,22 @@
 Layout: ``<root>/<run_id>/{weights|sampler_weights|external_weights}/<name>/`` (the run id
 percent-encoded: ``:`` is ``%3A``) holding a standard PEFT adapter
 (``adapter_model.safetensors`` + ``adapter_config.json``, age-encrypted as ``*.age`` in an external
-export made for age recipients), ``polyrl.json`` (base model, LoRA spec, optimizer steps, and the
-lifecycle: ``expires_at``, ``public``) and, for training state, ``optimizer.pt``. Every checkpoint is
-written to a temporary directory, its files fsynced, and renamed into place (the rename fsynced too), so
-a crash never leaves a half-written checkpoint. Overwriting moves the old directory aside first and
-removes it only once the new one is in place; a crash between the two renames leaves the old one aside,
-where :meth:`Store.directory` finds and restores it. ``polyrl.json`` is rewritten the same way.
+export made for age recipients), ``polyrl.json`` (base model, LoRA spec, optimizer steps, the files a
+complete checkpoint holds, the ``generation`` (an id of the save that wrote it, new on every write,
+overwrite and copy), and the lifecycle: ``expires_at``, ``public`` and the id of its ``publication``) and,
+for training state, ``optimizer.pt``. Every checkpoint is written to a temporary directory, its files
+fsynced, and renamed into place (the rename fsynced too), so a crash never leaves a half-written
+checkpoint. Overwriting moves the old directory aside first and removes it only once the new one is in
+place; a crash between the two renames leaves the old one aside, where :meth:`Store.directory` finds and
+restores it. ``polyrl.json`` is rewritten the same way. A removal renames the directory out of the way
+before its files go. What a killed process leaves anyway (a save's temporary directory, a checkpoint that
+lost files to something else) is counted against the size cap, absent to every lookup, and removed by
+:meth:`Store.reclaim`.
 
 Lifecycle, as Tinker's: a checkpoint saved with a TTL expires at ``expires_at``; from then on it cannot
 be loaded, and it is removed by the first access, by a listing (which shows it once, expired, then
-removes it), by the sweep every save runs now and then, and by ``polyrl serve``'s periodic sweep. A store
+removes it), by the sweep every save runs now and then, and by ``polyrl serve``'s periodic sweep; each
+removes only the checkpoint it found expired, never one a save put under the same name meanwhile. A store
 may have a size cap (``max_bytes``): a save that would pass it is refused and nothing of it is kept.
 
 Problems are raised as the tinker SDK's own exception types (``tinker.ConflictError`` for a name that
@@ -121,8 +127,15 @@ class CheckpointPath:
         return f"tinker://{self.run_id}/{self.kind}/{self.name}"
 
 
-_NEW, _ASIDE = ".tmp-new-", ".tmp-old-"  # + 8 hex digits + "-" + name: a checkpoint being written / replaced
+# + 8 hex digits + "-" + name: a checkpoint being written / replaced / removed
+_NEW, _ASIDE, _GONE = ".tmp-new-", ".tmp-old-", ".tmp-del-"
 META = "polyrl.json"
+WEIGHTS = "adapter_model.safetensors"
+# A temporary directory nothing has touched for this long belongs to a save that died (killed mid-write):
+# the store's lifecycle removes it. Age, not a process id, decides, because two processes (an in-process
+# ``polyrl train`` and a server, perhaps on different hosts of a shared file system) may write one store,
+# and a live save touches its directory and files as it writes them, within seconds.
+STALE_TEMP_S = 600.0
 
 
 def _fsync(path: Path) -> None:
@@ -241,24 +254,30 @@ class Store:
     def directory(self, cp: CheckpointPath) -> Path:
         final = self.run_directory(cp.run_id) / cp.kind / cp.name
         if not final.exists() and final.parent.is_dir():  # a crash mid-overwrite: put the old one back
-            for d in final.parent.iterdir():
-                if d.name.startswith(_ASIDE) and d.name[len(_ASIDE) + 9:] == cp.name and (d / META).exists():
-                    os.replace(d, final)
-                    break
+            with self._lock:  # not between an overwrite's two renames
+                for d in final.parent.iterdir():
+                    if (d.name.startswith(_ASIDE) and d.name[len(_ASIDE) + 9:] == cp.name
+                            and not final.exists() and (d / META).exists()):
+                        os.replace(d, final)
+                        break
         return final
 
     def resolve(self, path: str) -> tuple[CheckpointPath, Path]:
-        """The checkpoint at ``path`` and its directory; an expired one is removed here (NotFound)."""
+        """The checkpoint at ``path`` and its directory. An incomplete one (a crash removed some of its
+        files) is not found; an expired one is removed here (NotFound). Messages name the ``tinker://``
+        path, never a directory: they reach clients of ``polyrl serve``."""
         cp = CheckpointPath.parse(path)
-        d = self.directory(cp)
-        meta = self._read_meta(d)
-        if meta is None:
-            raise CheckpointNotFoundError(f"checkpoint {path} not found (looked in {d})")
-        if expired(meta):
-            self._remove(d)
-            raise CheckpointNotFoundError(
-                f"checkpoint {path} expired at {meta['expires_at']} and was removed")
-        return cp, d
+        while True:
+            d = self.directory(cp)
+            meta = self._read_meta(d)
+            if meta is None or not self.complete(d, meta):
+                raise CheckpointNotFoundError(f"checkpoint {path} not found")
+            if not expired(meta):
+                return cp, d
+            if self._remove_if(d, meta):
+                raise CheckpointNotFoundError(
+                    f"checkpoint {path} expired at {meta['expires_at']} and was removed")
+            # replaced (or its TTL changed) since it was read: decide again on what is there now
 
     def exists(self, cp: CheckpointPath) -> bool:
         """Whether ``cp`` is in the store (an expired one is removed, and is not)."""
@@ -290,8 +309,8 @@ class Store:
                     parent.rmdir()
             if isinstance(e, StoreFullError):
                 raise
-            reason = e.strerror or str(e) or type(e).__name__
-            raise CheckpointWriteError(f"could not write checkpoint {cp} to the store at {self.root}: "
+            reason = e.strerror or str(e) or type(e).__name__  # strerror, not str(e), which names a file
+            raise CheckpointWriteError(f"could not write checkpoint {cp} to the checkpoint store: "
                                        f"{reason} (nothing of it was kept)") from None
 
     def _write(self, cp: CheckpointPath, final: Path, writer: Callable[[Path], None], meta: dict) -> str:
@@ -301,7 +320,11 @@ class Store:
         tmp.mkdir()
         try:
             writer(tmp)
-            meta = {**meta, "time": datetime.now(timezone.utc).isoformat(), "tinker_path": str(cp)}
+            # generation: this write's own id (a download URL is bound to it); files: what a complete
+            # checkpoint holds (a crash that removed some leaves it incomplete, and so absent)
+            meta = {**meta, "time": datetime.now(timezone.utc).isoformat(), "tinker_path": str(cp),
+                    "generation": uuid.uuid4().hex,
+                    "files": sorted(f.name for f in tmp.iterdir() if f.is_file())}
             (tmp / META).write_text(json.dumps(meta, indent=2))
             self._check_room(cp, tmp, final)
             _fsync_tree(tmp)
@@ -326,11 +349,11 @@ class Store:
     def _check_room(self, cp: CheckpointPath, new: Path, replaced: Path) -> None:
         if self.max_bytes is None:
             return
-        kept = [d for d in self._checkpoint_dirs() if d != replaced]
+        kept = [d for d in self._held_dirs() if d not in (replaced, new)]
         total = _bytes([*kept, new])
         if total > self.max_bytes:
             self.sweep()  # expired checkpoints make room first
-            kept = [d for d in self._checkpoint_dirs() if d != replaced]
+            kept = [d for d in self._held_dirs() if d not in (replaced, new)]
             total = _bytes([*kept, new])
         if total > self.max_bytes:
             held = _bytes(kept)
@@ -339,19 +362,38 @@ class Store:
                                  "with a TTL, to make room (nothing of it was kept)")
 
     def used_bytes(self) -> int:
-        """Bytes the store's checkpoints hold (a file linked into several copies counts once)."""
-        return _bytes(list(self._checkpoint_dirs()))
+        """Bytes the store holds: its checkpoints, and saves under way, incomplete checkpoints and a crash's
+        leftovers until they are removed (a file linked into several copies counts once)."""
+        return _bytes(list(self._held_dirs()))
 
-    def _checkpoint_dirs(self, run_id: str | None = None) -> Iterator[Path]:
+    def _kind_dirs(self, run_id: str | None = None) -> Iterator[Path]:
         runs = [self.run_directory(run_id)] if run_id is not None else \
             (sorted(p for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else [])
         for run in runs:
             for kind in KINDS:
-                base = run / kind
-                if base.is_dir():
-                    for d in sorted(base.iterdir()):
-                        if not d.name.startswith(".") and (d / META).exists():
-                            yield d
+                if (run / kind).is_dir():
+                    yield run / kind
+
+    def _held_dirs(self) -> Iterator[Path]:
+        """Every directory under the runs' kind directories: checkpoints, whole or not, and temporary ones."""
+        for base in self._kind_dirs():
+            with contextlib.suppress(OSError):  # removed meanwhile
+                yield from sorted(d for d in base.iterdir() if d.is_dir())
+
+    def _checkpoint_dirs(self, run_id: str | None = None) -> Iterator[Path]:
+        for base in self._kind_dirs(run_id):
+            for d in sorted(base.iterdir()):
+                if not d.name.startswith(".") and (d / META).exists():
+                    yield d
+
+    @staticmethod
+    def complete(directory: Path, meta: dict) -> bool:
+        """Whether every file the checkpoint was written with is there (a crash may have removed some).
+        A checkpoint whose metadata lists no files needs at least its adapter weights."""
+        names = meta.get("files")
+        if not isinstance(names, list):
+            names = [f"{WEIGHTS}.age" if meta.get("encrypted") else WEIGHTS]
+        return all(isinstance(n, str) and (directory / n).is_file() for n in names)
 
     # ---- metadata ------------------------------------------------------------------------------------
     @staticmethod
@@ -382,11 +424,13 @@ class Store:
         return self._update_meta(d, expires_at=expiry(ttl))
 
     def set_public(self, path: str, public: bool) -> dict:
-        """Publish (or unpublish) a checkpoint; one that already is gets a conflict, as from Tinker."""
+        """Publish (or unpublish) a checkpoint; one that already is gets a conflict, as from Tinker. Each
+        publication has its own id (``publication``): what was handed out under one (a download URL) ends
+        with it, and a later publication does not revive it."""
         _, d = self.resolve(path)
         if bool(self.meta(d).get("public")) == public:
             raise CheckpointConflictError(f"checkpoint {path} is already {'public' if public else 'private'}")
-        return self._update_meta(d, public=public)
+        return self._update_meta(d, public=public, publication=uuid.uuid4().hex if public else None)
 
     def files(self, path: str) -> dict[str, Path]:
         """The files of a checkpoint, by name (what a download gets: not the store's own metadata)."""
@@ -401,7 +445,7 @@ class Store:
         cp, d = self.resolve(source)
         if target.kind != cp.kind:
             raise CheckpointRequestError(f"a copy of {source} keeps its kind ({cp.kind}), not {target.kind}")
-        lifecycle = ("time", "tinker_path", "expires_at", "public")
+        lifecycle = ("time", "tinker_path", "expires_at", "public", "publication", "generation", "files")
         base = {k: v for k, v in self.meta(d).items() if k not in lifecycle}
 
         def link(tmp: Path) -> None:
@@ -437,14 +481,14 @@ class Store:
         now = time.time()
         for d in self._checkpoint_dirs(run_id):
             meta = self._read_meta(d)
-            if meta is None:
+            if meta is None or not self.complete(d, meta):
                 continue
             with contextlib.suppress(OSError):  # removed meanwhile
                 rows.append(self.row(d, meta))
                 if expired(meta, now):
-                    gone.append(d)
-        for d in gone:
-            self._remove(d)
+                    gone.append((d, meta))
+        for d, meta in gone:
+            self._remove_if(d, meta)
         return sorted(rows, key=lambda r: r["time"] or "")
 
     def runs(self) -> list[str]:
@@ -457,27 +501,81 @@ class Store:
         self._remove(d)
 
     def _remove(self, directory: Path) -> None:
+        self._remove_if(directory, None, always=True)
+
+    def _remove_if(self, directory: Path, meta: dict | None, always: bool = False) -> bool:
+        """Remove ``directory`` if its metadata is still ``meta`` (None: still missing or unreadable), or
+        ``always``; whether it did. The check and the move out of the way happen under the lock that
+        overwrites take, so a save landing after the caller decided is never what is removed. The
+        directory is renamed before its files go, so that a crash midway leaves no half-removed
+        checkpoint, only a temporary directory the lifecycle removes."""
+        gone = directory.parent / f"{_GONE}{uuid.uuid4().hex[:8]}-{directory.name}"
         with self._lock:
-            shutil.rmtree(directory, ignore_errors=True)
+            if not always and self._read_meta(directory) != meta:
+                return False
+            try:
+                os.replace(directory, gone)
+            except FileNotFoundError:  # removed meanwhile
+                return False
+        shutil.rmtree(gone, ignore_errors=True)
+        with self._lock:
             for parent in (directory.parent, directory.parent.parent):
                 with contextlib.suppress(OSError):  # not empty
                     parent.rmdir()
+        return True
 
     def sweep(self, now: float | None = None) -> list[str]:
-        """Remove every expired checkpoint; their paths."""
+        """Remove every expired checkpoint (their paths), then a crash's leftovers (:meth:`reclaim`)."""
         now = time.time() if now is None else now
         self._swept_at = time.monotonic()
         removed = []
         for d in list(self._checkpoint_dirs()):
             meta = self._read_meta(d)
-            if meta is not None and expired(meta, now):
-                self._remove(d)
-                removed.append(meta.get("tinker_path") or str(d))
+            if meta is not None and expired(meta, now) and self._remove_if(d, meta):
+                removed.append(meta.get("tinker_path") or d.name)
+        self.reclaim()
         return removed
+
+    def reclaim(self) -> None:
+        """Remove what a crash left in the store: incomplete checkpoints (some of their files, or their
+        metadata, gone), removals cut short, and temporary directories of saves that died
+        (untouched for ``STALE_TEMP_S``; a live save's are kept). A checkpoint set aside by an overwrite cut
+        short between its two renames is put back. Run when the store opens for an engine (a server's
+        start) and by every sweep; problems reading or removing are left for the next time."""
+        now = time.time()
+        for base in list(self._kind_dirs()):
+            with contextlib.suppress(OSError):
+                for d in sorted(base.iterdir()):
+                    with contextlib.suppress(OSError):
+                        self._reclaim_one(d, now)
+
+    def _reclaim_one(self, d: Path, now: float) -> None:
+        if not d.is_dir():
+            return
+        if d.name.startswith(_GONE):
+            shutil.rmtree(d, ignore_errors=True)
+        elif d.name.startswith((_NEW, _ASIDE)):
+            if now - _last_touched(d) < STALE_TEMP_S:
+                return
+            final = d.parent / d.name[len(_ASIDE) + 9:]
+            with self._lock:
+                if d.name.startswith(_ASIDE) and not final.exists() and (d / META).exists():
+                    os.replace(d, final)
+                    return
+            shutil.rmtree(d, ignore_errors=True)
+        elif not d.name.startswith("."):
+            meta = self._read_meta(d)
+            if meta is None or not self.complete(d, meta):
+                self._remove_if(d, meta)
 
     def _sweep_now_and_then(self) -> None:
         if time.monotonic() - self._swept_at >= self.SWEEP_EVERY_S:
             self.sweep()
+
+
+def _last_touched(directory: Path) -> float:
+    """The latest modification time of ``directory`` and the entries in it."""
+    return max([directory.stat().st_mtime, *(p.stat().st_mtime for p in directory.iterdir())])
 
 
 def _bytes(directories: list[Path]) -> int:

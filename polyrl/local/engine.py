@@ -150,6 +150,7 @@ class Engine:
                              f"got {sampler_dtype!r}")
         return_large_blocks_to_the_os()
         self.store = Store(store_dir, max_store_bytes)
+        self.store.reclaim()  # what a killed process left in the store (abandoned saves, half-removed ones)
         self.device_name = device
         self.dtype_name = dtype
         self.sampler_dtype_name = sampler_dtype
