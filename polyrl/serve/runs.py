@@ -117,11 +117,15 @@ class Runs:
         check_id(run_id, "training run id")
         return self.store.list(run_id) if self.store.run_directory(run_id).is_dir() else []
 
-    def training_run(self, run_id: str, live: dict | None = None) -> dict:
-        """Tinker's ``TrainingRun``; ``live`` holds what the server knows of a run it is serving."""
+    def training_run(self, run_id: str, live: dict | None = None, public_only: bool = False) -> dict:
+        """Tinker's ``TrainingRun``; ``live`` holds what the server knows of a run it is serving.
+        ``public_only``: the run as a key that does not own it sees it, built from its published checkpoints
+        alone (the last checkpoints are the last published ones; no user metadata, nothing live)."""
         check_id(run_id, "training run id")
         info = self.info(run_id) or {}
         cps = self.store.list(run_id) if self.store.run_directory(run_id).is_dir() else []
+        if public_only:
+            info, live, cps = {}, None, [c for c in cps if c["public"]]
         if not (live or info or cps):
             raise RequestError(404, f"training run {run_id!r} not found")
         latest_meta = self._meta(cps[-1]["tinker_path"]) if cps else {}
