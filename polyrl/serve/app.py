@@ -13,13 +13,14 @@ import contextlib
 import hmac
 import io
 import logging
-from typing import Any
+import os
+from typing import Any, Iterator
 
 import h11
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -393,9 +394,19 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get(Downloads.PREFIX + "{run_id}/{name}/{file}")
     async def download(run_id: str, name: str, file: str, expires: int = Query(..., ge=0, lt=2**62),
-                       signature: str = Query(..., max_length=128)):
-        path = server.download(run_id, name, file, expires, signature)
-        return FileResponse(path, media_type="application/octet-stream", filename=file)
+                       signature: str = Query(..., max_length=128),
+                       generation: str = Query("", max_length=64),
+                       publication: str = Query("", max_length=64)):
+        handle = server.download(run_id, name, file, expires, signature, generation, publication)
+
+        def chunks() -> Iterator[bytes]:  # from the file opened while its checkpoint was checked
+            with handle:
+                while data := handle.read(1 << 20):
+                    yield data
+
+        headers = {"Content-Length": str(os.fstat(handle.fileno()).st_size),
+                   "Content-Disposition": f'attachment; filename="{file}"'}
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers=headers)
 
     @app.post(f"{api}/copy_weights")
     async def copy_weights(request: Request):

@@ -19,8 +19,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 from urllib.parse import quote
 
 import tinker
@@ -35,20 +34,24 @@ log = logging.getLogger("polyrl.serve")
 
 
 @contextlib.contextmanager
-def store_errors() -> Iterator[None]:
-    """The store's errors (the SDK's status errors) as the same HTTP status."""
+def store_errors(path: str) -> Iterator[None]:
+    """The store's errors (the SDK's status errors) as the same HTTP status; one of the file system names
+    the checkpoint ``path``, never the server's files."""
     try:
         yield
     except tinker.APIStatusError as e:
         raise RequestError(e.status_code, str(e)) from None
-    except FileNotFoundError as e:  # removed while it was being read
-        raise RequestError(404, f"not found: {e.filename}") from None
+    except FileNotFoundError:  # removed while it was being read
+        raise RequestError(404, f"checkpoint {path} not found") from None
 
 
 class Downloads:
-    """Signed URLs of an external checkpoint's files: an expiry and an HMAC of the file and expiry under
-    a secret of this server process, so that a plain GET (``urllib``, ``curl``) fetches the file without
-    the API key until the URL expires (or the server restarts: the SDK then asks for new ones)."""
+    """Signed URLs of an external checkpoint's files: an HMAC, under a secret of this server process, of
+    the file, an expiry, the checkpoint's generation (the id of the save that wrote it) and, for a URL
+    issued to another key because the checkpoint was published, that publication's id. A plain GET
+    (``urllib``, ``curl``) fetches the file without the API key until the URL expires (or the server
+    restarts: the SDK then asks for new ones), and only while the checkpoint is the one, in the publication,
+    that the URL was issued for: deleted, replaced by a new save of the name, or unpublished, it is gone."""
 
     PREFIX = "/api/v1/external_weights_files/"
     LIFETIME_S = 3600
@@ -56,20 +59,27 @@ class Downloads:
     def __init__(self) -> None:
         self._secret = secrets.token_bytes(32)
 
-    def _signature(self, run_id: str, name: str, file: str, expires: int) -> str:
-        message = "\0".join([run_id, name, file, str(expires)]).encode()
+    def _signature(self, run_id: str, name: str, file: str, expires: int, generation: str,
+                   publication: str) -> str:
+        message = "\0".join([run_id, name, file, str(expires), generation, publication]).encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
-    def urls(self, base_url: str, run_id: str, name: str,
-             files: list[str]) -> tuple[dict[str, str], datetime]:
+    def urls(self, base_url: str, run_id: str, name: str, files: list[str], generation: str,
+             publication: str) -> tuple[dict[str, str], datetime]:
         expires = int(time.time()) + self.LIFETIME_S
         base = base_url.rstrip("/") + self.PREFIX + f"{quote(run_id, safe='')}/{quote(name, safe='')}/"
-        urls = {f: f"{base}{quote(f, safe='')}?expires={expires}"
-                   f"&signature={self._signature(run_id, name, f, expires)}" for f in files}
+        bound = f"&generation={quote(generation, safe='')}" + \
+            (f"&publication={quote(publication, safe='')}" if publication else "")
+        urls = {f: f"{base}{quote(f, safe='')}?expires={expires}{bound}"
+                   f"&signature={self._signature(run_id, name, f, expires, generation, publication)}"
+                for f in files}
         return urls, datetime.fromtimestamp(expires, timezone.utc)
 
-    def check(self, run_id: str, name: str, file: str, expires: int, signature: str) -> None:
-        if not hmac.compare_digest(self._signature(run_id, name, file, expires), signature):
+    def check(self, run_id: str, name: str, file: str, expires: int, signature: str, generation: str = "",
+              publication: str = "") -> None:
+        """A 403 for a URL this server did not sign as it is, or one past its expiry."""
+        if not hmac.compare_digest(self._signature(run_id, name, file, expires, generation, publication),
+                                   signature):
             raise RequestError(403, "this download URL's signature does not match (ask "
                                     "get_external_weights_urls for a new one)")
         if expires < time.time():
@@ -142,8 +152,14 @@ class CheckpointLifecycle:
                 error = RequestError(400, str(e))
             taken = exists or any(t == target for _, t in self._saving(rec.owner))
             if error is None and not overwrite and taken:
-                error = RequestError(409, f"checkpoint tinker://{rec.model_id}/{kind}/{name} already exists "
+                why = "already exists" if exists else "is already being saved"
+                error = RequestError(409, f"checkpoint tinker://{rec.model_id}/{kind}/{name} {why} "
                                           "(pass overwrite=True to replace it, or save under another name)")
+                # the SDK retries a 409 silently for five minutes before it raises: say it here, once
+                log.warning("refused a save of run %s: checkpoint tinker://%s/%s/%s %s and the save "
+                            "did not ask to overwrite it (409; the client's SDK retries for about five "
+                            "minutes, then raises ConflictError)", rec.model_id, rec.model_id, kind, name,
+                            why)
             if error is None and new:
                 error = self._checkpoint_room(rec.owner)
             if error is None:
@@ -177,34 +193,51 @@ class CheckpointLifecycle:
     # ---- REST ------------------------------------------------------------------------------------------
     def set_checkpoint_ttl(self, run_id: str, kind: str, name: str, req: P.SetTtlReq, owner: str) -> None:
         path = self._own_checkpoint(run_id, kind, name, owner)
-        with store_errors():
+        with store_errors(path):
             self.engine.store.set_ttl(path, req.ttl_seconds)
 
     def publish_checkpoint(self, run_id: str, kind: str, name: str, owner: str, public: bool) -> None:
         """Publish (every key may then load or sample it) or unpublish; 409 if it already is."""
         path = self._own_checkpoint(run_id, kind, name, owner)
-        with store_errors():
+        with store_errors(path):
             self.engine.store.set_public(path, public)
 
     def external_weights_urls(self, run_id: str, kind: str, name: str, owner: str, base_url: str) -> dict:
+        """Signed URLs of the checkpoint's files, bound to its generation and, when the caller reads it only
+        because it is published, to that publication."""
         path = self.runs.checkpoint_path(run_id, f"{kind}/{name}")
         if kind != "external_weights":
             raise RequestError(400, f"{path} is not external weights: save them with save_weights_external")
-        self._checkpoint_meta(path, owner)
-        with store_errors():
+        meta = self._checkpoint_meta(path, owner)
+        with store_errors(path):
             files = self.engine.store.files(path)
-        urls, expires = self.downloads.urls(base_url, run_id, name, list(files))
+        publication = "" if self._readable(run_id, owner) else _publication(meta)
+        urls, expires = self.downloads.urls(base_url, run_id, name, list(files), _generation(meta),
+                                            publication)
         return {"urls": urls, "expires": expires.isoformat()}
 
-    def download(self, run_id: str, name: str, file: str, expires: int, signature: str) -> Path:
-        """The file a signed URL names (checked), if its checkpoint is still there."""
-        self.downloads.check(run_id, name, file, expires, signature)
+    def download(self, run_id: str, name: str, file: str, expires: int, signature: str, generation: str = "",
+                 publication: str = "") -> BinaryIO:
+        """The file a signed URL names, opened, if the URL is valid and its checkpoint is still the
+        generation (and, for a reader's URL, the publication) it was issued for. The checkpoint is read
+        again after the file is open, so a save that replaced it in between is seen."""
+        self.downloads.check(run_id, name, file, expires, signature, generation, publication)
         path = str(check_tinker_path(f"tinker://{run_id}/external_weights/{name}"))
-        with store_errors():
+        with store_errors(path):
             files = self.engine.store.files(path)
-        if file not in files:
-            raise RequestError(404, f"{path} has no file {file!r}")
-        return files[file]
+            if file not in files:
+                raise RequestError(404, f"{path} has no file {file!r}")
+            handle = files[file].open("rb")
+        try:
+            with store_errors(path):
+                meta = self.engine.store.meta(self.engine.store.resolve(path)[1])
+            if _generation(meta) != generation or (publication and _publication(meta) != publication):
+                raise RequestError(404, f"checkpoint {path} not found (the checkpoint this URL was issued "
+                                        "for was deleted, replaced or unpublished)")
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def copy_weights(self, req: P.CopyWeightsReq, owner: str, idempotency_key: str | None,
                      token: str | None) -> dict:
@@ -239,11 +272,12 @@ class CheckpointLifecycle:
         try:
             self.runs.record(run_id, owner, meta["base_model"], meta.get("lora") or {}, None,
                              project_id=req.destination_project_id, copied_from=req.source_path)
-        except OSError as e:
-            raise RequestError(503, f"could not record training run {run_id}: {e}", "server") from None
+        except OSError as e:  # its reason, not str(e), which names the store's files
+            raise RequestError(503, f"could not record training run {run_id}: "
+                                    f"{e.strerror or str(e) or type(e).__name__}", "server") from None
         target = CheckpointPath(run_id, source.kind, source.name)
         try:
-            with store_errors():
+            with store_errors(req.source_path):
                 path = self.engine.store.copy(req.source_path, target, req.ttl_seconds,
                                               {"project_id": req.destination_project_id, "model_id": run_id})
         except BaseException:
@@ -283,3 +317,12 @@ class CheckpointLifecycle:
 
 def key_owner_of(key: str) -> str:
     return key_owner(key.encode())
+
+
+def _generation(meta: dict) -> str:
+    return str(meta.get("generation") or "")
+
+
+def _publication(meta: dict) -> str:
+    """The id of the checkpoint's current publication ("" while private)."""
+    return str(meta.get("publication") or "public") if meta.get("public") else ""
