@@ -261,6 +261,14 @@ def test_no_answer_names_a_server_path(served, mine, theirs):
     assert broken not in {c.tinker_path for c in _rest(served).list_checkpoints(run).result().checkpoints}
 
 
+def test_a_file_system_error_in_an_answer_names_no_server_file():
+    """What the engine's worker raises reaches the client as the future's error: an OSError's reason only."""
+    from polyrl.serve.state import error_body
+
+    body = error_body(FileNotFoundError(2, "No such file or directory", "/srv/store/run/weights/x/f"))
+    assert body == {"error": "FileNotFoundError: No such file or directory", "category": "server"}
+
+
 def _stderr_until(served: Served, needle: str, deadline_s: float = 30) -> str:
     """What the server wrote to its stderr, read without blocking until it holds ``needle``."""
     fd = served.proc.stderr.fileno()

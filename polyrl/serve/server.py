@@ -260,7 +260,8 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         try:
             self.runs.record(model_id, session.owner, base_model, lora, user_metadata)
         except OSError as e:
-            raise RequestError(503, f"could not record training run {model_id}: {e}", "server") from None
+            raise RequestError(503, f"could not record training run {model_id}: {e.strerror or e}",
+                               "server") from None
 
         def admitted() -> TrainerState:
             if rec.adapter_bytes == 0:  # its base model was not loaded at the request: admitted here

@@ -56,6 +56,8 @@ def error_body(e: BaseException) -> dict:
     status = getattr(e, "status_code", None)  # the store's errors are the SDK's status errors
     if isinstance(e, ValueError) or (isinstance(status, int) and 400 <= status < 500):
         return {"error": str(e), "category": "user"}  # the engine's ValueErrors are the caller's input
+    if isinstance(e, OSError) and e.strerror:  # its reason: str(e) names the server's files
+        return {"error": f"{type(e).__name__}: {e.strerror}", "category": "server"}
     return {"error": f"{type(e).__name__}: {e}", "category": "server"}
 
 
