@@ -6,9 +6,9 @@ specific to one backend lives in a sub-model (``local:``, ``kl:``, ``off_policy:
 ``advantages:``, ``limits:``, ``outputs:``). The flat keys those replaced are accepted for one release:
 :class:`RenamedKeys` moves each to its new place and records one warning line per key.
 
-This module is a leaf: it imports nothing of polyrl above :mod:`polyrl.errors` and :mod:`polyrl.secrets`
-(and the environment entry's schema, :mod:`polyrl.config_env`). Reading files and overrides is
-:mod:`polyrl.config_files`, checks that need environments, renderers or model directories are
+This module is a leaf: it imports nothing of polyrl above :mod:`polyrl.errors`, :mod:`polyrl.secrets` and
+:mod:`polyrl.optim_ranges` (and the environment entry's schema, :mod:`polyrl.config_env`). Reading files
+and overrides is :mod:`polyrl.config_files`, checks that need environments, renderers or model directories are
 :mod:`polyrl.config_checks`, one-line errors :mod:`polyrl.config_errors` and the ``--help-config``
 text :mod:`polyrl.config_reference`.
 """
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
 from polyrl.errors import UserInputError
+from polyrl.optim_ranges import LEARNING_RATE, LOSS_CONFIG, optimizer_problems, range_problems
 from polyrl.secrets import redact
 
 DEFAULT_CORRECTION_CAP = 2.0  # off_policy.correction tis: verl's and TRL's usual cap
@@ -194,8 +195,10 @@ class OptimizerConfig(BaseModel):
         else:
             defaults = OptimizerConfig()
             unused = [k for k in ("beta2", "eps", "weight_decay") if getattr(self, k) != getattr(defaults, k)]
-        if unused:
-            raise ConfigProblems([(k, f"not used by optimizer type {self.type!r}") for k in unused])
+        problems = [(k, f"not used by optimizer type {self.type!r}") for k in unused]
+        problems += optimizer_problems(self.type, self.model_dump(exclude={"type"}))
+        if problems:
+            raise ConfigProblems(problems)
         return self
 
 
@@ -535,7 +538,8 @@ class TrainConfig(PolicyConfig):
         return self
 
     def _loss_problems(self) -> list[tuple[str, str]]:
-        problems = []
+        """Loss settings the loss would not use or refuses, and a learning rate past the engine's range."""
+        problems = range_problems({"learning_rate": self.learning_rate}, {"learning_rate": LEARNING_RATE})
         for key in self.loss_fn_config:
             where = f"loss_fn_config.{key}"
             if key not in LOSS_FN_CONFIG_KEYS:
@@ -547,6 +551,9 @@ class TrainConfig(PolicyConfig):
             elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling",
                                                                "stable_reinforce"):
                 problems.append((where, f"not used by loss_fn {self.loss_fn!r}"))
+            else:
+                problems += [(f"loss_fn_config.{k}", why) for k, why in
+                             range_problems({key: self.loss_fn_config[key]}, LOSS_CONFIG)]
         if self.off_policy.correction == "tis" and self.loss_fn == "stable_reinforce":
             problems.append(("off_policy.correction", "stable_reinforce truncates its importance weight "
                                                       "itself (loss_fn_config.max_ratio); 'tis' would "

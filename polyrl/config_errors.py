@@ -10,7 +10,12 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 
 from polyrl.config import ConfigProblems
+from polyrl.optim_ranges import number
 from polyrl.secrets import redact_text
+
+# pydantic's error types of a numeric bound: the bound's key in the error's context, and its words
+BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
+          "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
 
 
 def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str:
@@ -24,7 +29,10 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel]) -> str
             lines += [error_line(loc + key.split("."), msg) for key, msg in cause.problems]
             continue
         msg = err["msg"]
-        if err["type"] == "value_error":
+        if err["type"] in BOUNDS:  # pydantic prints a bound in full: 1e300 as 301 digits
+            kind, words = BOUNDS[err["type"]]
+            msg = f"Input should be {words} {number(err['ctx'][kind])}"
+        elif err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
         elif err["type"] == "extra_forbidden":
             match = difflib.get_close_matches(loc[-1], _fields_at(model, loc[:-1]), n=1)

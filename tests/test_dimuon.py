@@ -155,7 +155,7 @@ def test_optimizer_mismatches_and_bad_dimuon_params_are_clear_errors(service, ti
     from tinker.types.optimizer import OptimParamsBase
 
     for bad, words in (
-        ({"learning_rate": -1.0}, "learning_rate must be >= 0"),
+        ({"learning_rate": -1.0}, "learning_rate must be in [0, 10], got -1"),
         ({"learning_rate": 1e-3, "beta1": 1.0}, "beta1 must be in [0, 1)"),
         ({"learning_rate": 1e-3, "damping": 0.0}, "damping must be > 0"),
         ({"learning_rate": 1e-3, "nesterov": 1.0}, "unknown keys ['nesterov']"),

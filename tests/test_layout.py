@@ -170,8 +170,9 @@ def test_no_underscore_name_is_imported_from_another_module(name):
 
 def test_the_config_schema_is_a_leaf():
     """``polyrl/config.py`` (the schema) imports, anywhere in it, only the environment entry's schema and
-    the leaves errors and secrets: files, checks, errors and the reference sit above it."""
+    the leaves errors, secrets and optim_ranges: files, checks, errors and the reference sit above it."""
     imports = [node for node in ast.walk(TREES["polyrl.config"])
                if isinstance(node, (ast.Import, ast.ImportFrom))]
     imported = {module for node in imports for module, _ in _targets(node, "polyrl.config")}
-    assert imported <= {"polyrl.config_env", "polyrl.errors", "polyrl.secrets"}, sorted(imported)
+    assert imported <= {"polyrl.config_env", "polyrl.errors", "polyrl.secrets", "polyrl.optim_ranges"}, \
+        sorted(imported)

@@ -24,12 +24,13 @@ exactly, from the eigendecomposition of the small (rank x rank) Gram matrix, not
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from tinker import types
+
+from polyrl.optim_ranges import optimizer_problems
 
 REFERENCE_RANK = 32
 DEFAULT_BETA1 = 0.9
@@ -65,18 +66,8 @@ class DimuonSettings:
             raise ValueError(f"dimuon params have unknown keys {unknown} (known: {sorted(known)})")
         if "learning_rate" not in values:
             raise ValueError("dimuon params need a learning_rate")
-        out = {}
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"dimuon_params.{name} must be a finite number, got {value!r}")
-            out[name] = float(value)
-        settings = cls(**out)
-        for name, ok, rule in (("learning_rate", settings.learning_rate >= 0, ">= 0"),
-                               ("beta1", 0 <= settings.beta1 < 1, "in [0, 1)"),
-                               ("damping", settings.damping > 0, "> 0")):
-            if not ok:
-                raise ValueError(f"dimuon_params.{name} must be {rule}, got {getattr(settings, name)}")
-        return settings
+        raise_problems("dimuon_params", optimizer_problems("dimuon", values))
+        return cls(**{name: float(value) for name, value in values.items()})
 
 
 def optimizer_type(config: Any) -> str:
@@ -97,13 +88,14 @@ def make_optimizer(kind: str, params: list[torch.nn.Parameter], rank: int) -> to
 
 
 def check_adam(params: types.AdamParams) -> None:
-    for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
-        value = getattr(params, name)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"adam_params.{name} must be a finite number >= 0, got {value}")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(params, name) < 1:
-            raise ValueError(f"adam_params.{name} must be in [0, 1), got {getattr(params, name)}")
+    """Adam's hyperparameters in their ranges (:mod:`polyrl.optim_ranges`); a one-line ValueError naming
+    each field that is not."""
+    raise_problems("adam_params", optimizer_problems("adamw", params.model_dump()))
+
+
+def raise_problems(prefix: str, problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise ValueError("; ".join(f"{prefix}.{name} {reason}" for name, reason in problems))
 
 
 def check_kind(kind: str, params: types.AdamParams | DimuonSettings) -> None:

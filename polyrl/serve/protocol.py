@@ -24,7 +24,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from polyrl import images
-from polyrl.local.optim import DimuonSettings
+from polyrl.local.optim import DimuonSettings, check_adam
 
 
 class RequestError(Exception):
@@ -100,17 +100,10 @@ class OptimStepReq(_Req):
 
     @model_validator(mode="after")
     def _sane(self) -> "OptimStepReq":
-        """A NaN, infinite or negative step poisons the adapter for good: refuse it here."""
-        p = self.adam_params
-        if p is not None:
-            for name in ("learning_rate", "eps", "weight_decay"):
-                value = getattr(p, name)
-                _check(math.isfinite(value) and value >= 0, f"adam_params.{name}", "a finite number >= 0",
-                       value)
-            for name in ("beta1", "beta2"):
-                _check(0 <= getattr(p, name) < 1, f"adam_params.{name}", "in [0, 1)", getattr(p, name))
-            _check(math.isfinite(p.grad_clip_norm), "adam_params.grad_clip_norm",
-                   "finite (<= 0: no clipping)", p.grad_clip_norm)
+        """Adam's hyperparameters out of their ranges (:mod:`polyrl.optim_ranges`) are refused here, with
+        one line naming each field and its range (Dimuon's: :func:`optim_settings`)."""
+        if self.adam_params is not None:
+            check_adam(self.adam_params)
         return self
 
 
