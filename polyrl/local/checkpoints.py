@@ -509,7 +509,7 @@ class Store:
         overwrites take, so a save landing after the caller decided is never what is removed. The
         directory is renamed before its files go, so that a crash midway leaves no half-removed
         checkpoint, only a temporary directory the lifecycle removes."""
-        gone = directory.parent / f"{_GONE}{uuid.uuid4().hex[:8]}-{directory.name}"
+        gone: Path | None = directory.parent / f"{_GONE}{uuid.uuid4().hex[:8]}-{directory.name}"
         with self._lock:
             if not always and self._read_meta(directory) != meta:
                 return False
@@ -517,7 +517,11 @@ class Store:
                 os.replace(directory, gone)
             except FileNotFoundError:  # removed meanwhile
                 return False
-        shutil.rmtree(gone, ignore_errors=True)
+            except OSError:  # a store that refuses the rename (read-only): remove in place, as far as it goes
+                shutil.rmtree(directory, ignore_errors=True)
+                gone = None
+        if gone is not None:
+            shutil.rmtree(gone, ignore_errors=True)
         with self._lock:
             for parent in (directory.parent, directory.parent.parent):
                 with contextlib.suppress(OSError):  # not empty
