@@ -62,12 +62,12 @@ def _config_yaml(config, translation) -> str:
     from (and the notes on the translation) as comments."""
     import yaml
 
-    from polyrl.secrets import redact
+    from polyrl.secrets import redact_config
 
     header = []
     if translation is not None:
         header = [f"# translated from {translation.source}", *(f"# note: {n}" for n in translation.notes)]
-    body = yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False, allow_unicode=True)
+    body = yaml.safe_dump(redact_config(config.model_dump(mode="json")), sort_keys=False, allow_unicode=True)
     return "".join(line + "\n" for line in header) + body
 
 

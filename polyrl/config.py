@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
 from polyrl.errors import UserInputError
 from polyrl.optim_ranges import LEARNING_RATE, LOSS_CONFIG, optimizer_problems, range_problems
-from polyrl.secrets import redact
+from polyrl.secrets import redact_config
 
 DEFAULT_CORRECTION_CAP = 2.0  # off_policy.correction tis: verl's and TRL's usual cap
 CORRECTION_BOUNDS = {"mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mis": (0.999, 1.001),
@@ -603,5 +603,6 @@ class TrainConfig(PolicyConfig):
         return self.environments[env_name].max_tokens or self.max_tokens
 
     def dump(self) -> dict[str, Any]:
-        """JSON-safe dict of the config with secrets redacted (for logs and run directories)."""
-        return redact(self.model_dump(mode="json"))
+        """JSON-safe dict of the config with secrets redacted (for logs and run directories); the values
+        of settings named like a key or token masked too (:func:`polyrl.secrets.redact_config`)."""
+        return redact_config(self.model_dump(mode="json"))

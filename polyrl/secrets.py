@@ -2,9 +2,10 @@
 
 ``redact`` / ``redact_text`` replace the *current* values of secret environment variables with
 ``***`` wherever they appear inside strings (dict keys included), and blank the values of dict keys
-that name a secret. Every sink that writes or sends run data calls them (``polyrl.tracking``, the
-report); :func:`redact_logs` covers what any code logs or warns, since an environment may put a key
-into a reward, a metric name or an error message.
+that name a secret; ``redact_config`` also blanks a config's settings named like a key or token
+(``api_token: sk-...`` in an environment's args). Every sink that writes or sends run data calls
+them (``polyrl.tracking``, the report); :func:`redact_logs` covers what any code logs or warns, since
+an environment may put a key into a reward, a metric name or an error message.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import sys
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 SECRET_ENV_VARS = ("TINKER_API_KEY", "OPENREWARD_API_KEY", "WANDB_API_KEY", "OPENAI_API_KEY")
 MASK = "***"
@@ -32,6 +33,28 @@ def is_sensitive_key(name: str) -> bool:
     if any(part in words for part in ("api_key", "apikey", "secret", "password")):
         return True
     return re.split(r"[^a-z0-9]+", words.strip("_- "))[-1] == "token"
+
+
+# A config setting named with one of these as its last word holds a secret (``api_token``, ``access_key``,
+# ``X-Api-Key``, ``Authorization``); plurals and compounds (``max_tokens``, ``num_keys``, ``key_column``,
+# ``tokenizer``) do not match. Any word among SECRET_WORDS matches wherever it is (``client_secret_id``).
+SECRET_LAST_WORDS = ("key", "token", "auth", "authorization", "cookie")
+SECRET_WORDS = ("secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials",
+                "apikey")
+
+
+def words_of(name: str) -> list[str]:
+    """The lower-case words of a name in snake_case, kebab-case, camelCase or dotted form."""
+    return [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()) if w]
+
+
+def is_secret_setting(name: str) -> bool:
+    """Whether a config setting's name (a key of an environment's ``args``, a header) says its value is a
+    secret: :func:`is_sensitive_key`'s names, and those whose last word is a key, token or credential.
+    Broader than the rule for environment variables, whose values are masked in every text."""
+    words = words_of(name)
+    return is_sensitive_key(name) or bool(words) and (
+        words[-1] in SECRET_LAST_WORDS or any(w in SECRET_WORDS for w in words))
 
 
 def secret_values() -> list[str]:
@@ -56,23 +79,51 @@ def redact(obj: Any, mask_sensitive_keys: bool = True) -> Any:
 
     ``mask_sensitive_keys=False`` keeps the values of keys named like a secret (for rows of numbers
     whose keys an environment or the user chose, such as metrics: ``password_correct: 1.0``)."""
-    return _redact(obj, secret_values(), mask_sensitive_keys)
+    return _redact(obj, secret_values(), _sensitive_key if mask_sensitive_keys else None)
 
 
-def _redact(obj: Any, values: list[str], mask_keys: bool = True) -> Any:
+def redact_config(obj: Any) -> Any:
+    """A run config (its JSON-like dump) as :func:`redact` masks it, and the values of settings named
+    like a secret (:func:`is_secret_setting`) masked too: literal keys in an environment's ``args``
+    never reach ``--print-config``, ``config.json``, the report or W&B. The names of the environments
+    are labels, not settings: an environment named ``password_game`` is masked inside, not as a whole.
+    The config the run uses keeps every value."""
+    values = secret_values()
+    if not isinstance(obj, dict):
+        return _redact(obj, values, _secret_setting)
+    out = {}
+    for key, value in obj.items():
+        if key == "environments" and isinstance(value, dict):
+            out[key] = {_redact(name, values, None): _redact(env, values, _secret_setting)
+                        for name, env in value.items()}
+        else:
+            out.update(_redact({key: value}, values, _secret_setting))
+    return out
+
+
+def _secret_setting(key: str, value: Any) -> bool:
+    return is_secret_setting(key) and value is not None
+
+
+def _sensitive_key(key: str, value: Any) -> bool:
+    return is_sensitive_key(key) and value is not None
+
+
+def _redact(obj: Any, values: list[str], masked: Callable[[str, Any], bool] | None = _sensitive_key) -> Any:
+    """``obj`` with ``values`` masked in its strings and the value of each key ``masked`` picks blanked."""
     if isinstance(obj, str):
         return redact_text(obj, values)
     if isinstance(obj, dict):
         return {
-            _redact(key, values, mask_keys): MASK
-            if mask_keys and isinstance(key, str) and is_sensitive_key(key) and value is not None
-            else _redact(value, values, mask_keys)
+            _redact(key, values, masked): MASK
+            if masked is not None and isinstance(key, str) and masked(key, value)
+            else _redact(value, values, masked)
             for key, value in obj.items()
         }
     if isinstance(obj, list):
-        return [_redact(item, values, mask_keys) for item in obj]
+        return [_redact(item, values, masked) for item in obj]
     if isinstance(obj, tuple):
-        return tuple(_redact(item, values, mask_keys) for item in obj)
+        return tuple(_redact(item, values, masked) for item in obj)
     return obj
 
 

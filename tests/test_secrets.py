@@ -227,3 +227,41 @@ def test_uncaught_tracebacks_of_the_command_line_are_redacted(secret, monkeypatc
     hook = sys.excepthook
     redact_tracebacks()  # a second main() in the same process does not wrap the hook again
     assert sys.excepthook is hook
+
+
+# ------------------------------------------------------------------------- literal secrets in configs
+LITERALS = {"api_token": "sk-PLANTEDliteral-token", "access_key": "AKIAPLANTEDLITERAL",
+            "dbPassword": "hunter2-PLANTED", "headers": {"Authorization": "Bearer PLANTED-bearer",
+                                                       "X-Api-Key": "PLANTED-x-api-key"},
+            "oauth": {"client_secret": "PLANTED-client-secret"}}
+KEPT = {"max_tokens": 7, "num_keys": 3, "key_column": "question", "tokenizer": "plain", "tokens": 5}
+
+
+def test_literal_secrets_in_config_args_are_masked_wherever_the_config_is_shown(tiny_model_dir, tmp_path):
+    """Keys named like a secret in an environment's args (``api_token: sk-...``, not only values of
+    environment variables) are masked in ``--print-config``, ``config.json`` and the report's config;
+    settings merely named with tokens or keys (``max_tokens``, ``num_keys``, ``key_column``) are kept, and
+    the run itself gets every real value."""
+    from polyrl.config_files import load_config
+    from polyrl.report.data import read_config
+    from polyrl.tracking.files import RunFiles
+
+    base = {"model_name": tiny_model_dir, "environments": {"password_game": {
+        "type": "arithmetic", "args": {**LITERALS, **KEPT}}}}
+    config = load_config(None, [], base=base)
+    assert config.environments["password_game"].args == {**LITERALS, **KEPT}  # what the run uses
+    (tmp_path / "run.json").write_text(json.dumps(base))
+    shown = subprocess.run([sys.executable, "-m", "polyrl.cli", "train", "--config_path", "run.json",
+                            "--print-config"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    RunFiles(tmp_path / "run").write_config(config.dump())
+    written = (tmp_path / "run" / "config.json").read_text()
+    (tmp_path / "old").mkdir()  # a config.json written unmasked (by an older run) is masked when shown
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    reported = json.dumps(read_config(tmp_path / "old"))
+    for text in (shown.stdout, written, reported):
+        assert "PLANTED" not in text, text
+        assert "question" in text and "plain" in text and "num_keys" in text and "max_tokens" in text
+    args = json.loads(written)["environments"]["password_game"]["args"]
+    assert args["api_token"] == MASK and args["headers"] == {"Authorization": MASK, "X-Api-Key": MASK}
+    assert {k: args[k] for k in KEPT} == KEPT

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from polyrl.secrets import redact
+from polyrl.secrets import redact_config
 from polyrl.tracking.files import read_jsonl
 
 PALETTE_SIZE = 10  # report.js has as many colors; env i gets color i % PALETTE_SIZE
@@ -37,7 +37,7 @@ def clean_number(value: Any, digits: int = 5) -> float | int | None:
 def read_config(root: Path) -> dict:
     """``config.json``, secrets redacted once more; {} when missing or unreadable (a run just starting)."""
     try:
-        return redact(json.loads((root / "config.json").read_text()))
+        return redact_config(json.loads((root / "config.json").read_text()))
     except (OSError, ValueError):
         return {}
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from polyrl.errors import UserInputError
 from polyrl.fileio import atomic_write_bytes, atomic_write_text
-from polyrl.secrets import redact, redact_pieces, redact_text
+from polyrl.secrets import redact, redact_config, redact_pieces, redact_text
 from polyrl.tracking.metrics_json import MetricsJson
 
 
@@ -106,7 +106,7 @@ class RunFiles:
         self.metrics_json = MetricsJson(self.root / "metrics.json") if metrics_json else None
 
     def write_config(self, config: dict) -> None:
-        atomic_write_text(self.root / "config.json", redacted_json(config, indent=2))
+        atomic_write_text(self.root / "config.json", redacted_json(redact_config(config), False, indent=2))
 
     def log_metrics(self, row: dict) -> None:
         append_jsonl(self.metrics_path, row)

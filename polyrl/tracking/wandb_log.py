@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.fileio import atomic_write_text
-from polyrl.secrets import redact, redact_text
+from polyrl.secrets import redact, redact_config, redact_text
 
 RECORD = "wandb.json"
 
@@ -27,7 +27,7 @@ class WandbLog:
                 "wandb_project_name is set but wandb is not installed: pip install 'polyrl[wandb]'"
             ) from e
         self.run = wandb.init(project=redact_text(project), name=name and redact_text(name),
-                              config=redact(config), dir=str(Path(directory).resolve()), id=run_id,
+                              config=redact_config(config), dir=str(Path(directory).resolve()), id=run_id,
                               resume="allow")
         self._record(Path(directory))
 
