@@ -24,6 +24,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from polyrl.optim_ranges import LOSS_CONFIG, range_problems
+
 Tensor = torch.Tensor
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.2
@@ -361,10 +363,8 @@ def stable_reinforce(logprobs, inputs, segments, config):
     is not used."""
     max_ratio = float(config.get("max_ratio", DEFAULT_MAX_RATIO))
     kl_coeff = float(config.get("kl_coeff", DEFAULT_KL_COEFF))
-    if not max_ratio > 0:
-        raise ValueError(f"loss_fn_config max_ratio must be > 0, got {max_ratio}")
-    if not kl_coeff >= 0:
-        raise ValueError(f"loss_fn_config kl_coeff must be >= 0, got {kl_coeff}")
+    if problems := range_problems({"max_ratio": max_ratio, "kl_coeff": kl_coeff}, LOSS_CONFIG):
+        raise ValueError("; ".join(f"loss_fn_config {key} {why}" for key, why in problems))
     mask = inputs["sampled"]
     log_ratio = (logprobs - inputs["sampler_logprobs"]) * mask
     ratio = torch.exp(log_ratio)
