@@ -131,3 +131,13 @@ def test_polyrl_train_refuses_them_before_the_model_loads(tmp_path):
         ([*run, "optimizer.type=dimuon", "optimizer.rank_lr_correction_exponent=1e308"], "exponent"),
         ([*run, "limits.max_abs_reward=1e308", "--print-config"], "1e+300"),
     ], tmp_path)
+
+
+def test_dimuon_params_take_null_as_the_default_and_refuse_other_types():
+    from polyrl.local.optim import DEFAULT_DAMPING, DimuonSettings
+
+    settings = DimuonSettings.of({"type": "dimuon", "learning_rate": 1e-3, "damping": None})
+    assert settings.damping == DEFAULT_DAMPING
+    for bad in ({"learning_rate": "0.1"}, {"learning_rate": True}, {"learning_rate": 1e-3, "beta1": [0.9]}):
+        with pytest.raises(ValueError, match="dimuon_params.* must be"):
+            DimuonSettings.of({"type": "dimuon", **bad})

@@ -64,6 +64,7 @@ class DimuonSettings:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"dimuon params have unknown keys {unknown} (known: {sorted(known)})")
+        values = {name: value for name, value in values.items() if value is not None}  # null: the default
         if "learning_rate" not in values:
             raise ValueError("dimuon params need a learning_rate")
         raise_problems("dimuon_params", optimizer_problems("dimuon", values))
