@@ -78,3 +78,12 @@ def heap_for_the_pass(enabled: bool = True) -> Iterator[None]:
             if _passes == 0:
                 libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(LARGE_BLOCK_BYTES))
         libc.malloc_trim(0)
+
+
+def give_back_free_memory() -> None:
+    """Return the free pages of every malloc arena to the OS (``malloc_trim``), e.g. once a released
+    client's adapter and optimizer state are freed. glibc keeps freed small blocks in each thread's
+    arena and only trims the top of the main heap by itself, so a server whose sessions come and go
+    would otherwise stay at the high-water mark of all of them."""
+    if (libc := glibc()) is not None:
+        libc.malloc_trim(0)

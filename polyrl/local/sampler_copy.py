@@ -359,6 +359,14 @@ class SamplerCopy:
         bits = torch.finfo(self.dtype).bits
         return sum(self._learner(t.path, t.name).numel() for t in targets) * bits // 8
 
+    def forget(self, slot: str) -> None:
+        """Drop what the copy keeps for sampling slot ``slot`` (its folded weights, and the snapshot's
+        owner they were made for); a snapshot written over the copy's own weights is undone first."""
+        self._cache.pop(slot, None)
+        if self._written is not None and self._written[0] == slot:
+            self._swap(self._values(self._written[2], fold=False))
+            self._written = None
+
     @contextlib.contextmanager
     def use(self, slot: str | None = None, owner: object = None,
             targets: Callable[[], list[MergeTarget]] = list) -> Iterator[torch.nn.Module]:
