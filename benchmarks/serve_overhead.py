@@ -39,9 +39,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 API_KEY = "tml-benchmark"
 
 
-def start_server(model: Path, store: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, store: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """``polyrl serve`` of ``model`` on 127.0.0.1 with ``API_KEY`` and ``extra`` options: (process, URL)."""
     cmd = [sys.executable, "-m", "polyrl.serve", "--host", "127.0.0.1", "--port", "0", "--models", str(model),
-           "--api-key", API_KEY, "--store-dir", str(store), "--log-level", "warning"]
+           "--api-key", API_KEY, "--store-dir", str(store), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

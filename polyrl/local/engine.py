@@ -55,8 +55,11 @@ log = logging.getLogger("polyrl.local")
 BATCH_GAP_S = 0.010
 BATCH_MAX_WAIT_S = 0.100
 MAX_BATCH_ROWS = 512
-# Decode steps a sampling batch runs before another owner's waiting work gets its turn (see Engine._run).
-SLICE_STEPS = 8
+# How long a sampling batch decodes before another owner's waiting work gets its turn (see Engine._run): at
+# least SLICE_S seconds, and once resumed at least SWITCH_SHARE times what resuming cost (putting its weights
+# back into the sampling model), so that owners taking turns spend at most a fifth of the time switching.
+SLICE_S = 0.02
+SWITCH_SHARE = 4
 
 
 @dataclass
@@ -161,6 +164,7 @@ class Engine:
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
         self._work: dict[str, collections.deque] = {}  # the worker's: owner -> its work, first owner next
+        self.slice_s, self.switch_share = SLICE_S, SWITCH_SHARE  # a sampling batch's slice (0, 0: one step)
         self._generator: torch.Generator | None = None
         self._stopped = False
         # a daemon thread, so that an operation that never ends cannot keep the process alive; stopped
@@ -223,10 +227,11 @@ class Engine:
         Each owner (an API key of ``polyrl serve``; everything in process is one owner, ``""``) has its own
         queue, run in order, except that its sampling requests are gathered into batches ahead of its other
         work, as they arrive together. A turn is one operation, or one slice of a sampling batch: a batch
-        decodes to its end unless another owner has work waiting, in which case it pauses after
-        ``SLICE_STEPS`` decode steps (its KV cache kept) and goes on at its owner's next turn. So one key's
-        small request waits for at most one operation or slice of each other key's, however long their
-        decodes are; with one owner, work runs in submission order with no pause, as a single queue would."""
+        decodes to its end unless another owner has work waiting, in which case it pauses at the first
+        decode step past its slice (``slice_s``, see :data:`SLICE_S`; its KV cache kept) and goes on at its
+        owner's next turn. So one key's small request waits for at most one operation or slice of each other
+        key's, however long their decodes are; with one owner, work runs in submission order with no pause,
+        as a single queue would."""
         while True:
             if not self._work and not self._take(block=True):
                 break
@@ -245,6 +250,7 @@ class Engine:
             del self._work[owner]  # its turn is over: to the back of the line
             if work:
                 self._work[owner] = work
+            task = work = None  # what the worker waits with pins nothing (a released client's memory)
         self._cancel([])
 
     def _take(self, block: bool) -> bool:
@@ -323,21 +329,22 @@ class Engine:
             future.set_exception(e)
 
     def _run_slice(self, decoding: _Decoding) -> bool:
-        """Run ``decoding`` until it ends or, after ``SLICE_STEPS`` decode steps, another owner has work
-        waiting; whether it ended (its futures are then done)."""
+        """Run ``decoding`` until it ends or, past its slice, another owner has work waiting; whether it ended
+        (its futures are then done)."""
         ops = decoding.ops
         sampler = ops[0].sampler
+        began = time.perf_counter()
         try:
             base = sampler.base
             adapter = None
             if sampler.weights is not None:  # (again after a pause: another sampler may have used the slot)
-                adapter = base.load_snapshot(sampler.spec, sampler.weights, owner=sampler)
+                adapter = base.load_snapshot(sampler.spec, sampler.weights, sampler, decoding.owner)
             if self._generator is None:
                 self._generator = torch.Generator(device=base.device)
                 self._generator.seed()
             with heap_for_the_pass(), base.use_for_sampling(adapter) as model:
-                resume = None
-                if decoding.steps is None:
+                resume, resuming = None, decoding.steps is not None
+                if not resuming:
                     decoding.steps = generate_steps(
                         model, [op.job for op in ops], base.tokenizer, base.device, self._generator,
                         logits_fn=base.sampler_logits if base.split_head or base.vision else None,
@@ -345,15 +352,17 @@ class Engine:
                         stopping=lambda: self._stopped)
                 else:
                     resume = model
-                steps = 0
+                decoding_from = time.perf_counter()
+                switch = self.switch_share * (decoding_from - began) if resuming else 0.0
+                budget = max(self.slice_s, switch)
                 while True:
                     try:
                         decoding.steps.send(resume)
                     except StopIteration as done:
                         results = done.value
                         break
-                    resume, steps = None, steps + 1
-                    if steps >= SLICE_STEPS and self._others_waiting(decoding.owner):
+                    resume = None
+                    if time.perf_counter() - decoding_from >= budget and self._others_waiting(decoding.owner):
                         return False
             for op, res in zip(ops, results):
                 op.future.set_result(res)

@@ -410,11 +410,14 @@ class BaseModel:
             p.requires_grad_(train)
         yield self.peft_model
 
-    def load_snapshot(self, spec: LoraSpec, weights: list[torch.Tensor], owner: object) -> str:
-        """Copy snapshot ``weights`` into the sampling slot for ``spec``'s shape; return its name.
+    def load_snapshot(self, spec: LoraSpec, weights: list[torch.Tensor], owner: object,
+                      lane: str = "") -> str:
+        """Copy snapshot ``weights`` into the sampling slot for ``spec``'s shape and ``lane`` (the engine's
+        owner of the work: each API key of a shared server samples in slots of its own, so keys taking turns
+        do not fold their weights into the sampling model again at every turn); return its name.
 
         The copy is skipped when the slot already holds ``owner``'s weights."""
-        key = spec.shape_key
+        key = (*spec.shape_key, lane)
         slot = self._sampling_slots.get(key)
         if slot is None:
             slot = f"sampler_{next(self._slot_names)}"
