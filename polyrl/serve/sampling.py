@@ -31,10 +31,11 @@ class Sampling:
         session.samplers.append(rec.sampler_id)
         session.samplers = [s for s in session.samplers if s in self.samplers]
         excess = len(session.samplers) - self.config.max_samplers_per_session
-        if excess > 0:  # drop the least recently used
-            for sid in sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]:
-                del self.samplers[sid]
+        if excess > 0:  # drop the least recently used, and what their snapshots held in the engine
+            dropped = sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]
+            for sid in dropped:
                 session.samplers.remove(sid)
+            self._release_clients([], [self.samplers.pop(sid) for sid in dropped], session.owner)
 
     def create_sampling_session(self, req: P.CreateSamplingSessionReq, owner: str) -> dict:
         session = self._session(req.session_id, owner)

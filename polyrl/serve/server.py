@@ -225,10 +225,10 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         samplers = [self.samplers.pop(sid) for sid in s.samplers if sid in self.samplers]
         self.futures.drop_session(session_id)
         self.records.drop_session(session_id)
-        self._release_model(models, samplers, owner)
+        self._release_clients(models, samplers, owner)
         return {}
 
-    def _release_model(self, models: list[ModelRecord], samplers: list[SamplerRecord], owner: str) -> None:
+    def _release_clients(self, models: list[ModelRecord], samplers: list[SamplerRecord], owner: str) -> None:
         """Have the engine give back what released training and sampling clients held: each model's
         adapter and optimizer state, the sampling slots (and folded weights) of each sampler's snapshot,
         then the allocator's free pages, so that memory returns to where it was once sessions end.
@@ -244,6 +244,8 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
             for srec in samplers:
                 if (state := _result(srec.ready)) is not None and state.weights is not None:
                     state.base.release_snapshot(state)
+            models.clear()  # the worker may hold this job until its next one: it must pin nothing
+            samplers.clear()
             give_back_free_memory()
 
         if models or samplers:
