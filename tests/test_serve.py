@@ -1355,10 +1355,18 @@ class Actor:
         self.huge_shapes = 0
         self.sent = 0
         self.n = 0  # for unique names and seq ids of new models / samplers
+        self.extra_sessions: list[str] = []  # made by fuzzed create_session requests, left open
+        self.limits: Counter[str] = Counter()  # the per-key limits that refused a request (flag -> count)
         self.start_session()
 
     def start_session(self) -> None:
-        self.session = _session(self.served, self.http)
+        r = self.http.post("/create_session", json={"tags": [], "sdk_version": "test"})
+        if r.status_code == 403:  # the key has --max-sessions live ones: finish those the fuzzing made
+            for extra in self.extra_sessions:
+                self.http.post(f"/sessions/{extra}/finish", json={})
+            self.extra_sessions = []
+            r = self.http.post("/create_session", json={"tags": [], "sdk_version": "test"})
+        self.session = r.json()["session_id"]
         self.sessions.append(self.session)
         self.request_ids = []  # a finished session's results are gone
         self.model_id = _create_model(self.served, self.model_dir, self.session, http=self.http)
@@ -1396,6 +1404,11 @@ class Actor:
         kinds = [
             ("POST", "/create_session", {"tags": ["fuzz"], "sdk_version": "fuzz",
                                          "user_metadata": {"n": str(n)}}),
+            ("POST", "/create_model", {"session_id": self.session, "model_seq_id": 2000 + n,
+                                       "base_model": self.model_dir,
+                                       # past --max-lora-rank, the model's width, --max-models
+                                       "lora_config": {"rank": rng.choice([1, 2, 12, 20, 33, 100_000]),
+                                                       "seed": n}}),
             ("POST", "/session_heartbeat", {"session_id": self.session}),
             ("POST", "/get_info", {"model_id": self.model_id}),
             ("POST", "/forward_backward", "fwdbwd"),
@@ -1414,8 +1427,9 @@ class Actor:
                                   # past --max-samples-in-flight: 400 or 429
                                   "num_samples": rng.choice([2, 2, 4, 7]),
                                   "prompt_logprobs": rng.random() < 0.3,
-                                  "sampling_params": {"max_tokens": 3, "temperature": 0.7, "top_k": 5,
-                                                      "seed": n}}),
+                                  # past --max-decode-tokens-in-flight: 400 or 429
+                                  "sampling_params": {"max_tokens": rng.choice([3, 3, 3, 12]),
+                                                      "temperature": 0.7, "top_k": 5, "seed": n}}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
             ("POST", "/weights_info", {"tinker_path": self.checkpoint}),
@@ -1551,6 +1565,12 @@ class Actor:
             payload = r.json()
             if not (isinstance(payload.get("error"), str) and payload.get("category") == "user"):
                 self.failures.append(f"4xx without a user error: {what}")
+            for flag in ("--max-sessions", "--max-models", "--max-lora-rank", "--max-decode-tokens-in-flight",
+                         "--max-adapter-bytes"):
+                if flag in payload.get("error", ""):
+                    self.limits[flag] += 1
+        if url == "/create_session" and r.status_code == 200:
+            self.extra_sessions.append(r.json()["session_id"])
 
     def run(self, count: int, deadline: float) -> None:
         while self.sent < count and time.monotonic() < deadline and len(self.failures) < 20:
@@ -1572,11 +1592,14 @@ class Actor:
 def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_path):
     """1,200 seeded, mutated requests from two keys at once: never a 5xx or a server-side failure, never
     another key's things, memory bounded (sparse inputs declaring huge shapes among them), each key's
-    checkpoint quota kept; afterwards the official SDK still trains and samples."""
+    checkpoint quota kept and its other limits met (sessions, training clients, LoRA rank, tokens to
+    decode); afterwards the official SDK still trains and samples."""
     from concurrent.futures import ThreadPoolExecutor
 
     served = Served(tiny_model_dir, tmp_path / "store", "--long-poll", "0.2", "--max-body-mb", "1",
-                    "--seq-gap-timeout", "1", "--max-samples-in-flight", "6", "--max-checkpoints", "5")
+                    "--seq-gap-timeout", "1", "--max-samples-in-flight", "6", "--max-checkpoints", "5",
+                    "--max-sessions", "6", "--max-models", "4", "--max-lora-rank", "16",
+                    "--max-decode-tokens-in-flight", "40")
     try:
         a, b = Actor(served, KEY, 1, tiny_model_dir), Actor(served, OTHER_KEY, 2, tiny_model_dir)
         a.other, b.other = b, a
@@ -1593,6 +1616,8 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
         assert served.alive()
         assert a.huge_shapes + b.huge_shapes >= 3
         assert a.statuses[403] > 0 and b.statuses[403] > 0  # the checkpoint quota was reached ...
+        for flag in ("--max-sessions", "--max-models", "--max-lora-rank", "--max-decode-tokens-in-flight"):
+            assert a.limits[flag] + b.limits[flag] > 0, (flag, a.limits, b.limits)  # each limit was met
         for actor in (a, b):
             actor.http.post(f"/sessions/{actor.session}/finish", json={})
             kept = actor.http.get("/checkpoints", params={"limit": 1000}).json()["checkpoints"]
