@@ -58,7 +58,7 @@ def test_rss_returns_near_its_start_after_sessions_come_and_go(base_model_dir, t
     try:
         _round(served.url, base_model_dir, RANK)  # warm-up: code paths, the base model's first slot
         start = served.rss_bytes()
-        rounds = 3
+        rounds = 2
         for i in range(1, rounds + 1):
             _round(served.url, base_model_dir, RANK - i)
         tolerance = 20 << 20
