@@ -52,7 +52,7 @@ def base_model_dir(tmp_path_factory) -> str:
 
 def test_rss_returns_near_its_start_after_sessions_come_and_go(base_model_dir, tmp_path):
     """Sessions of a different LoRA shape each (so that no sampling slot is reused) come and go; the
-    server's RSS after them stays near its RSS after the first (each held ~55 MB until released: the
+    server's RSS after them stays near its RSS after the first (each held ~50 MB until released: the
     sampling slot's adapter, the snapshot in it, the weights folded with it)."""
     served = Served(base_model_dir, tmp_path / "store")
     try:
