@@ -181,3 +181,33 @@ def test_module_environment_returning_no_environment_is_one_line(tmp_path, tiny_
                                        "outputs: {report: false}\n"
                                        f"environments:\n  mine: {{type: 'module:{tmp_path / 'env.py'}'}}\n")
     run_all([(["train", "--config_path", "run.yaml"], f"load_environment() returned {returned}")], tmp_path)
+
+
+# ---------------------------------------------------------------------------------- model names
+
+
+def test_a_missing_model_directory_is_named_and_an_uncached_hub_id_offline_is_one_line(tmp_path):
+    """``models/tinyy`` next to a ``models/`` folder is a mistyped directory, not a hub id (it took half a
+    minute of the hub client's retries, then a traceback); a hub id that is not in the local cache, with the
+    hub out of reach (here ``HF_HUB_OFFLINE``, as in every test), is one line before anything loads."""
+    from polyrl.errors import UserInputError
+    from polyrl.models import resolve_model_path
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "typo.yaml").write_text("model_name: models/tinyy\nenvironments: {arithmetic: {}}\n")
+    (tmp_path / "hub.yaml").write_text("model_name: nobody/no-such-model\nenvironments: {arithmetic: {}}\n"
+                                       "max_steps: 1\n")
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    run_all([(["train", "--config", "typo.yaml"], "model 'models/tinyy': no such model directory"),
+             (["train", "--config", "typo.yaml", "--print-config"], "no such model directory"),
+             (["train", "--config", "hub.yaml"], "model 'nobody/no-such-model' is not a local directory, "
+                                                 "nor in the Hugging Face cache, and HF_HUB_OFFLINE is set")],
+            tmp_path)
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with pytest.raises(UserInputError, match="no such model directory"):
+            resolve_model_path("models/tinyy")
+        assert resolve_model_path("nobody/no-such-model") == "nobody/no-such-model"  # a hub id, as given
+    finally:
+        os.chdir(cwd)

@@ -31,7 +31,8 @@ from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
 from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
                                        float_logits, no_room, select_sampler_dtype, wants_copy)
 from polyrl.local.vision import Vision, is_vision_config
-from polyrl.models import resolve_model_path
+from polyrl.errors import UserInputError
+from polyrl.models import check_hub_model, resolve_model_path
 
 LORA_ALPHA = 32
 # ``gradient_checkpointing: auto`` turns it on from this many base-model parameters: below it,
@@ -114,6 +115,8 @@ class BaseModel:
 
         self.name = name
         self.path = resolve_model_path(name)
+        if self.path == name and not os.path.isdir(name):  # a hub id
+            check_hub_model(name)
         self.device = select_device(device)
         try:
             with MODEL_LOAD_LOCK:
@@ -124,8 +127,9 @@ class BaseModel:
                 vision = is_vision_config(self.config)
                 loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
                 model = loader.from_pretrained(self.path, dtype=self.dtype)
-        except OSError as e:
-            raise ValueError(f"model {name!r} could not be loaded: {e}") from None
+        except OSError as e:  # the hub's or a file's error: its first line (the rest is advice on setup)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserInputError(f"model {name!r} could not be loaded: {first}") from None
         model.to(self.device)
         model.eval()  # no dropout: sampler and learner must compute the same logprobs
         model.requires_grad_(False)
