@@ -211,3 +211,13 @@ def test_a_missing_model_directory_is_named_and_an_uncached_hub_id_offline_is_on
         assert resolve_model_path("nobody/no-such-model") == "nobody/no-such-model"  # a hub id, as given
     finally:
         os.chdir(cwd)
+
+
+def test_a_typo_in_a_built_in_environments_args_is_a_config_error(tmp_path):
+    """The built-in environments check their args when the config loads (``--print-config`` too), naming the
+    entry's ``args``, instead of failing seconds into the run."""
+    run_all([(["train", "--overrides", "model_name=tiny", "environments.arithmetic.args.max_valu=9", *extra],
+              "environments.arithmetic.args: arithmetic: unknown arg 'max_valu' (known: demo_error_rate, "
+              "max_value, min_value, ops)") for extra in ([], ["--print-config"])]
+            + [(["train", "--overrides", "model_name=tiny", "environments.countdown.args.num_numbers=9"],
+                "environments.countdown.args: countdown: num_numbers must be at most 6, got 9")], tmp_path)

@@ -109,6 +109,13 @@ class BuiltinBuilder(EnvBuilder):
             raise ValueError(f"{self.name}: demo_error_rate must be in [0, 1], got {rate!r}")
         self._validate()
 
+    @classmethod
+    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
+        """The constructor's checks of ``args`` (unknown names, types, ranges), run when the config is
+        loaded, so that a typo is a config error (``--print-config`` too), not a failure once the run
+        starts."""
+        cls(args)
+
     def _validate(self) -> None:
         """Check ``self.opts``; raise ValueError naming the bad arg."""
 
