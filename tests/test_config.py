@@ -219,6 +219,18 @@ def test_tinker_backend_rules(monkeypatch):
                        base=BASE).model_name == "./no-such-model"
 
 
+def test_a_base_url_without_a_key_is_told_which_key_it_sends(monkeypatch):
+    from polyrl.backend import PLACEHOLDER_KEY, placeholder_key_note
+
+    config = load_config(None, ["backend=tinker", "base_url=http://127.0.0.1:8000"], base=BASE)
+    note = placeholder_key_note(config)
+    assert note is not None and f"sending the key {PLACEHOLDER_KEY!r} to http://127.0.0.1:8000" in note
+    assert "set TINKER_API_KEY" in note
+    monkeypatch.setenv("TINKER_API_KEY", "tml-0123456789")
+    assert placeholder_key_note(config) is None
+    assert placeholder_key_note(load_config(None, [], base=BASE)) is None  # the local engine needs no key
+
+
 def test_tinker_key_from_dotenv(tmp_path):
     (tmp_path / ".env").write_text("TINKER_API_KEY=tml-from-dotenv-file\n")
     assert load_config(None, ["backend=tinker"], base=BASE).backend == "tinker"

@@ -56,3 +56,17 @@ def test_qwen3_0_6b_size_has_the_real_models_shapes():
     total = sum(p.numel() for p in model.parameters())
     assert total == 596_049_920
     assert total - model.get_input_embeddings().weight.numel() == 440_467_456
+
+
+def test_the_command_lines_help_names_every_size():
+    import subprocess
+    import sys
+
+    from polyrl.models.gguf import PACKAGED
+    from polyrl.models.tiny import SIZES
+    from polyrl.models.tiny_vl import VL_SIZES
+
+    out = subprocess.run([sys.executable, "-m", "polyrl.cli", "tiny-model", "--help"], capture_output=True,
+                         text=True, timeout=120).stdout
+    words = out.replace("|", " ").replace(";", " ").replace("(", " ").split()
+    assert not [name for name in [*SIZES, *VL_SIZES, *PACKAGED] if name not in words], out

@@ -209,6 +209,15 @@ def tiny_config(spec: TinySize, tokenizer):
     return config, model_class
 
 
+def size_names() -> dict[str, str]:
+    """Every ``size`` :func:`build_tiny_model` takes, with what it is (for the command line's help)."""
+    from polyrl.models.gguf import PACKAGED
+    from polyrl.models.tiny_vl import VL_SIZES
+
+    return {**dict.fromkeys(SIZES, "random weights"), **dict.fromkeys(VL_SIZES, "vision-language, random"),
+            **dict.fromkeys(PACKAGED, "the real model, from its package")}
+
+
 def build_tiny_model(out_dir: str | Path, size: str = "unit", seed: int = 0) -> Path:
     """Write a tiny Qwen3 model + tokenizer in Hugging Face format to ``out_dir``; return the path.
 
