@@ -1210,3 +1210,20 @@ def test_a_stopping_engine_ends_sampling_at_the_next_decode_step(tiny_model_dir,
     assert len(asked) == 6  # five decode steps ran, the sixth was never taken
     whole = generate(model, [job], tokenizer, torch.device("cpu"), None, stopping=lambda: False)
     assert len(whole[0].sequences) == 2  # never stopping: the jobs run as without the check
+
+
+def test_sampling_hands_the_model_its_cache_under_the_keyword_it_takes(service, tiny_model_dir):
+    """Current transformers take the KV cache as ``cache`` and warn on ``past_key_values`` (a FutureWarning
+    in every run); the sampler passes whichever the model's ``forward`` takes."""
+    import warnings
+
+    from polyrl.local.cpu_decode import with_cache
+
+    sampler = service.create_sampling_client(base_model=tiny_model_dir)
+    model = sampler._state.base.hf_model
+    assert list(with_cache(model, "c")) == ["cache"]  # transformers 5.25's Qwen3 forward
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        out = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2,
+                             types.SamplingParams(max_tokens=4, seed=0)).result()
+    assert len(out.sequences) == 2 and all(s.tokens for s in out.sequences)

@@ -20,6 +20,21 @@ from typing import Callable
 
 import torch
 
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The keyword that hands a Hugging Face model its KV cache: ``cache`` where its ``forward`` takes it
+    (current transformers, where ``past_key_values`` is deprecated and warns), else ``past_key_values``.
+    A PEFT wrapper passes its keywords on to the model it wraps, whose ``forward`` decides."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_cache_keyword(type(inner)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
 DECODE_ATTENTION = "polyrl_decode"  # the attention implementation the CPU copy runs (registered on use)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # sibling projections of one input
 
@@ -285,13 +300,13 @@ def check(fast: FastDecode, model: torch.nn.Module, new_cache: Callable[[], obje
     caches = [new_cache(), new_cache()]
     with torch.inference_mode():
         for cache in caches:
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                  use_cache=True)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **with_cache(model, cache))
         tokens, pos = torch.tensor([7, 8]) % vocab, positions[:, -1] + 1
         for _ in range(2):
             mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
             want = model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=pos.unsqueeze(1),
-                         past_key_values=caches[0], use_cache=True).logits[:, -1].float()
+                         use_cache=True, **with_cache(model, caches[0])).logits[:, -1].float()
             got = fast(tokens, pos, mask, caches[1]).float()
             if not torch.allclose(got, want, rtol=0, atol=1e-2 * max(1.0, float(want.abs().max()))):
                 return False

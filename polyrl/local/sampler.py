@@ -36,7 +36,7 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
-from polyrl.local.cpu_decode import DECODE_ATTENTION
+from polyrl.local.cpu_decode import DECODE_ATTENTION, with_cache
 from polyrl.local.draw import filtered_logits, inverse_cdf, row_uniforms
 
 MAX_LOGPROBS_K = 128  # widest top-K / target / alternative-token request (also bounded by the vocabulary)
@@ -289,16 +289,18 @@ def generate_steps(model, jobs: list[SampleJob], tokenizer, device, generator: t
         for i in range(len(prompts)):
             if first[i].mrope is not None:
                 multimodal[:, i, width - len(prompts[i]):] = first[i].mrope.to(device)
-        out = vision.inner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        out = vision.inner(input_ids=ids, attention_mask=mask, use_cache=True,
                            position_ids=torch.cat([positions.unsqueeze(0), multimodal]),  # [4, B, T]
+                           **with_cache(vision.inner, cache),
                            **vision.inputs([im for job in with_images for im in job.images], device))
     else:
-        out = (model.get_decoder() if split else model)(
+        prefill = model.get_decoder() if split else model
+        out = prefill(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **with_cache(prefill, cache),
             **({} if split else {"logits_to_keep": 0 if lp_prompts else 1}),
         )
     if split:  # unembed the last position of every prompt, every position of the asked-for ones
@@ -605,8 +607,8 @@ def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_len
                 input_ids=tokens.unsqueeze(1),  # [C, 1]
                 attention_mask=mask_buf[:, :width],
                 position_ids=step_pos,
-                past_key_values=cache,
                 use_cache=True,
+                **with_cache(model, cache),
             )
             logits = _float32(out.logits[:, -1, :], logit_buf)  # [C, 1, V] -> [C, V]
         next_pos = next_pos + 1
