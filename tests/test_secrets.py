@@ -246,8 +246,10 @@ def test_literal_secrets_in_config_args_are_masked_wherever_the_config_is_shown(
     from polyrl.report.data import read_config
     from polyrl.tracking.files import RunFiles
 
+    # a user's own environment, which takes a service's credentials among its args
+    (tmp_path / "secret_env.py").write_text("def load_environment(**args):\n    raise RuntimeError\n")
     base = {"model_name": tiny_model_dir, "environments": {"password_game": {
-        "type": "arithmetic", "args": {**LITERALS, **KEPT}}}}
+        "type": f"module:{tmp_path / 'secret_env.py'}", "args": {**LITERALS, **KEPT}}}}
     config = load_config(None, [], base=base)
     assert config.environments["password_game"].args == {**LITERALS, **KEPT}  # what the run uses
     (tmp_path / "run.json").write_text(json.dumps(base))
