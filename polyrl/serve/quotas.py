@@ -58,12 +58,12 @@ class Quotas:
                                     f"(--max-sessions {self.config.max_sessions}); close some "
                                     "(ServiceClient.close) or let them time out")
 
-    def adapter_room(self, owner: str, base_name: str, rank: int, lora: LoraSpec) -> int:
+    def adapter_room(self, owner: str, base_name: str, lora: LoraSpec) -> int:
         """The bytes a new training client of ``lora`` on ``base_name`` holds (adapter, gradient, optimizer
         moments: ``ADAPTER_BYTES_PER_PARAMETER`` per LoRA parameter; 0 while the base model is not loaded),
         or a 4xx naming the limit it passes: its rank (400), the key's training clients or their memory
         (403)."""
-        cfg = self.config
+        cfg, rank = self.config, lora.rank
         if rank > cfg.max_lora_rank:
             raise RequestError(400, f"lora rank {rank} is more than this server allows "
                                     f"(--max-lora-rank {cfg.max_lora_rank})")

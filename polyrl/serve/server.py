@@ -258,7 +258,7 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         the engine ``start()`` the model."""
         model_id = f"{session.session_id}:train:{model_seq_id}"
         spec = LoraSpec(**lora)
-        size = self.adapter_room(session.owner, base_model, spec.rank, spec)
+        size = self.adapter_room(session.owner, base_model, spec)
         try:
             self.runs.record(model_id, session.owner, base_model, lora, user_metadata)
         except OSError as e:
@@ -268,7 +268,7 @@ class Server(CheckpointLifecycle, Sampling, Quotas):
         def admitted() -> TrainerState:
             if rec.adapter_bytes == 0:  # its base model was not loaded at the request: admitted here
                 self.engine.base(base_model)
-                rec.adapter_bytes = self.adapter_room(session.owner, base_model, spec.rank, spec) or 1
+                rec.adapter_bytes = self.adapter_room(session.owner, base_model, spec) or 1
             return start()
 
         ready: Future = Future()
