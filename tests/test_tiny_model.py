@@ -7,7 +7,8 @@ import sys
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from polyrl.models.tiny import ADDED_TOKENS, SPECIAL_TOKENS, build_tiny_model
+from polyrl.models.tiny import build_tiny_model
+from polyrl.models.tiny_base import ADDED_TOKENS, SPECIAL_TOKENS
 
 
 def test_tiny_model_loads_with_auto_classes_and_has_chatml(tmp_path):

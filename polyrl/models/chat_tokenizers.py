@@ -84,7 +84,7 @@ FAMILIES: dict[str, ChatTokens] = {
 def build_chat_tokenizer(family: str, vocab_size: int = 1024, seed: int = 0):
     """A small ``PreTrainedTokenizerFast`` with ``family``'s chat markers as single tokens (see
     :data:`FAMILIES`), built offline in a fraction of a second."""
-    from polyrl.models.tiny import train_bpe
+    from polyrl.models.tiny_base import train_bpe
 
     if family not in FAMILIES:
         raise UserInputError(f"unknown chat-token family {family!r}; choose one of {sorted(FAMILIES)}")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 
-from polyrl.models.tiny import ADDED_TOKENS, TinySize
+from polyrl.models.tiny_base import ADDED_TOKENS, TinySize
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
@@ -60,7 +60,7 @@ def build_vl_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE with Qwen's chat and vision tokens (special) and content markers (added), the
     Qwen3-VL-Instruct chat template, trained also on the visual environment's prompts and answers."""
     from polyrl.envs.builtin.visual import tokenizer_text
-    from polyrl.models.tiny import train_bpe
+    from polyrl.models.tiny_base import train_bpe
 
     fast = train_bpe(vocab_size, seed, False, SPECIAL_TOKENS, extra_text=tuple(tokenizer_text()),
                      eos_token="<|im_end|>", pad_token="<|endoftext|>")
