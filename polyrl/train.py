@@ -113,7 +113,8 @@ async def train_step(run: Run) -> dict[str, float]:
         minibatch = await prepare_minibatch(episodes_G, step, config, run.runtimes, run.signals, run.guard)
         minibatches.append(minibatch)
         if minibatch.data_D and first_problem(minibatches) is None:
-            pending.append(await forward_backward(run.training, run.guard, minibatch, config))
+            future, minibatch.correction = await forward_backward(run.training, run.guard, minibatch, config)
+            pending.append(future)
 
     # One optimizer step, once every loss came back finite; an update that is not finite applies
     # nothing, and the run stops or skips the step (nonfinite_steps)
@@ -144,8 +145,8 @@ async def train_step(run: Run) -> dict[str, float]:
     row = step_row(config, batch, update, evaluation, saved.seconds, started)
     log_step(run, state, row, batch, update, saved)
 
-    # Check learning: stop when too many steps trained nothing
-    check_learning(config, run.console, state, step, batch.episodes_G, update)
+    # Count a step that trained nothing in the run state: the run stops when too many did
+    count_step_without_update(config, run.console, state, step, batch.episodes_G, update)
     return row
 
 
@@ -233,8 +234,8 @@ def log_step(run: Run, state: RunState, row: dict[str, float], batch: StepBatch,
         refresh_for_training(files.root, run.console)
 
 
-def check_learning(config: TrainConfig, console: ConsoleLog, state: RunState, step: int,
-                   episodes_G: list[list[Episode]], update: StepUpdate) -> None:
+def count_step_without_update(config: TrainConfig, console: ConsoleLog, state: RunState, step: int,
+                              episodes_G: list[list[Episode]], update: StepUpdate) -> None:
     """Count step ``step`` in ``state`` if it trained nothing, and warn with the share of such steps so
     far. Groups dropped over their failure budget mean something is broken: the run stops once more
     than ``max_no_update_frac`` of its steps made no update for that. Equal rewards everywhere are

@@ -166,19 +166,22 @@ def first_problem(minibatches: list[Minibatch]) -> str | None:
 
 
 async def forward_backward(training: TrainingClient, guard: ServiceGuard, minibatch: Minibatch,
-                           config: TrainConfig) -> Future[types.ForwardBackwardOutput]:
+                           config: TrainConfig
+                           ) -> tuple[Future[types.ForwardBackwardOutput], dict[str, float]]:
     """Send a minibatch's Datums to ``forward_backward`` (not awaited: the next minibatch is prepared
     meanwhile); the gradients add up in the service until the optimizer step. The off-policy correction
     goes in ``loss_fn_config`` (local engine), or with backend tinker is folded into the Datums first
-    (:func:`fold_correction`, its metrics kept on the minibatch)."""
+    (:func:`fold_correction`). Returns the result's future and the client-side correction's metrics
+    (empty when the loss does the correction), which the caller keeps as ``minibatch.correction``."""
     data_D, loss_config = minibatch.data_D, dict(config.loss_fn_config)
+    correction: dict[str, float] = {}
     if config.off_policy.correction != "none":
         if config.backend == "tinker":
-            data_D, minibatch.correction = await fold_correction(training, guard, data_D, config.loss_fn,
-                                                                 correction_keys(config))
+            data_D, correction = await fold_correction(training, guard, data_D, config.loss_fn,
+                                                       correction_keys(config))
         else:
             loss_config.update(correction_keys(config))
-    return training.forward_backward(data_D, config.loss_fn, loss_config or None)
+    return training.forward_backward(data_D, config.loss_fn, loss_config or None), correction
 
 
 def correction_keys(config: TrainConfig) -> dict[str, float]:

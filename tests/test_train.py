@@ -459,7 +459,7 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
 
     async def update(episodes_G):  # the loop's update blocks, for one minibatch of step 0
         minibatch = await prepare_minibatch(episodes_G, 0, run.config, run.runtimes, run.signals, run.guard)
-        pending = [await forward_backward(run.training, run.guard, minibatch, run.config)] \
+        pending = [(await forward_backward(run.training, run.guard, minibatch, run.config))[0]] \
             if minibatch.data_D else []
         adam, optimized = optim_params(run.config, 0), None
         if minibatch.episodes_D:
@@ -497,10 +497,10 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
     assert len((tmp_path / "run" / "trajectories" / "step_000000.jsonl").read_text().splitlines()) == 8
 
 
-def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
+def test_steps_without_update_warn_then_stop(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError
     from polyrl.run import RunState
-    from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning
+    from polyrl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
     from polyrl.update import GroupCounts, StepUpdate
 
     config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50,
@@ -512,12 +512,13 @@ def test_check_learning_phase_warns_then_stops(tiny_model_dir, tmp_path):
                          0, {}, 0.0)
     trained = StepUpdate([group], {}, 3, {}, 0.0)
     for done in range(1, NO_UPDATE_MIN_STEPS):
-        check_learning(config, console, state, done - 1, [group], nothing if done % 2 else trained)
+        count_step_without_update(config, console, state, done - 1, [group],
+                                  nothing if done % 2 else trained)
     assert sum("made no update" in line for line in console.lines) == (NO_UPDATE_MIN_STEPS) // 2
     # 5 of 10: not more than half
-    check_learning(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], trained)
+    count_step_without_update(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], trained)
     with pytest.raises(RunStoppedError, match="6 of 11 steps made no update.*RuntimeError: no backend"):
-        check_learning(config, console, state, NO_UPDATE_MIN_STEPS, [group], nothing)
+        count_step_without_update(config, console, state, NO_UPDATE_MIN_STEPS, [group], nothing)
 
 
 def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tiny_model_dir, tmp_path):
@@ -525,7 +526,7 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
     (one prompt a step) goes on, warning with the share of such steps; only max_no_signal_frac stops it."""
     from polyrl.errors import RunStoppedError
     from polyrl.run import RunState
-    from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning
+    from polyrl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
     from polyrl.update import GroupCounts, StepUpdate
 
     group = [Episode("letter", "train", 0, 0), Episode("letter", "train", 0, 0)]
@@ -534,7 +535,7 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
                        0, {}, 0.0)
     config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50), RecordingConsole(), RunState()
     for done in range(1, 3 * NO_UPDATE_MIN_STEPS):
-        check_learning(config, console, state, done - 1, [group], equal)
+        count_step_without_update(config, console, state, done - 1, [group], equal)
     warnings = [line for line in console.lines if "made no update" in line]
     assert len(warnings) == 3 * NO_UPDATE_MIN_STEPS - 1
     assert warnings[-1].endswith("1 with equal rewards (29 of 29 steps so far without a learning signal)"), \
@@ -543,10 +544,10 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
     asked = _config(tiny_model_dir, tmp_path / "asked", max_steps=50, limits={"max_no_signal_frac": 0.5})
     asked_state = RunState()
     for done in range(1, NO_UPDATE_MIN_STEPS):
-        check_learning(asked, console, asked_state, done - 1, [group], equal)
+        count_step_without_update(asked, console, asked_state, done - 1, [group], equal)
     with pytest.raises(RunStoppedError, match="10 of 10 steps made no update without a learning signal "
                                               r"\(more than max_no_signal_frac=0.5\)"):
-        check_learning(asked, console, asked_state, NO_UPDATE_MIN_STEPS - 1, [group], equal)
+        count_step_without_update(asked, console, asked_state, NO_UPDATE_MIN_STEPS - 1, [group], equal)
 
 
 def _run_cli(args, cwd, env=None, **kw):

@@ -29,7 +29,8 @@ from polyrl.step_metrics import (bound_warnings, episode_metrics, kl_metrics, no
                                  token_weighted, update_metrics)
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import NO_UPDATE_MIN_STEPS, check_learning, checkpoint, evaluate, log_step, take_groups
+from polyrl.train import (NO_UPDATE_MIN_STEPS, checkpoint, count_step_without_update, evaluate, log_step,
+                          take_groups)
 from polyrl.update import (GroupCounts, Minibatch, Optimized, StepUpdate, filter_groups, first_problem,
                            forward_backward, nonfinite_inputs, optim_params, optimizer_choice, optimizer_step,
                            prepare_minibatch, refuse_update)
@@ -284,9 +285,9 @@ def test_forward_backward_sends_a_minibatch_with_the_configured_loss(tmp_path):
         return asyncio.run(forward_backward(RecordingTraining(calls), guard, Minibatch([], {}, [], data),
                                             config))
 
-    future = send([datum, datum], _config(tmp_path))
+    future, correction = send([datum, datum], _config(tmp_path))
     assert calls == [("forward_backward", 2, "importance_sampling", None)]
-    assert future.result().metrics == {"loss:sum": 1.0}
+    assert future.result().metrics == {"loss:sum": 1.0} and correction == {}  # the loss corrects, if asked
     send([datum], _config(tmp_path, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8}))
     assert calls[-1] == ("forward_backward", 1, "ppo", {"clip_low_threshold": 0.8})
     send([datum], _config(tmp_path, loss_fn="ppo", off_policy={"correction": "icepop"}))
@@ -468,23 +469,24 @@ def test_step_row_reports_episodes_staleness_and_time(tmp_path):
     assert by_env["episodes/count"] == 2.0
 
 
-def test_check_learning_counts_steps_without_update_and_stops_past_the_share(tmp_path):
+def test_steps_without_update_are_counted_and_stop_past_the_share(tmp_path):
     config = _config(tmp_path, max_steps=50, limits={"max_no_update_frac": 0.3})
     console, state = Lines(), RunState()
     group = [_episode(0.0, error="RuntimeError: no backend")] * 2
     failed = StepUpdate([], {"word": GroupCounts(2.0, 1.0, 0.0)}, 0, {}, 0.0)
-    check_learning(config, console, state, 0, [group], StepUpdate([group], {}, 2, {}, 0.0))
+    count_step_without_update(config, console, state, 0, [group], StepUpdate([group], {}, 2, {}, 0.0))
     assert (state.no_update_steps, state.failed_steps, console.lines) == (0, 0, [])
     for step in range(1, 4):
-        check_learning(config, console, state, step, [group], failed)
+        count_step_without_update(config, console, state, step, [group], failed)
     assert (state.no_update_steps, state.failed_steps) == (3, 3)
     assert console.lines[-1] == ("warning: step 3 made no update: 1 of 1 groups dropped over their failure "
                                  "budget, 0 with equal rewards; most common episode error (2x): "
                                  "RuntimeError: no backend (3 of 4 steps so far with failed groups)")
     for step in range(4, NO_UPDATE_MIN_STEPS - 1):
-        check_learning(config, console, state, step, [group], StepUpdate([group], {}, 2, {}, 0.0))
+        count_step_without_update(config, console, state, step, [group],
+                                  StepUpdate([group], {}, 2, {}, 0.0))
     with pytest.raises(RunStoppedError, match="4 of 10 steps made no update with failed groups"):
-        check_learning(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], failed)
+        count_step_without_update(config, console, state, NO_UPDATE_MIN_STEPS - 1, [group], failed)
 
 
 def test_no_update_reason_and_bound_warnings_name_the_cause():
