@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.polyrl-installed
 
-.PHONY: test test-fast lint quickstart quickstart-real install bench clean
+.PHONY: test test-fast lint docs quickstart quickstart-real install bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ lint: $(STAMP)
 	$(PY) -m ruff check polyrl tests benchmarks examples
 	$(PY) -m mypy
 
+# The documentation site, into site/: the docs extra (mkdocs, Material) is installed into .venv when missing;
+# --strict makes every warning (a broken link, a page missing from the nav) an error.
+docs: $(STAMP)
+	@$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m mkdocs build --strict --site-dir site
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
@@ -51,4 +57,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/report_load.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

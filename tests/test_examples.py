@@ -8,7 +8,7 @@ and models), and a slow test runs one or two steps of it on a tiny model, with o
 server (OpenReward's ORS) gets its own server script started on 127.0.0.1.
 
 A file added to ``examples/`` without an entry in :data:`EXAMPLES` fails
-:func:`test_every_file_in_examples_is_an_example_or_part_of_one`, and the README's Training section must
+:func:`test_every_file_in_examples_is_an_example_or_part_of_one`, and the docs' Examples section must
 list every example.
 """
 
@@ -122,11 +122,12 @@ def test_example_header_says_what_how_and_what_to_expect(name):
         assert f"python {ex.server}" in header(ex.server.removeprefix("examples/")), "how to start the server"
 
 
-def test_the_readme_training_section_lists_every_example():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    training = readme.split("\n## Training\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_examples_section_lists_every_example():
+    page = (ROOT / "docs" / "getting-started" / "first-config.md").read_text(encoding="utf-8")
+    section = page.split("\n## Examples\n", 1)[1].split("\n## ", 1)[0]
     for name in EXAMPLES:
-        assert f"`examples/{name}`" in training, f"README's Training section does not list examples/{name}"
+        assert f"`examples/{name}`" in section, (
+            f"the Examples section of docs/getting-started/first-config.md does not list examples/{name}")
 
 
 # ---------------------------------------------------------------------------- running them
