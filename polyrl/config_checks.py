@@ -70,7 +70,8 @@ def installed(package: str) -> bool:
 def environment_problems(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
     """Unknown environment types, and arguments an adapter cannot support, before the run starts."""
     problems = []
-    for name, env in envs.items():
+    # Entries that load a user's module go first: a name its @register_env declares may name another entry.
+    for name, env in sorted(envs.items(), key=lambda item: not (item[1].type or "").startswith("module:")):
         try:
             builder = registry.get_env_builder(env.type or name)
         except KeyError as exc:

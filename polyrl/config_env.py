@@ -81,6 +81,12 @@ class EnvConfig(BaseModel):
         description="Reward of an episode the environment did not finish (max_turns reached or the turn was "
         "truncated at max_tokens); null keeps the reduced step rewards.",
     )
+    success_threshold: float | None = Field(
+        None,
+        description="An episode succeeds when its reward is at least this. null: the environment's own "
+        "verdict (a final-step 'success' metric) where it gives one, else a reward of at least 1.0 (full "
+        "marks), so partial credit is never a success.",
+    )
     weight: float = Field(1.0, gt=0,
                           description="Relative share of each batch's groups drawn from this environment.")
     args: dict[str, Any] = Field(default_factory=dict,

@@ -306,6 +306,11 @@ def stop_across(tokens: list[int], start: int, stops: list[int] | list[str],
     return None
 
 
+#: The reward an episode needs to count as a success when neither its environment nor its entry's
+#: ``success_threshold`` says otherwise.
+FULL_MARKS = 1.0
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     max_turns: int
@@ -314,6 +319,7 @@ class RolloutSettings:
     timeout: float
     reward_reduction: str = "sum"
     nonterminal_reward: float | None = None
+    success_threshold: float | None = None
     max_abs_reward: float = DEFAULT_MAX_ABS_REWARD
     max_observation_tokens: int = DEFAULT_MAX_OBSERVATION_TOKENS
     max_observation_bytes: int = DEFAULT_MAX_OBSERVATION_BYTES
@@ -434,7 +440,11 @@ def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
     """The episode's scalar reward (sum or mean of step rewards; ``nonterminal_reward`` when the
     environment never ended it), its success flag, and ``turn_rewards``: per-turn rewards that add
     up to the reward (each step reward, over the turn count under ``mean``; a ``nonterminal_reward``
-    replaces what the last turn adds), the same for every episode with the same step rewards."""
+    replaces what the last turn adds), the same for every episode with the same step rewards.
+
+    Success is ``reward >= success_threshold`` when the entry sets one; otherwise the environment's
+    own verdict (a ``success`` metric) where it gives one, else ``reward >= 1.0``: full marks, so
+    partial credit is never a success."""
     rewards = list(episode.step_rewards) or [0.0]
     if settings.reward_reduction == "mean":
         rewards = [r / len(rewards) for r in rewards]
@@ -444,4 +454,9 @@ def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
         total = settings.nonterminal_reward
     episode.turn_rewards = rewards
     episode.reward = total
-    episode.success = bool(episode.metrics["success"]) if "success" in episode.metrics else total > 0
+    if settings.success_threshold is not None:
+        episode.success = total >= settings.success_threshold
+    elif "success" in episode.metrics:
+        episode.success = bool(episode.metrics["success"])
+    else:
+        episode.success = total >= FULL_MARKS

@@ -134,6 +134,7 @@ class EnvRuntime:
             timeout=cfg.timeout,
             reward_reduction=cfg.reward_reduction,
             nonterminal_reward=cfg.nonterminal_reward,
+            success_threshold=cfg.success_threshold,
             **bounds,
         )
         return cls(name, cfg, builder, settings, seed)

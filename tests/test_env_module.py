@@ -39,18 +39,20 @@ def _settings(**kw):
 
 
 # ---------------------------------------------------------------------------- config load
-@pytest.mark.parametrize("entry,needle", [
-    ({"type": "module:"}, "module:<dotted.module or path/file.py>"),
-    ({"type": "module:no_such_pkg.envs"}, "module 'no_such_pkg.envs' not found"),
-    ({"type": "module:json"}, "json has no load_environment() function"),
-    ({"type": "module:tests/fixtures/missing_env.py"}, "environment file not found"),
-    ({"type": f"module:{STEP_FILE}", "args": {"max_turns": 3}}, "does not take these args"),
+@pytest.mark.parametrize("entry,field,needle", [
+    ({"type": "module:"}, "type", "module:<dotted.module or path/file.py>"),
+    ({"type": "module:no_such_pkg.envs"}, "type", "module 'no_such_pkg.envs' not found"),
+    ({"type": "module:json"}, "type", "json has neither a load_environment() function nor an EnvBuilder"),
+    ({"type": "module:tests/fixtures/missing_env.py"}, "type", "environment file not found"),
+    ({"type": f"module:{STEP_FILE}:no_such_name"}, "type", "has no 'no_such_name'"),
+    ({"type": f"module:{STEP_FILE}", "args": {"max_turns": 3}}, "args", "does not take these args"),
 ])
-def test_module_problems_fail_at_config_load(in_repo, tmp_path, entry, needle):
+def test_module_problems_fail_at_config_load(in_repo, tmp_path, entry, field, needle):
+    """A module that cannot be found is the entry's type's fault; args its loader refuses, the args'."""
     (tmp_path / "run.yaml").write_text(json.dumps({"model_name": "m", "environments": {"mine": entry}}))
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "run.yaml")
-    assert needle in str(err.value) and str(err.value).startswith("environments.mine.args")
+    assert needle in str(err.value) and str(err.value).startswith(f"environments.mine.{field}:")
 
 
 def test_objects_of_the_wrong_shape_fail_before_the_run(tmp_path):

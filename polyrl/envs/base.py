@@ -20,8 +20,10 @@ that only works on the main thread (``signal.alarm`` timeouts, such as math-veri
 ``parsing_timeout``) must be async or do without them (math-verify: ``parsing_timeout=None``).
 
 Environments are built by an :class:`EnvBuilder` registered under a type name (``@register_env``;
-:mod:`polyrl.envs.registry` finds them by name): the trainer asks it for the environment of task
-``index`` in a split, so data order, resume and held-out evaluation are deterministic.
+:mod:`polyrl.envs.registry` finds them by name, and loads a user's own from a file, a module or an
+installed package's ``polyrl.environments`` entry point): the trainer asks it for the environment of
+task ``index`` in a split, so data order, resume and held-out evaluation are deterministic.
+docs/guides/environments.md walks through writing one.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class StepResult:
 
     ``messages`` are appended to the conversation (rendered as environment tokens, weight 0 in the
     loss). ``reward`` is this step's reward; ``done`` ends the episode. ``metrics`` are numbers
-    averaged per environment in the step's metrics row; a final-step ``success`` (0/1) is the
-    episode's success, otherwise success is ``total reward > 0``.
+    averaged per environment in the step's metrics row. A final-step ``success`` (0/1) is the
+    environment's verdict on the episode; without one, the episode succeeded when its total reward is
+    at least 1.0 (full marks). An entry's ``success_threshold`` replaces both: success is then
+    ``total reward >= success_threshold`` (see :func:`polyrl.episode.finalize_reward`).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -78,6 +82,28 @@ class Env(ABC):
         return None
 
 
+@dataclass
+class SingleTurnEnv:
+    """The short form for single-turn tasks: what a module's ``load_environment`` returns instead of
+    writing an :class:`EnvBuilder`. Each episode shows one ``dataset`` row and scores the reply.
+
+    ``dataset`` (and ``eval_dataset``, the ``test`` split; default: ``dataset``): rows with a
+    ``prompt`` (a string or messages) or a ``question``, and whatever the reward reads (``answer``,
+    ``info``); a row's ``completion`` (the expert's reply) is its demonstration for ``polyrl sft``.
+    ``rubric``: a reward function, a list of them or of ``(function, weight)`` pairs, or a
+    ``{name: function | (function, weight)}`` mapping; each is called with the keyword arguments it
+    names among ``completion``, ``answer``, ``row``, ``prompt``, ``messages``, ``info``, ``index``,
+    ``split``, and the reward is the weighted sum. ``success`` (optional, called the same way): the
+    environment's verdict on the reply. :mod:`polyrl.envs.module_env` describes every shape it takes.
+    """
+
+    dataset: Any
+    rubric: Any
+    eval_dataset: Any = None
+    system_prompt: str | None = None
+    success: Callable[..., Any] | None = None
+
+
 class EnvBuilder(ABC):
     """Makes the environments of one configured environment entry.
 
@@ -96,8 +122,19 @@ class EnvBuilder(ABC):
     @classmethod
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         """Check an entry's type and ``args`` when the config is loaded, before anything runs; raise
-        ``ValueError`` with a one-line reason for anything this builder cannot support."""
-        return None
+        ``ValueError`` with a one-line reason for anything this builder cannot support.
+
+        By default a builder with a constructor of its own is built once here (``cls(args, seed=0)``),
+        so the checks its ``__init__`` makes are config errors; override this when building is costly
+        (a download, a server)."""
+        if cls.__init__ is EnvBuilder.__init__:
+            return None
+        try:
+            build_builder(cls, type_name, args, seed=0)
+        except ValueError:
+            raise
+        except Exception as exc:  # a TypeError or KeyError of the constructor is a bad arg too
+            raise ValueError(f"{cls.__name__}({args!r}) failed: {type(exc).__name__}: {exc}") from exc
 
     @abstractmethod
     def make(self, split: str, index: int) -> Env:
@@ -147,15 +184,33 @@ ENV_TYPES: dict[str, Callable[..., EnvBuilder]] = {}
 
 
 def register_env(name: str) -> Callable[[type[EnvBuilder]], type[EnvBuilder]]:
-    """Class decorator: make an :class:`EnvBuilder` available under ``name`` in configs."""
+    """Class decorator: make an :class:`EnvBuilder` available under ``name`` in configs (``type: name``).
+    A module of a user's registers its builders when it is loaded: through the config
+    (``type: module:...``) or an installed package's ``polyrl.environments`` entry point."""
 
     def deco(cls: type[EnvBuilder]) -> type[EnvBuilder]:
-        if name in ENV_TYPES:
+        known = ENV_TYPES.get(name)
+        # The same class loaded again (a module imported under a second name) replaces itself.
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
             raise ValueError(f"environment type {name!r} is registered twice")
         ENV_TYPES[name] = cls
         return cls
 
     return deco
+
+
+def build_builder(cls: Callable[..., EnvBuilder], type_name: str, args: dict[str, Any],
+                  seed: int = 0) -> EnvBuilder:
+    """``cls(args, seed=seed)``, with ``type_name=`` too where its ``__init__`` takes it; every builder gets
+    ``type_name`` as ``builder.type_name``."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+        takes_type = any(p.name == "type_name" or p.kind is p.VAR_KEYWORD for p in params)
+    except (TypeError, ValueError):
+        takes_type = False
+    builder = cls(args, seed=seed, type_name=type_name) if takes_type else cls(args, seed=seed)
+    builder.type_name = type_name
+    return builder
 
 
 def parse_prefixed_type(type_name: str, prefix: str, example: str, args: dict[str, Any],

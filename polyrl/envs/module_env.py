@@ -1,9 +1,12 @@
-"""``module:<path/or.module>``: environments written as a plain Python module.
+"""``module:<path/or.module>[:name]``: environments written as a plain Python module.
 
 The module (a dotted name, a ``.py`` file path relative to the working directory, or a package
 directory such as ``./environments/my_task`` holding an ``__init__.py`` -- or, in a project layout,
 ``my_task/__init__.py`` -- as Minds RL lays environments out) defines
-``load_environment(**args)``; the entry's ``args`` are passed to it. The object it returns is one of:
+``load_environment(**args)`` (or, named after a colon, ``module:pkg.mod:make_task``, a function of
+another name in the same part); the entry's ``args`` are passed to it. A module may instead define an
+:class:`~polyrl.envs.base.EnvBuilder` subclass, which :mod:`polyrl.envs.registry` loads directly. The
+object ``load_environment`` returns is one of:
 
 **Step-based**: ``initial_observation()`` and ``step(text)``, sync or async. ``load_environment`` is
 called once per episode (the object may keep the episode's state). ``initial_observation`` may take
@@ -31,7 +34,16 @@ image parts of its user message), optionally an ``eval_dataset`` for the test sp
 function, the reward is the weighted sum and each function's value is logged as ``reward/<name>``.
 Reward functions (sync or async) are called with the keyword arguments they accept among
 ``completion`` (the reply text), ``prompt``, ``messages``, ``answer``, ``row``, ``info``, ``index``,
-``split`` and ``sampling_client`` (anything, if they take ``**kwargs``).
+``split`` and ``sampling_client`` (anything, if they take ``**kwargs``). An optional ``success``
+function on the object, called the same way, gives the environment's verdict on the reply (logged as
+the ``success`` metric); without one, success is judged from the reward (see
+:func:`polyrl.episode.finalize_reward`).
+
+**Demonstrations** (for ``polyrl sft`` warm starts): a dataset row's ``completion`` (the expert's reply,
+a string) is its demonstration; either kind of object may define ``demonstration`` instead, called
+with those of ``index``, ``split``, ``seed`` and ``row`` (dataset rows) it accepts, returning the
+expert's reply (a string, answering the first observation) or the whole conversation (a list of
+messages, or ``{"messages": [...], "tools": [...]}``); ``None`` when the task has none.
 
 **Model-aware rewards**: an object with ``build(sampling_client)`` gets the current sampling client
 before it is used (each new sampler, for a dataset environment; each episode's fresh object, for a
@@ -48,6 +60,8 @@ errors when the config is loaded or, for the object itself, when the run starts.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -71,19 +85,38 @@ logger = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------- loading
 
 
+MODULE_PREFIX = "module:"
+
+
 def _looks_like_path(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def split_target(target: str) -> tuple[str, str | None]:
+    """``pkg.mod:name`` or ``path/file.py:name`` -> (module target, name); no name -> (target, None)."""
+    module, sep, name = target.rpartition(":")
+    if sep and module and name.isidentifier():
+        return module, name
+    return target, None
+
+
+def environment_loader(target: str, what: str = "environment") -> tuple[Callable, str]:
+    """The function that loads the environment of ``target`` (``load_environment``, or the name after
+    its colon) and how errors name it."""
+    module_target, name = split_target(target)
+    loader = getattr(load_module(module_target, what=what), name or "load_environment", None)
+    if not callable(loader):
+        raise ValueError(f"{module_target} has no {name or 'load_environment'}() function")
+    return loader, f"{module_target}.{name or 'load_environment'}"
+
+
 def check_load_environment(target: str, args: dict[str, Any], what: str = "environment") -> None:
     """``target`` defines ``load_environment`` and it accepts ``args`` (checked at config load)."""
-    loader = getattr(load_module(target, what=what), "load_environment", None)
-    if not callable(loader):
-        raise ValueError(f"{target} has no load_environment() function")
+    loader, where = environment_loader(target, what)
     try:
         inspect.signature(loader).bind(**args)
     except TypeError as exc:
-        raise ValueError(f"{target}.load_environment does not take these args: {exc}") from exc
+        raise ValueError(f"{where} does not take these args: {exc}") from exc
 
 
 def load_module(target: str, what: str = "environment") -> ModuleType:
@@ -178,6 +211,19 @@ def accepted(fn: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
 def call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **those kwargs its signature accepts)``."""
     return fn(*args, **accepted(fn, kwargs))
+
+
+def run_sync(value: Any) -> Any:
+    """``value``, awaited on an event loop of its own (on another thread, so a caller's running loop
+    is not in the way) when it is awaitable."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, wait()).result()
 
 
 class RewardCoercion:
@@ -382,19 +428,38 @@ class RubricEnv(Env):
                                         f"reward function {name!r} returned")
             metrics[f"reward/{name}"] = value
             total += weight * value
+        verdict = getattr(self.builder.obj, "success", None)
+        if callable(verdict):
+            metrics["success"] = float(bool(await call_env(verdict, **accepted(verdict, kwargs))))
         return StepResult([], total, True, metrics)
 
 
 # -------------------------------------------------------------------------------------- builder
 
 
-@register_env("module:")
+@register_env(MODULE_PREFIX)
 class ModuleBuilder(EnvBuilder):
-    """Adapter for ``module:`` environments; see the module docstring."""
+    """Adapter for ``module:`` environments; see the module docstring. :meth:`for_target` gives the
+    builder of one target, for types that do not spell it (an installed package's entry point)."""
+
+    #: The ``load_environment`` target of a :meth:`for_target` class; otherwise read from the type name.
+    fixed_target: str | None = None
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def for_target(cls, target: str) -> type[ModuleBuilder]:
+        """The builder class of the environment that ``target`` (``pkg.mod`` or ``pkg.mod:function``)
+        loads, whatever the entry's type name."""
+        return type("ModuleBuilder", (cls,),
+                    {"fixed_target": target, "__doc__": cls.__doc__, "__module__": cls.__module__})
+
+    @classmethod
+    def target_of(cls, type_name: str) -> str:
+        return cls.fixed_target or type_name.partition(":")[2].strip()
 
     @classmethod
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
-        target = type_name.partition(":")[2].strip()
+        target = cls.target_of(type_name)
         if not target:
             raise ValueError("module environments are named 'module:<dotted.module or path/file.py>'")
         check_load_environment(target, args)
@@ -402,9 +467,9 @@ class ModuleBuilder(EnvBuilder):
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
         super().__init__(args, seed, type_name)
         self.validate_args(type_name, self.args)
-        self.target = type_name.partition(":")[2].strip()
+        self.target = self.target_of(type_name)
         self.where = f"module:{self.target}"
-        self._load = load_module(self.target).load_environment
+        self._load = environment_loader(self.target)[0]
         self.obj = self._load(**self.args)
         self.coerce = RewardCoercion(self.where)
         try:
@@ -467,11 +532,36 @@ class ModuleBuilder(EnvBuilder):
     def _env(self, split: str, index: int, sampler: Any = None) -> Env:
         if self.kind == "dataset":
             return RubricEnv(self, split, index, sampler)
-        seed = int.from_bytes(hashlib.sha256(repr((self.seed, split, index)).encode()).digest()[:4], "little")
-        return StepEnv(self._load(**self.args), split, index, seed, self.coerce, sampler)
+        return StepEnv(self._load(**self.args), split, index, self._seed(split, index), self.coerce, sampler)
 
     def make(self, split: str, index: int) -> Env:
         return self._env(split, index)
+
+    def demonstration(self, split: str, index: int) -> tuple[list[Message], list[dict]] | None:
+        """The object's ``demonstration`` or, for a dataset, the row's ``completion``: the expert's reply
+        after the task's prompt, or a whole conversation (see the module docstring)."""
+        row = dict(self.rows(split)[index]) if self.kind == "dataset" else None
+        obj = self.obj if row is not None else self._load(**self.args)
+        give = getattr(obj, "demonstration", None)
+        if callable(give):
+            demo = run_sync(call_with_accepted(give, index=index, split=split, seed=self._seed(split, index),
+                                               row=row))
+        else:
+            demo = row.get("completion") if row is not None else None
+        if demo is None:
+            return None
+        if not isinstance(demo, str):
+            return as_messages(demo, f"{self.where}: demonstration")
+        if row is not None:
+            messages, tools = row_messages(row, self.system_prompt, self.where)
+        else:
+            start = obj.initial_observation
+            obs = run_sync(call_with_accepted(start, index=index, split=split, seed=self._seed(split, index)))
+            messages, tools = as_messages(obs, "initial_observation()")
+        return [*messages, {"role": "assistant", "content": demo}], tools
+
+    def _seed(self, split: str, index: int) -> int:
+        return int.from_bytes(hashlib.sha256(repr((self.seed, split, index)).encode()).digest()[:4], "little")
 
     async def rollout(self, ctx: RolloutContext) -> list[Episode]:
         env = self._env(ctx.split, ctx.task_index, ctx.sampler)
