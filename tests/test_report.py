@@ -429,6 +429,17 @@ def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, t
     index = _index(run)
     assert [s["step"] for s in index["steps"]] == [0, 1, 2, 3]
     assert any(s["key"].startswith("test/arithmetic/pass@") for c in index["charts"] for s in c["series"])
+    # the config as written by the run: exactly what this test set differs from the defaults
+    assert {d["path"] for d in index["config_diff"]} == {
+        "model_name", "lora_rank", "batch_size", "max_steps", "max_tokens", "save_every", "eval_every",
+        "eval_num_samples", "log_path", "local.store_dir", "environments.arithmetic.num_rollouts",
+        "environments.arithmetic.splits.test.num_samples", "environments.calculator.num_rollouts",
+        "environments.calculator.max_turns", "environments.guess_number.num_rollouts",
+        "environments.guess_number.max_turns"}
+    headline = index["headline"]
+    assert headline["steps_done"] == 4 and headline["wall_s"] > 0
+    assert [r["env"] for r in headline["rows"]] == [None, "arithmetic", "calculator", "guess_number"]
+    assert all((r["held_out"]["first_step"], r["held_out"]["last_step"]) == (1, 3) for r in headline["rows"])
 
     # a copy of the run with a synthetic multi-turn tool episode (tiny random models rarely call tools)
     tools_run = tmp_path / "tools_run"
@@ -587,5 +598,181 @@ def test_the_trajectory_browser_shows_images_in_place(tmp_path, vl_tokenizer):
         assert in_tokens == episodes[0].images[0].name
         text = driver.find_element("css selector", "#episode .tokens").text
         assert "4 tokens" in text and "<|image_pad|>" not in text and "<|vision_start|>" in text
+        errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not errors, errors
+
+
+# ---------------------------------------------------------------------------------------- first screen
+from polyrl.report import summary as S  # noqa: E402
+from polyrl.report.config_diff import config_diff  # noqa: E402
+
+
+def _table(rows: list[dict]) -> dict:
+    return D.metric_table(rows)
+
+
+def test_headline_start_end_means_held_out_first_last_and_wall_time_by_hand():
+    rewards = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 0.9]
+    rows = []
+    for step, r in enumerate(rewards):
+        row = {"step": step, "reward/mean": r, "success/mean": float(r >= 0.5), "time/total": 10.0 + step,
+               "env/a/reward/mean": r, "env/b/reward/mean": 1 - r, "env/a/stop/length_frac": 0.25}
+        if step in (3, 7, 11):  # evaluations after steps 3, 7 and 11 (env a only has a test split)
+            row.update({"test/a/pass@1": step / 20, "test/a/reward": step / 10, "test/pass@1": step / 20})
+        rows.append(row)
+    config = {"max_steps": 20, "eval_every": 4,
+              "environments": {"a": {"success_threshold": 0.5}, "b": {}}}
+    h = S.headline(_table(rows), config, ["a", "b"])
+    assert (h["steps_done"], h["max_steps"], h["wall_s"], h["eval_note"]) == (12, 20, 186, None)
+    overall, a, b = h["rows"]
+    assert [r["env"] for r in h["rows"]] == [None, "a", "b"]
+    # the first five steps (0-4) and the last five (7-11)
+    assert overall["reward"] == {"start": 0.2, "start_steps": [0, 4], "end": 0.86, "end_steps": [7, 11],
+                                 "points": 12}
+    assert overall["success"]["start"] == 0 and overall["success"]["end"] == 1
+    assert b["reward"]["start"] == 0.8 and b["reward"]["end"] == 0.14
+    assert overall["held_out"] == {"first": 0.15, "first_step": 3, "last": 0.55, "last_step": 11, "points": 3}
+    assert a["held_out"]["last"] == 0.55 and a["held_out_metric"] == "pass@1"
+    assert a["held_out_reward"] == {"first": 0.3, "first_step": 3, "last": 1.1, "last_step": 11, "points": 3}
+    assert b["held_out"] is None and b["held_out_reward"] is None  # missing, not 0
+    assert b["success"] is None and a["truncated"]["end"] == 0.25
+    assert a["success_def"] == "success = reward ≥ 0.5"
+    assert b["success_def"] == "success = the environment's verdict (else reward ≥ 1)"
+    assert S.success_definition(None) == b["success_def"]  # an older run: no success_threshold key
+
+    # a short run without evaluation: one step averaged at each end, and the missing eval said plainly
+    h = S.headline(_table(rows[:3]), {"eval_every": 0, "environments": {"a": {}}}, ["a"])
+    assert [r["env"] for r in h["rows"]] == ["a"]
+    assert h["rows"][0]["reward"]["start_steps"] == [0, 0] and h["rows"][0]["reward"]["end_steps"] == [2, 2]
+    assert h["rows"][0]["held_out"] is None
+    assert h["eval_note"].startswith("no held-out evaluation: eval_every")
+    assert S.headline(_table([]), {}, [])["steps_done"] == 0
+
+
+def test_headline_of_a_synthetic_run_matches_its_trajectories(tmp_path):
+    run = write_synthetic_run(tmp_path / "run", steps=8, episodes_per_step=12, group_size=4, eval_every=4,
+                              think_words=3)
+    build_report(run)
+    index = _index(run)
+    per_step = []
+    for step in range(8):
+        rows = [json.loads(x) for x in (run / "trajectories" / step_file(step)).read_text().splitlines()]
+        per_step.append(sum(r["reward"] for r in rows) / len(rows))
+    overall = index["headline"]["rows"][0]
+    assert overall["reward"]["start_steps"] == [0, 3] and overall["reward"]["end_steps"] == [4, 7]
+    assert overall["reward"]["start"] == pytest.approx(sum(per_step[:4]) / 4, abs=1e-4)
+    assert overall["reward"]["end"] == pytest.approx(sum(per_step[4:]) / 4, abs=1e-4)
+    assert overall["held_out"]["first_step"] == 3 and overall["held_out"]["last_step"] == 7
+    assert index["headline"]["steps_done"] == 8 and index["banners"] == []  # a healthy run: no banner
+
+
+def _kinds(banners: list[dict]) -> list[tuple[str, str]]:
+    return [(b["kind"], b["level"]) for b in banners]
+
+
+def test_banners_for_runs_that_stopped_learning_and_none_for_a_healthy_one(tmp_path):
+    envs = ["calculator", "guess_number", "arithmetic"]
+
+    def banners_of(name: str, **kw) -> list[dict]:
+        run = write_synthetic_run(tmp_path / name, steps=10, episodes_per_step=24, think_words=2, **kw)
+        return S.banners(D.metric_table(D.read_metrics(run)), D.read_config(run), sorted(envs))
+
+    assert banners_of("healthy") == []
+    assert banners_of("some_long", truncated={"calculator": 0.2}) == []  # a few cut answers: no banner
+
+    stalled = banners_of("stalled", learning=False)
+    assert _kinds(stalled) == [("no_update", "bad")]
+    assert stalled[0]["what"].startswith("Every step left the weights unchanged: 10 steps had no learning")
+    assert "num_rollouts" in stalled[0]["try"]
+
+    cut = banners_of("cut", truncated={e: 1.0 for e in envs})
+    assert _kinds(cut) == [("truncation", "warn")]
+    assert cut[0]["title"] == "Every episode of arithmetic, calculator, guess_number was cut at max_tokens"
+    assert "calculator: 100% in the last 5 steps (100% over the run; max_tokens 512)" in cut[0]["what"]
+
+    # updates refused as non-finite (limits.nonfinite_steps: skip): one step of twelve, then all of them
+    rows = [{"step": s, "reward/mean": 0.5, "optim/datums": 8.0, "rollouts/dropped_groups": 0.0}
+            for s in range(12)]
+    rows[5]["optim/nonfinite_skipped"] = 1.0
+    refused = S.banners(_table(rows), {}, ["a"])
+    assert _kinds(refused) == [("nonfinite", "warn")] and "first: step 5" in refused[0]["what"]
+    every = S.banners(_table([{**r, "optim/nonfinite_skipped": 1.0} for r in rows]), {}, ["a"])
+    assert _kinds(every) == [("no_update", "bad")] and "12 steps had a non-finite update" in every[0]["what"]
+    # groups dropped over their failure budget in 3 of 12 steps: a warning naming that cause
+    failed = [{**r, "optim/datums": 0.0, "rollouts/dropped_groups": 2.0} if r["step"] < 3 else r
+              for r in rows[:5] + [{**rows[5], "optim/nonfinite_skipped": 0.0}] + rows[6:]]
+    warned = S.banners(_table(failed), {}, ["a"])
+    assert _kinds(warned) == [("no_update", "warn")] and warned[0]["title"] == "3 of 12 steps made no update"
+    assert "3 steps dropped their groups over the failure budget" in warned[0]["what"]
+
+
+def test_config_diff_lists_exactly_the_changed_settings(tmp_path, monkeypatch):
+    from polyrl.config import TrainConfig
+
+    cfg = TrainConfig(
+        model_name="some/model", learning_rate=3e-5, optimizer={"grad_clip_norm": 1.0},
+        kl={"penalty_coef": 0.1}, loss_fn="ppo", loss_fn_config={"clip_low_threshold": 0.8},
+        environments={"arithmetic": {"num_rollouts": 2, "splits": {"test": None}}, "calculator": {},
+                      "calc2": {"type": "calculator", "max_turns": 3}},
+    )
+    assert config_diff(cfg.dump()) == [
+        {"path": "model_name", "value": "some/model"},
+        {"path": "loss_fn", "value": "ppo", "default": "importance_sampling"},
+        {"path": "loss_fn_config.clip_low_threshold", "value": 0.8},
+        {"path": "kl.penalty_coef", "value": 0.1},
+        {"path": "learning_rate", "value": 3e-5, "default": 1e-4},
+        {"path": "optimizer.grad_clip_norm", "value": 1.0, "default": 0.0},
+        {"path": "environments.arithmetic.splits.test", "value": None,
+         "default": {"shuffle": False, "num_samples": 32, "seed": None}},
+        {"path": "environments.arithmetic.num_rollouts", "value": 2, "default": 8},
+        {"path": "environments.calculator", "value": {}},
+        {"path": "environments.calc2.type", "value": "calculator", "default": "calc2"},
+        {"path": "environments.calc2.max_turns", "value": 3, "default": 8},
+    ]
+    # an older release's flat key lands where the schema has it now; an unknown key is listed as set
+    assert config_diff({"model_name": "m", "grad_clip_norm": 2.0, "kl_penalty_coef": 0, "odd": 1}) == [
+        {"path": "model_name", "value": "m"}, {"path": "odd", "value": 1},
+        {"path": "optimizer.grad_clip_norm", "value": 2.0, "default": 0.0}]
+
+    # through the report: secrets stay redacted in the difference too
+    monkeypatch.setenv("TINKER_API_KEY", "tml-very-secret-123")
+    run = write_synthetic_run(tmp_path / "run", steps=1, episodes_per_step=4, think_words=2)
+    config = json.loads((run / "config.json").read_text())
+    config["base_url"] = "http://x?key=tml-very-secret-123"
+    (run / "config.json").write_text(json.dumps(config))
+    build_report(run)
+    assert "very-secret" not in (run / "report" / "data" / "index.js").read_text()
+    assert {"path": "base_url", "value": "http://x?key=***", "default": None} in _index(run)["config_diff"]
+
+
+def test_first_screen_of_a_run_that_made_no_update_in_headless_chromium(tmp_path):
+    run = write_synthetic_run(tmp_path / "run", steps=6, episodes_per_step=8, think_words=2, learning=False,
+                              env_config={"calculator": {"success_threshold": 0.5}})
+    page = build_report(run)
+    _ensure_chromium()
+    with _browser() as driver:
+        driver.set_window_size(1280, 900)
+        driver.get(page.as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        seen = driver.execute_script("""
+            const h = innerHeight, shown = (q) => { const e = document.querySelector(q);
+              if (!e) return null; const r = e.getBoundingClientRect();
+              return r.height > 0 && r.top >= 0 && r.bottom <= h; };
+            return {banner: shown('#banners .banner.bad[data-kind="no_update"]'),
+                    headline: shown('#headline table'), diff: shown('#config-diff table'),
+                    badge: document.getElementById('run-badge').className};""")
+        assert seen == {"banner": True, "headline": True, "diff": True, "badge": "badge bad"}, seen
+        assert driver.find_element("css selector", "#run-badge").text == "finished · no update"
+        banner = driver.find_element("css selector", "#banners .banner.bad").text
+        assert "No step made an update" in banner and "Try to give the groups different rewards" in banner
+        cells = driver.execute_script(
+            "return [...document.querySelectorAll('#headline tbody tr')].map(r => [r.dataset.env, "
+            "r.querySelector('[data-metric=reward]').textContent, r.querySelector('[data-metric=held_out]')"
+            ".textContent, r.cells[0].textContent])")
+        assert [c[0] for c in cells] == ["all", "arithmetic", "calculator", "guess_number"]
+        assert all("→" in c[1] and c[2] == "not evaluated" for c in cells), cells
+        assert cells[2][3] == "calculatorsuccess = reward ≥ 0.5"
+        assert "eval_every is 0" in driver.find_element("css selector", "#headline .foot").text
+        assert not driver.find_element("css selector", "#config-full").get_attribute("open")
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
         assert not errors, errors

@@ -1,5 +1,6 @@
 """Writing ``LOG_PATH/report/``: ``index.html`` + ``report.js`` + ``report.css`` (copied from
-``static/``), ``data/index.js`` (metric series, chart layout, step list, config, checkpoints) and one
+``static/``), ``data/index.js`` (the headline and banners of the first screen, metric series, chart
+layout, step list, config and its difference from the defaults, checkpoints) and one
 ``data/step_NNNNNN.js`` per trajectory file, loaded by the page on demand.
 
 Incremental: ``data/manifest.json`` remembers each trajectory file's (mtime, size) and summary, so a
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from polyrl.fileio import atomic_write_text
 from polyrl.report import data as D
+from polyrl.report import summary
+from polyrl.report.config_diff import config_diff
 from polyrl.secrets import redact
 from polyrl.tracking.files import read_jsonl
 
@@ -158,9 +161,12 @@ def build_index(root: Path, steps: dict[str, dict]) -> dict:
             "wandb": D.read_wandb(root),
         },
         "envs": envs,
+        "headline": summary.headline(table, config, envs),
+        "banners": summary.banners(table, config, envs),
         "charts": D.chart_specs(table["series"], envs),
         "metrics": table,
         "steps": step_list,
         "checkpoints": D.read_checkpoints(root),
         "config": config,
+        "config_diff": config_diff(config),
     }

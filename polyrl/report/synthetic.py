@@ -133,17 +133,28 @@ def synthetic_step(
     rng: random.Random,
     envs: tuple[str, ...] = ENVS,
     think_words: int = 40,
+    learning: bool = True,
+    truncated: dict[str, float] | None = None,
+    pace: float = 200,
 ) -> list[dict]:
+    """A step's episodes; ``learning=False``: every group's episodes get the same reward (no signal);
+    ``truncated``: per environment, the share of episodes whose last turn stopped at max_tokens;
+    ``pace``: steps over which the log-odds of a reward grow by 1."""
     rows = []
     for g in range(max(1, episodes // group_size)):
         env = envs[(g + step) % len(envs)]
-        p = 1 / (1 + math.exp(-(step / 200 - 1 + 0.3 * envs.index(env))))
+        p = 1 / (1 + math.exp(-(step / pace - 1 + 0.3 * envs.index(env))))
         rewards = [float(rng.random() < p) for _ in range(group_size)]
+        if not learning:
+            rewards = [rewards[0]] * group_size
         mean = sum(rewards) / len(rewards)
         for r in rewards:
             turns = rng.randint(1, 3)
             adv = round(r - mean, 4)
-            rows.append(synthetic_episode(step, env, g, step * 100 + g, rng, r, adv, turns, think_words))
+            row = synthetic_episode(step, env, g, step * 100 + g, rng, r, adv, turns, think_words)
+            if rng.random() < (truncated or {}).get(env, 0.0):
+                row["stop_reasons"][-1] = "length"
+            rows.append(row)
     return rows
 
 
@@ -156,32 +167,41 @@ def metrics_row(step: int, rows: list[dict], rng: random.Random) -> dict:
         row[f"{prefix}turns/mean"] = sum(r["num_turns"] for r in sel) / len(sel)
         row[f"{prefix}tokens/action_per_episode"] = sum(sum(r["action_mask"]) for r in sel) / len(sel)
         row[f"{prefix}tokens/total_per_episode"] = sum(len(r["tokens"]) for r in sel) / len(sel)
-        row[f"{prefix}stop/length_frac"] = 0.0
+        row[f"{prefix}stop/length_frac"] = sum("length" in r["stop_reasons"] for r in sel) / len(sel)
         if prefix:
+            groups: dict[int, set] = {}
+            for r in sel:
+                groups.setdefault(r["group"], set()).add(r["reward"])
             row[f"{prefix}failed_rollouts"] = float(rng.random() < 0.05)
             row[f"{prefix}dropped_groups"] = 0.0
-            row[f"{prefix}constant_groups"] = float(rng.randint(0, 3))
+            row[f"{prefix}constant_groups"] = float(sum(len(rs) == 1 for rs in groups.values()))
             row[f"{prefix}tool_calls"] = sum(r["metrics"]["tool_calls"] for r in sel) / len(sel)
+    trained = [r for r in rows if any(r["advantages"])]  # what train.py makes Datums of
     row.update(
         {
             "rollouts/failed": 0.0,
             "rollouts/dropped_groups": 0.0,
             "episodes/count": float(len(rows)),
-            "optim/kl_sample_train_v1": abs(rng.gauss(0, 1e-3)),
-            "optim/kl_sample_train_v2": abs(rng.gauss(0, 1e-6)),
-            "optim/entropy": 0.6 + 0.2 * math.exp(-step / 300) + rng.gauss(0, 0.02),
-            "optim/loss": rng.gauss(0, 1.0),
-            "optim/grad_norm": abs(rng.gauss(0.5, 0.2)),
-            "optim/learning_rate": 1e-5,
             "optim/lr": 1e-5,
-            "optim/datums": float(len(rows)),
-            "tokens/action": float(sum(sum(r["action_mask"]) for r in rows)),
-            "tokens/total": float(sum(len(r["tokens"]) for r in rows)),
+            "optim/datums": float(len(trained)),
+            "tokens/action": float(sum(sum(r["action_mask"]) for r in trained)),
+            "tokens/total": float(sum(len(r["tokens"]) for r in trained)),
             "time/rollout": rng.uniform(20, 30),
             "time/train": rng.uniform(5, 8),
             "time/save": 0.3,
         }
     )
+    if trained:
+        row.update(
+            {
+                "optim/kl_sample_train_v1": abs(rng.gauss(0, 1e-3)),
+                "optim/kl_sample_train_v2": abs(rng.gauss(0, 1e-6)),
+                "optim/entropy": 0.6 + 0.2 * math.exp(-step / 300) + rng.gauss(0, 0.02),
+                "optim/loss": rng.gauss(0, 1.0),
+                "optim/grad_norm": abs(rng.gauss(0.5, 0.2)),
+                "optim/learning_rate": 1e-5,
+            }
+        )
     row["time/total"] = row["time/rollout"] + row["time/train"] + row["time/save"]
     return row
 
@@ -195,8 +215,15 @@ def write_synthetic_run(
     save_every: int = 0,
     seed: int = 0,
     think_words: int = 40,
+    learning: bool = True,
+    truncated: dict[str, float] | None = None,
+    env_config: dict[str, dict] | None = None,
+    pace: float = 200,
 ) -> Path:
-    """A run directory as ``polyrl train`` leaves it: config, metrics, trajectories, checkpoints."""
+    """A run directory as ``polyrl train`` leaves it: config, metrics, trajectories, checkpoints.
+    ``learning=False``: no group ever has a learning signal, so no step makes an update; ``truncated``:
+    per environment, the share of episodes cut at max_tokens; ``env_config``: more settings of each
+    environment's config entry; ``pace``: how fast rewards rise (steps per unit of log-odds)."""
     root = Path(root)
     (root / "trajectories").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -204,13 +231,16 @@ def write_synthetic_run(
         "model_name": "synthetic/model",
         "max_steps": steps,
         "batch_size": episodes_per_step // group_size,
+        "max_tokens": 512,
+        "eval_every": eval_every,
         "log_path": str(root),
-        "environments": {e: {"num_rollouts": group_size} for e in ENVS},
+        "environments": {e: {"num_rollouts": group_size, **(env_config or {}).get(e, {})} for e in ENVS},
     }
     (root / "config.json").write_text(json.dumps(config, indent=2))
     with open(root / "metrics.jsonl", "w") as metrics, open(root / "checkpoints.jsonl", "w") as cps:
         for step in range(steps):
-            rows = synthetic_step(step, episodes_per_step, group_size, rng, think_words=think_words)
+            rows = synthetic_step(step, episodes_per_step, group_size, rng, think_words=think_words,
+                                  learning=learning, truncated=truncated, pace=pace)
             (root / "trajectories" / step_file(step)).write_text("".join(json.dumps(r) + "\n" for r in rows))
             row = metrics_row(step, rows, rng)
             row["progress/done_frac"] = (step + 1) / steps

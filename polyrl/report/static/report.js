@@ -97,10 +97,12 @@
     $("run-name").textContent = run.name;
     const done = run.last_step == null ? 0 : run.last_step + 1;
     const finished = INDEX.checkpoints.some((c) => c.final);
+    const stalled = (INDEX.banners || []).some((b) => b.level === "bad");
+    const badge = (finished ? "finished" : "in progress") + (stalled ? " · no update" : "");
     $("run-meta").replaceChildren(
       el("span", {}, run.model || ""),
       el("span", {}, `step ${done}${run.max_steps ? " / " + run.max_steps : ""}`),
-      el("span", { class: finished ? "badge ok" : "badge" }, finished ? "finished" : "in progress"),
+      el("span", { id: "run-badge", class: stalled ? "badge bad" : finished ? "badge ok" : "badge" }, badge),
       el("span", { class: "muted", title: run.path }, `updated ${run.generated}`),
       ...wandbLink(run.wandb));
     for (const a of document.querySelectorAll("nav a")) {
@@ -114,6 +116,9 @@
     el("span", { class: "chip" }, el("i", { style: `background:${ALL_COLOR}` }), "all environments"));
     renderCharts();
     $("smooth-select").addEventListener("change", renderCharts);
+    renderBanners();
+    renderHeadline();
+    renderConfigDiff();
     renderCheckpoints();
     $("config-json").textContent = JSON.stringify(INDEX.config, null, 2);
     window.polyrlReady = performance.now(); // charts drawn: what the load benchmark waits for
@@ -129,6 +134,98 @@
     const how = w.dir ? `wandb sync ${w.dir}` : "wandb sync";
     return [el("span", { id: "wandb-link", class: "muted", title: `upload with: ${how}` },
       `${label} (offline run ${w.id})`)];
+  }
+
+  // ------------------------------------------------------------------------------------- first screen
+  function renderBanners() {
+    $("banners").replaceChildren(...(INDEX.banners || []).map((b) =>
+      el("div", { class: `banner ${b.level}`, "data-kind": b.kind, role: "alert" },
+        el("b", {}, b.title), el("p", {}, b.what), el("p", { class: "try" }, b.try))));
+  }
+
+  function duration(s) {
+    if (s == null) return "–";
+    if (s < 90) return `${Math.round(s)} s`;
+    if (s < 5400) return `${Math.round(s / 60)} min`;
+    return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+  }
+
+  const span = (a, b) => (a === b ? `step ${a}` : `steps ${a}–${b}`);
+
+  // "start → end (+delta)" of a series averaged over the first and last steps
+  function startEnd(v, percent) {
+    if (!v) return el("span", { class: "muted" }, "no data");
+    const f = (x) => (percent ? `${Math.round(x * 100)}%` : fmt(x));
+    const title = `mean of ${span(...v.start_steps)} → mean of ${span(...v.end_steps)}`;
+    if (v.points < 2) return el("span", { title }, f(v.end), el("span", { class: "muted" }, " (one step)"));
+    const d = v.end - v.start;
+    const cls = Math.abs(d) < 1e-9 ? "delta" : d > 0 ? "delta up" : "delta down";
+    return el("span", { title }, `${f(v.start)} → ${f(v.end)} `,
+      el("span", { class: cls }, delta(d, f)));
+  }
+
+  const delta = (d, f) => (Math.abs(d) < 1e-9 ? "(±0)" : `(${d > 0 ? "+" : "−"}${f(Math.abs(d))})`);
+
+  function firstLast(v, percent, note) {
+    if (!v) return el("span", { class: "muted" }, note);
+    const f = (x) => (percent ? `${Math.round(x * 100)}%` : fmt(x));
+    const title = `evaluation after step ${v.first_step} → after step ${v.last_step}`;
+    if (v.points < 2) return el("span", { title }, f(v.last), el("span", { class: "muted" }, ` (one evaluation, after step ${v.last_step})`));
+    const d = v.last - v.first;
+    const cls = Math.abs(d) < 1e-9 ? "delta" : d > 0 ? "delta up" : "delta down";
+    return el("span", { title }, `${f(v.first)} → ${f(v.last)} `, el("span", { class: cls }, delta(d, f)));
+  }
+
+  function renderHeadline() {
+    const h = INDEX.headline;
+    if (!h) return;
+    const box = $("headline");
+    const stats = el("div", { class: "stats" },
+      el("div", {}, el("span", { class: "muted" }, "steps done "), el("b", {}, `${h.steps_done}`), h.max_steps ? ` of ${h.max_steps}` : ""),
+      el("div", { title: "the sum of every step's time/total (start-up and pauses between relaunches not counted)" },
+        el("span", { class: "muted" }, "wall time "), el("b", {}, duration(h.wall_s))));
+    if (!h.steps_done) {
+      box.replaceChildren(el("h2", {}, "Summary"), stats, el("p", { class: "muted" }, "No step logged yet."));
+      return;
+    }
+    const metric = (h.rows.find((r) => r.held_out_metric) || {}).held_out_metric || "pass@1";
+    const head = el("tr", {}, ["environment", "reward", "success", `held-out ${metric}`, "held-out reward",
+      "cut at max_tokens"].map((t) => el("th", {}, t)));
+    const note = "not evaluated";  // why: in the note under the table
+    const rows = h.rows.map((r) => el("tr", { "data-env": r.env || "all" },
+      el("td", {}, el("b", {}, r.env || "all environments"),
+        r.success_def ? el("div", { class: "muted def" }, r.success_def) : null),
+      el("td", { class: "num", "data-metric": "reward" }, startEnd(r.reward)),
+      el("td", { class: "num", "data-metric": "success" }, startEnd(r.success, true)),
+      el("td", { class: "num", "data-metric": "held_out" }, firstLast(r.held_out, true, note)),
+      el("td", { class: "num", "data-metric": "held_out_reward" }, firstLast(r.held_out_reward, false, r.env ? note : "–")),
+      el("td", { class: "num", "data-metric": "truncated" }, r.truncated
+        ? `${Math.round(r.truncated.end * 100)}%` : el("span", { class: "muted" }, "no data"))));
+    const first = h.rows.find((r) => r.reward);
+    const how = first ? `reward and success: mean of ${span(...first.reward.start_steps)} → ` +
+      `mean of ${span(...first.reward.end_steps)}` : "";
+    const evals = h.eval_note ? h.eval_note : "held-out: the first → the last evaluation on the test splits";
+    box.replaceChildren(el("h2", {}, "Summary"), stats,
+      el("table", { class: "headline-table" }, el("thead", {}, head), el("tbody", {}, rows)),
+      el("p", { class: "muted foot" }, [how, evals, "cut at max_tokens: share of episodes in the last steps"]
+        .filter(Boolean).join(" · ")));
+  }
+
+  function renderConfigDiff() {
+    const diff = INDEX.config_diff || [];
+    const show = (v) => (typeof v === "string" ? v : JSON.stringify(v));
+    const rows = diff.map((d) => el("tr", {}, el("td", { class: "path" }, d.path),
+      el("td", { class: "path" }, show(d.value)),
+      el("td", { class: "muted path" }, "default" in d ? show(d.default) : "")));
+    $("config-diff").replaceChildren(el("h2", {}, "Config: what differs from the defaults"),
+      diff.length ? el("table", {}, el("thead", {}, el("tr", {}, ["setting", "value", "default"].map((t) => el("th", {}, t)))),
+        el("tbody", {}, rows)) : el("p", { class: "muted" }, Object.keys(INDEX.config).length
+        ? "Every setting is at its default." : "No config (config.json) in this run."),
+      el("a", { href: "#config", onclick: (ev) => {
+        ev.preventDefault();
+        $("config-full").open = true;
+        $("config").scrollIntoView({ behavior: "smooth" });
+      } }, "every setting ↓"));
   }
 
   function renderCheckpoints() {
