@@ -2,7 +2,7 @@
 
 Pure functions of the step's values (its batch, its update, its checkpoint and evaluation); writing
 them is :func:`polyrl.train.log_step`'s job. Metric names are fixed: ``reward/mean``,
-``optim/kl_sample_train_v1``, ``env/<name>/...`` and so on (see the README's metrics table).
+``optim/kl_sample_train_v1``, ``env/<name>/...`` and so on (docs/guides/runs.md lists them).
 """
 
 from __future__ import annotations

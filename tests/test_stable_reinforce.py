@@ -1,6 +1,6 @@
 """StableReinforce on the local engine: sequences recorded by ``record_stability_info`` samplers,
 provenance spans checked against them, the loss and its gradient against a direct computation of
-polyrl's formula (README), and the records' ownership, expiry and memory bound. Also the Datums
+polyrl's documented formula, and the records' ownership, expiry and memory bound. Also the Datums
 ``polyrl train`` builds for it, against tinker-cookbook's own ``trajectory_to_data``."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def reference(
     max_ratio: float,
     kl_coeff: float,
 ) -> tuple[float, list[torch.Tensor], float]:
-    """(loss, d loss / d lp per datum, truncated tokens) of the README's formula, from the *recorded*
+    """(loss, d loss / d lp per datum, truncated tokens) of the documented formula, from the *recorded*
     sampler logprobs (the response's), whatever the datum's own ``logprobs`` say."""
     total, coefs, truncated = 0.0, [], 0
     for lp, d, seq in zip(lps, data, response.sequences):

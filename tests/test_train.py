@@ -558,8 +558,8 @@ def _run_cli(args, cwd, env=None, **kw):
 # How far a relaunched run's final weights may be from the uninterrupted run's, relative to how far the
 # run moved them after its first checkpoint (L2). Sampler logprobs differ in their last bits with the
 # batch a request was sampled in (timing decides it), and the loss's importance ratio carries that into
-# the weights (README, "Resume"): measured about 1e-6. A repeated or skipped step, or lost optimizer
-# state, is 0.1 and more.
+# the weights (docs/guides/runs.md, "Resuming"): measured about 1e-6. A repeated or skipped step, or lost
+# optimizer state, is 0.1 and more.
 RESUME_WEIGHTS_RTOL = 1e-2
 SIGNAL_ENV = """
 class Env:

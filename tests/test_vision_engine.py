@@ -308,7 +308,7 @@ def test_sampler_logprobs_with_images_match_forward(service, warm, make):
 def test_stable_reinforce_trains_on_what_was_sampled_from_prompts_with_pictures(service, warm, make):
     """Sequences sampled (and recorded) from prompts with pictures train with ``stable_reinforce``: the
     provenance spans cover the pictures' positions, and after a step that moved the learner off the
-    sampler the loss is its formula (README) on the recorded sampler logprobs and the learner's. A datum
+    sampler the loss is its documented formula on the recorded sampler logprobs and the learner's. A datum
     with another picture where the sampled prompt had one is refused, naming the position."""
     from test_stable_reinforce import reference, sampled_datum
 

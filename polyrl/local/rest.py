@@ -5,7 +5,7 @@ Every method has the SDK's name and signature and returns its ``APIFuture``; pro
 exception types (see :mod:`polyrl.local.checkpoints`), and what the SDK checks before it sends anything
 (a malformed tinker path, a copy with no destination project) raises ``ValueError`` here too. The local
 store has one user, so ``access_scope`` and ``weights_access_token`` change nothing; sessions, projects,
-traces, audit logs and billing belong to a service and are not here (see the README's coverage table).
+traces, audit logs and billing belong to a service and are not here (see docs/reference/tinker-coverage.md).
 """
 
 from __future__ import annotations
