@@ -30,6 +30,7 @@ import functools
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -341,10 +342,11 @@ def generate_steps(model, jobs: list[SampleJob], tokenizer, device, generator: t
             row_seed.append(seed)
 
     if rows:
-        seeds = torch.tensor(row_seed, dtype=torch.long, device=device)
-        yield from _decode(model, jobs, rows, row_prompt, seeds, cache, mask, lengths, last_logits, tokenizer,
-                           device, generator, deltas if bool(deltas.any()) else None,
-                           decode_fn, stopping, vision.placeholder_ids if vision is not None else ())
+        seeds_R = torch.tensor(row_seed, dtype=torch.long, device=device)
+        state = _decode_state(jobs, rows, row_prompt, cache, mask, lengths, last_logits,
+                              deltas if bool(deltas.any()) else None, device)
+        draws = _Draws.of(jobs, rows, seeds_R, vision.placeholder_ids if vision is not None else (), device)
+        yield from _decode(model, state, draws, tokenizer, device, generator, decode_fn, stopping)
 
     # ---- responses ---------------------------------------------------------------------------
     responses = []
@@ -470,148 +472,230 @@ def _draw_alternatives(logits: torch.Tensor, logp: torch.Tensor, job: SampleJob,
     return tokens.cpu().numpy(), logp.gather(-1, tokens).cpu().numpy()
 
 
-def _decode(model, jobs, rows, row_prompt, seeds, cache, prompt_mask, prompt_lengths, prompt_last_logits,
-            tokenizer, device, generator, prompt_deltas=None,
-            decode_fn=None, stopping=None, banned=()):
-    """Decode ``rows`` to their ends, yielding before each step (see :func:`generate_steps`). Rows with
-    the same tokens so far (a prompt's samples until they draw
-    different tokens: most of a group, once a policy is sure of its answer) have the same hidden states, so
-    they share one row of the KV cache and of every decode pass: the cache holds one row per distinct
-    history, which parts in two when its rows draw different tokens. ``banned``: tokens no row may draw (a
-    vision-language model's image placeholders), filtered out of every draw as top-k is; the logprobs stay
-    the model's own."""
-    # The cache, the masks and positions hold one row per history; it begins as one per prompt
-    of = list(row_prompt)  # each decoding row's history (its cache row)
-    live = list(range(len(rows)))  # the rows still decoding
-    mask, next_pos = prompt_mask, prompt_lengths
-    delta = prompt_deltas  # multimodal positions run ahead
-    logits = prompt_last_logits  # [C, V], C the histories
-    temps = torch.tensor([jobs[r.job].params.temperature for r in rows], device=device, dtype=torch.float32)
-    top_k = torch.tensor([jobs[r.job].params.top_k or -1 for r in rows], device=device)
-    top_p = torch.tensor([jobs[r.job].params.top_p for r in rows], device=device, dtype=torch.float32)
-    max_stop_chars = max((len(s) for j in jobs for s in j.stop_strings), default=0)
-    any_greedy = bool((temps <= 0).any())
-    plain = (bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
-             and not banned)
-    ban = torch.tensor(sorted(banned), dtype=torch.long, device=device) if banned else None
-    # the attention mask of every step is a view of one buffer (no per-step concatenation): [C, T + room]
-    mask_buf = torch.ones((len(mask),
-                           mask.shape[1] + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
-                          dtype=mask.dtype, device=device)
-    mask_buf[:, : mask.shape[1]] = mask
-    width = mask.shape[1]
-    seeded = seeds >= 0
-    step = 0
-    topk_width = max(job.topk_sample for job in jobs)  # top-K of each sampled position, when asked
-    # a step's float32 logits, per history then per row, and probabilities go into these buffers (a fresh
-    # tensor of that size is fresh pages every step: the engine's mmap threshold). The cache holds at most
-    # a row per sample and per prompt: a row per live history (at most one per live sample), and until they
-    # are dropped the ended ones (prompts with no samples, histories whose samples all ended)
-    logit_buf, row_buf, prob_buf = (torch.empty((n, logits.shape[-1]), dtype=torch.float32, device=device)
-                                    for n in (len(rows) + len(logits), len(rows), len(rows)))
+@dataclass
+class _Draws:
+    """How each row draws its tokens, fixed for the whole decode: its request's sampling parameters as
+    ``[R]`` tensors (R the rows), its seed (``-1``: unseeded) and the banned tokens."""
 
+    temps: torch.Tensor  # [R] float32
+    top_k: torch.Tensor  # [R], -1: off
+    top_p: torch.Tensor  # [R] float32
+    seeds: torch.Tensor  # [R] int64
+    seeded: torch.Tensor  # [R] bool
+    ban: torch.Tensor | None  # token ids no row may draw
+    plain: bool  # every row at temperature 1, no top-k / top-p, nothing banned: the model's distribution
+    any_greedy: bool  # some row at temperature 0
+    topk_width: int  # the widest top-K of sampled positions asked for (0: none)
+
+    @classmethod
+    def of(cls, jobs: list[SampleJob], rows: list[_Row], seeds: torch.Tensor, banned, device) -> _Draws:
+        params = [jobs[r.job].params for r in rows]
+        temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        top_k = torch.tensor([p.top_k or -1 for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+        plain = (bool((temps == 1).all()) and not bool((top_k > 0).any()) and not bool((top_p < 1).any())
+                 and not banned)
+        ban = torch.tensor(sorted(banned), dtype=torch.long, device=device) if banned else None
+        return cls(temps, top_k, top_p, seeds, seeds >= 0, ban, plain, bool((temps <= 0).any()),
+                   max(job.topk_sample for job in jobs))
+
+
+@dataclass
+class _DecodeState:
+    """One decode batch between steps. The KV cache, the attention mask, the positions and the logits hold
+    one row per distinct history (see :func:`_decode`); ``of`` maps each row still decoding to its
+    history's row."""
+
+    jobs: list[SampleJob]
+    rows: list[_Row]  # every sample's row, ended or not
+    live: list[int]  # the rows still decoding (indices into ``rows``)
+    of: list[int]  # each live row's history: its row of the cache, mask, positions and logits
+    cache: Any  # the KV cache, [C, ...] per layer (C the histories)
+    mask_buf: torch.Tensor  # [C, T + room]: every step's attention mask is a view of it (no concatenation)
+    width: int  # the mask's columns in use
+    next_pos: torch.Tensor  # [C]: each history's next position
+    delta: torch.Tensor | None  # [C]: how far multimodal positions run ahead (None: no images)
+    logits: torch.Tensor  # [C, V] float32: what each history predicts next
+    logit_buf: torch.Tensor  # a step's logits, per history, go into these buffers (see _decode)
+    row_buf: torch.Tensor  # ... per row
+    prob_buf: torch.Tensor  # ... and their probabilities
+    max_stop_chars: int  # the longest stop string's characters
+    step: int = 0  # draws made
+
+
+def _decode_state(jobs: list[SampleJob], rows: list[_Row], row_prompt: list[int], cache,
+                  prompt_mask: torch.Tensor, prompt_lengths: torch.Tensor, prompt_last_logits: torch.Tensor,
+                  prompt_deltas: torch.Tensor | None, device) -> _DecodeState:
+    """The state before the first draw: one history per prompt, its cache row the prefill's."""
+    mask_buf = torch.ones((len(prompt_mask), prompt_mask.shape[1]
+                           + min(INITIAL_DECODE_CAPACITY, max(j.max_tokens for j in jobs))),
+                          dtype=prompt_mask.dtype, device=device)
+    mask_buf[:, : prompt_mask.shape[1]] = prompt_mask
+    # A fresh tensor of a step's size is fresh pages every step (the engine's mmap threshold): the buffers
+    # are made once. The cache holds at most a row per sample and per prompt: a row per live history (at
+    # most one per live sample), and until they are dropped the ended ones (prompts with no samples,
+    # histories whose samples all ended)
+    vocab = prompt_last_logits.shape[-1]
+    logit_buf, row_buf, prob_buf = (torch.empty((n, vocab), dtype=torch.float32, device=device)
+                                    for n in (len(rows) + len(prompt_last_logits), len(rows), len(rows)))
+    max_stop_chars = max((len(s) for j in jobs for s in j.stop_strings), default=0)
+    return _DecodeState(jobs, rows, list(range(len(rows))), list(row_prompt), cache, mask_buf,
+                        prompt_mask.shape[1], prompt_lengths, prompt_deltas, prompt_last_logits, logit_buf,
+                        row_buf, prob_buf, max_stop_chars)
+
+
+def _decode(model, state: _DecodeState, draws: _Draws, tokenizer, device, generator,
+            decode_fn=None, stopping=None) -> Generator[None, torch.nn.Module | None, None]:
+    """Decode ``state``'s rows to their ends, yielding before each step (see :func:`generate_steps`). Rows
+    with the same tokens so far (a prompt's samples until they draw different tokens: most of a group,
+    once a policy is sure of its answer) have the same hidden states, so they share one row of the KV
+    cache and of every decode pass: the cache holds one row per distinct history, which parts in two when
+    its rows draw different tokens. ``draws.ban``: tokens no row may draw (a vision-language model's image
+    placeholders), filtered out of every draw as top-k is; the logprobs stay the model's own."""
     while True:
         resumed = yield  # a pause point: the caller may run other work here, then send the model back
         if resumed is not None:
             model = resumed
         if stopping is not None and stopping():
             raise SamplingStopped("the local engine is stopping: sampling ended early")
-        sel = torch.tensor(live, device=device)  # [B], B the rows still decoding
-        if of != list(range(len(logits))):  # each row's logits: its history's
-            logits = torch.index_select(logits, 0, torch.tensor(of, device=device), out=row_buf[: len(live)])
-        u = row_uniforms(seeds[sel], seeded[sel], step, generator)  # [B]
-        if plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
-            # PyTorch's softmax kernel itself, writing into the buffer (the public function has no `out`)
-            probs = torch._softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
-            tokens = inverse_cdf(probs, u)
-            # log of the drawn token's probability: a token this draw can reach is no denormal number
-            token_lp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # [B]
-            logp = torch.log_softmax(logits, dim=-1) if topk_width else None  # [B, V]
-        else:
-            allowed = logits if ban is None else logits.index_fill(1, ban, float("-inf"))
-            sampled = inverse_cdf(
-                torch.softmax(filtered_logits(allowed, temps[sel], top_k[sel], top_p[sel]), -1), u)
-            tokens = torch.where(temps[sel] <= 0, allowed.argmax(-1), sampled) if any_greedy else sampled
-            logp = torch._log_softmax(logits, -1, False, out=prob_buf[: len(logits)])  # [B, V]
-            token_lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B]
-        step += 1
-        if topk_width:  # [B, K] each
-            top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
+        tokens, token_lp, logp = _draw(state, draws, generator, device)
         drawn = tokens.tolist()
-        still = []  # positions in `live` of the rows that go on
-        for pos, (row_i, tok, lp) in enumerate(zip(live, drawn, token_lp.tolist())):
-            row = rows[row_i]
-            job = jobs[row.job]
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            if job.topk_sample:
-                row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
-            if tok in job.stop_ids:
-                row.stop_reason = "stop"
-            elif job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars,
-                                                        tokenizer):
-                row.stop_reason = "stop"
-            elif len(row.tokens) >= job.max_tokens:
-                row.stop_reason = "length"
-            else:
-                still.append(pos)
+        still = _record_draws(state, drawn, token_lp, logp, draws.topk_width, tokenizer)
         if not still:
             return
-        # The histories after this step, each a history and the token drawn after it, and their cache rows:
-        # a history's row goes on with its first continuation; each other continuation (the history
-        # parts) gets a copy of it at the end of the cache
-        after: dict[tuple[int, int], int] = {}
-        parents: list[int] = []
-        taken: set[int] = set()
-        for pos in still:
-            key = (of[pos], drawn[pos])
-            if key in after:
-                continue
-            if of[pos] in taken:
-                after[key] = len(mask_buf) + len(parents)
-                parents.append(of[pos])
-            else:
-                after[key] = of[pos]
-                taken.add(of[pos])
-        of = [after[(of[pos], drawn[pos])] for pos in still]
-        live = [live[pos] for pos in still]
-        if parents:
-            for layer in cache.layers:
-                layer.fork(parents)
-            index = torch.tensor(parents, device=device)
-            mask_buf = torch.cat([mask_buf, mask_buf[index]])
-            next_pos = torch.cat([next_pos, next_pos[index]])
-            delta = torch.cat([delta, delta[index]]) if delta is not None else None
-        feed = [0] * len(mask_buf)  # an ended history's row takes any token (its logits go unused) ...
-        for (_, tok), row in after.items():
-            feed[row] = tok
-        if len(mask_buf) - len(after) >= PRUNE_FRACTION * len(mask_buf):  # ... until enough have ended
-            keep = sorted(after.values())
-            renumber = {row: i for i, row in enumerate(keep)}
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            mask_buf, next_pos = mask_buf[index], next_pos[index]
-            delta = delta[index] if delta is not None else None
-            feed, of = [feed[row] for row in keep], [renumber[row] for row in of]
-        tokens = torch.tensor(feed, device=device)  # [C]: the token each history takes next
-        width += 1
-        if width > mask_buf.shape[1]:
-            mask_buf = torch.cat([mask_buf, torch.ones_like(mask_buf)], dim=1)
-        if decode_fn is not None and delta is None:
-            logits = _float32(decode_fn(tokens, next_pos, mask_buf[:, :width], cache), logit_buf)  # [C, V]
+        feed = _next_histories(state, still, drawn, device)
+        state.logits = _step_logits(model, state, feed, decode_fn)
+
+
+def _draw(state: _DecodeState, draws: _Draws, generator, device
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token for each live row: (tokens [B], their logprobs [B], the rows' log-softmax [B, V] when it
+    was computed, else None), B the live rows."""
+    logits, live = state.logits, state.live
+    sel = torch.tensor(live, device=device)  # [B]
+    if state.of != list(range(len(logits))):  # each row's logits: its history's
+        logits = torch.index_select(logits, 0, torch.tensor(state.of, device=device),
+                                    out=state.row_buf[: len(live)])
+    u = row_uniforms(draws.seeds[sel], draws.seeded[sel], state.step, generator)  # [B]
+    state.step += 1
+    if draws.plain:  # temperature 1, no top-k / top-p: the distribution is the model's own
+        # PyTorch's softmax kernel itself, writing into the buffer (the public function has no `out`)
+        probs = torch._softmax(logits, -1, False, out=state.prob_buf[: len(logits)])  # [B, V]
+        tokens = inverse_cdf(probs, u)
+        # log of the drawn token's probability: a token this draw can reach is no denormal number
+        token_lp = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log()  # [B]
+        logp = torch.log_softmax(logits, dim=-1) if draws.topk_width else None  # [B, V]
+        return tokens, token_lp, logp
+    temps = draws.temps[sel]
+    allowed = logits if draws.ban is None else logits.index_fill(1, draws.ban, float("-inf"))
+    sampled = inverse_cdf(torch.softmax(filtered_logits(allowed, temps, draws.top_k[sel], draws.top_p[sel]),
+                                        -1), u)
+    tokens = torch.where(temps <= 0, allowed.argmax(-1), sampled) if draws.any_greedy else sampled
+    logp = torch._log_softmax(logits, -1, False, out=state.prob_buf[: len(logits)])  # [B, V]
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), logp
+
+
+def _record_draws(state: _DecodeState, drawn: list[int], token_lp: torch.Tensor, logp: torch.Tensor | None,
+                  topk_width: int, tokenizer) -> list[int]:
+    """Append each live row's drawn token (its logprob, its top-K) and end the rows it stops; the positions
+    in ``state.live`` of the rows that go on."""
+    if topk_width:  # [B, K] each
+        assert logp is not None
+        top_values, top_ids = (t.tolist() for t in torch.topk(logp, topk_width, dim=-1))
+    rows, jobs, max_stop_chars = state.rows, state.jobs, state.max_stop_chars
+    still = []
+    for pos, (row_i, tok, lp) in enumerate(zip(state.live, drawn, token_lp.tolist())):
+        row = rows[row_i]
+        job = jobs[row.job]
+        row.tokens.append(tok)
+        row.logprobs.append(lp)
+        if job.topk_sample:
+            row.topk.append((top_ids[pos][: job.topk_sample], top_values[pos][: job.topk_sample]))
+        row.stop_reason = _stop_reason(row, job, tok, max_stop_chars, tokenizer)
+        if row.stop_reason is None:
+            still.append(pos)
+    return still
+
+
+def _stop_reason(row: _Row, job: SampleJob, token: int, max_stop_chars: int, tokenizer) -> str | None:
+    """Why ``row`` ends after drawing ``token`` (its last): ``"stop"`` (a stop token or string), ``"length"``
+    (``max_tokens``), or None when it goes on."""
+    if token in job.stop_ids:
+        return "stop"
+    if job.stop_strings and _hits_stop_string(row.tokens, job.stop_strings, max_stop_chars, tokenizer):
+        return "stop"
+    if len(row.tokens) >= job.max_tokens:
+        return "length"
+    return None
+
+
+def _next_histories(state: _DecodeState, still: list[int], drawn: list[int], device) -> torch.Tensor:
+    """Keep the rows at positions ``still`` of ``state.live``, and their histories after this step: each a
+    history and the token drawn after it. A history's cache row goes on with its first continuation; each
+    other continuation (the history parts) gets a copy of it at the end of the cache. Once
+    ``PRUNE_FRACTION`` of the cache is ended histories, those rows are dropped. The token each cache row
+    takes next ([C])."""
+    of = state.of
+    after: dict[tuple[int, int], int] = {}
+    parents: list[int] = []
+    taken: set[int] = set()
+    for pos in still:
+        key = (of[pos], drawn[pos])
+        if key in after:
+            continue
+        if of[pos] in taken:
+            after[key] = len(state.mask_buf) + len(parents)
+            parents.append(of[pos])
         else:
-            step_pos = next_pos.unsqueeze(1)  # [C, 1]
-            if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
-                step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, C, 1]
-            out = model(
-                input_ids=tokens.unsqueeze(1),  # [C, 1]
-                attention_mask=mask_buf[:, :width],
-                position_ids=step_pos,
-                use_cache=True,
-                **with_cache(model, cache),
-            )
-            logits = _float32(out.logits[:, -1, :], logit_buf)  # [C, 1, V] -> [C, V]
-        next_pos = next_pos + 1
+            after[key] = of[pos]
+            taken.add(of[pos])
+    of = [after[(of[pos], drawn[pos])] for pos in still]
+    state.live = [state.live[pos] for pos in still]
+    if parents:
+        for layer in state.cache.layers:
+            layer.fork(parents)
+        index = torch.tensor(parents, device=device)
+        state.mask_buf = torch.cat([state.mask_buf, state.mask_buf[index]])
+        state.next_pos = torch.cat([state.next_pos, state.next_pos[index]])
+        if state.delta is not None:
+            state.delta = torch.cat([state.delta, state.delta[index]])
+    feed = [0] * len(state.mask_buf)  # an ended history's row takes any token (its logits go unused) ...
+    for (_, tok), row in after.items():
+        feed[row] = tok
+    if len(state.mask_buf) - len(after) >= PRUNE_FRACTION * len(state.mask_buf):  # ... until enough ended
+        keep = sorted(after.values())
+        renumber = {row: i for i, row in enumerate(keep)}
+        index = torch.tensor(keep, device=device)
+        state.cache.batch_select_indices(index)
+        state.mask_buf, state.next_pos = state.mask_buf[index], state.next_pos[index]
+        if state.delta is not None:
+            state.delta = state.delta[index]
+        feed, of = [feed[row] for row in keep], [renumber[row] for row in of]
+    state.of = of
+    return torch.tensor(feed, device=device)
+
+
+def _step_logits(model, state: _DecodeState, tokens: torch.Tensor, decode_fn) -> torch.Tensor:
+    """One decode pass: each history takes its token of ``tokens [C]``; the float32 logits of what comes
+    next, ``[C, V]``."""
+    state.width += 1
+    if state.width > state.mask_buf.shape[1]:
+        state.mask_buf = torch.cat([state.mask_buf, torch.ones_like(state.mask_buf)], dim=1)
+    mask, next_pos, delta = state.mask_buf[:, : state.width], state.next_pos, state.delta
+    state.next_pos = next_pos + 1
+    if decode_fn is not None and delta is None:
+        return _float32(decode_fn(tokens, next_pos, mask, state.cache), state.logit_buf)  # [C, V]
+    step_pos = next_pos.unsqueeze(1)  # [C, 1]
+    if delta is not None:  # [text index, then time/height/width: index plus the prompt's delta]
+        step_pos = torch.stack([step_pos, *([step_pos + delta.unsqueeze(1)] * 3)])  # [4, C, 1]
+    out = model(
+        input_ids=tokens.unsqueeze(1),  # [C, 1]
+        attention_mask=mask,
+        position_ids=step_pos,
+        use_cache=True,
+        **with_cache(model, state.cache),
+    )
+    return _float32(out.logits[:, -1, :], state.logit_buf)  # [C, 1, V] -> [C, V]
 
 
 def _float32(logits: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
