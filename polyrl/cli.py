@@ -106,6 +106,9 @@ def cmd_distill(args) -> None:
 def cmd_sft(args) -> None:
     from polyrl.sft import SFTConfig, sft
 
+    if args.data:  # before --overrides, which win
+        files = [path for group in args.data for path in group]
+        args.overrides = [f"data={json.dumps(files)}", *args.overrides]
     config = _load(args, SFTConfig)
     print(sft(config))
 
@@ -190,8 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     _config_args(p)
     p.set_defaults(fn=cmd_distill)
 
-    p = sub.add_parser("sft", help="supervised warm start on environment demonstrations")
+    p = sub.add_parser("sft", help="supervised warm start on conversations (--data FILE.jsonl) and/or "
+                                   "environment demonstrations")
     _config_args(p)
+    p.add_argument("--data", action="append", nargs="+", metavar="FILE.jsonl",
+                   help="conversations to learn, one JSON object a line in the OpenAI chat format "
+                        '({"messages": [...]}); sets the config\'s data')
     p.set_defaults(fn=cmd_sft)
 
     p = sub.add_parser("eval", help="mean reward, pass@1 and pass@k on the test splits")

@@ -1,8 +1,10 @@
-"""``polyrl sft``: supervised warm start on environment demonstrations with ``cross_entropy``.
+"""``polyrl sft``: supervised warm start with ``cross_entropy`` on conversations to imitate.
 
-Each environment's builder renders expert conversations (``EnvBuilder.demonstration``); the renderer
-turns them into tokens with weight 1 on what the assistant says, built the same way rollouts build
-prompts, so what is learned here is exactly what sampling will see.
+They come from JSONL files (``data``, ``--data``: OpenAI-format conversations, see
+:mod:`polyrl.sft_data`) and/or from environments' demonstrations (``EnvBuilder.demonstration``); both
+together are mixed. The renderer turns each into tokens with weight 1 on what the assistant says, built
+the same way rollouts build prompts, so what is learned here is exactly what sampling will see. The
+checkpoint it saves is where ``polyrl train`` starts from (``resume_from``).
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import json
 import random
 import time
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from tinker import types
 
 from polyrl.backend import ending_session, service_url
 from polyrl.config import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
+from polyrl.errors import UserInputError
 from polyrl.images import next_token_inputs
 from polyrl.policy import OpenPolicy, open_policy
+from polyrl.sft_data import Conversation, read_conversations
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
 
@@ -34,10 +38,27 @@ class SFTConfig(PolicyConfig):
     log_path: str = Field("runs/sft", description="Directory for metrics.jsonl and sft.json.")
     save_name: str = Field("sft", description="Checkpoint name; the state path is printed and written to "
                                               "sft.json.")
-    environments: dict[str, EnvConfig] = Field(
-        ..., description="Environments whose demonstrations to learn; splits.train.num_samples = "
-        "demonstrations each."
+    data: list[str] = Field(
+        default_factory=list, description="JSONL files of conversations to learn, one per line: "
+        '{"messages": [...], "tools": [...]} (OpenAI chat format) or {"prompt": ..., "completion": ...}; '
+        "the loss is on assistant messages. polyrl sft --data sets it.",
     )
+    environments: dict[str, EnvConfig] = Field(
+        default_factory=dict, description="Environments whose demonstrations to learn; "
+        "splits.train.num_samples = demonstrations each."
+    )
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _one_file(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _something_to_learn(self):
+        if not self.data and not self.environments:
+            raise ValueError("nothing to learn: give data (JSONL conversations, --data FILE.jsonl) and/or "
+                             "environments with demonstrations")
+        return self
 
 
 def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
@@ -48,49 +69,80 @@ def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
         rt = EnvRuntime.create(name, env_cfg, config.seed, max_tokens=1)
         n = rt.num_tasks("train")
         if n is None:
-            raise ValueError(f"environments.{name}.splits.train.num_samples must be set for sft")
+            raise UserInputError(f"environments.{name}.splits.train.num_samples must be set for sft "
+                                 "(how many demonstrations to learn)")
         for i in range(n):
             demo = rt.builder.demonstration("train", rt.task_index("train", i))
             if demo is None:
-                raise ValueError(f"environment {name!r} has no demonstrations")
+                raise UserInputError(
+                    f"environment {name!r} has no demonstrations to learn: give conversations to imitate "
+                    "with polyrl sft --data FILE.jsonl (and leave the environment out), or make the "
+                    "environment give demonstrations")
             messages, tools = demo
-            rendered, weights = renderer.render_supervised(messages, tools or None)
-            model_input, targets = next_token_inputs(rendered.tokens, rendered.images)
-            datums.append(types.Datum(
-                model_input=model_input,
-                loss_fn_inputs={"target_tokens": types.TensorData(data=targets, dtype="int64"),
-                                "weights": types.TensorData(data=weights[1:], dtype="float32")},
-            ))
+            datums.append(supervised_datum(renderer, messages, tools, None, f"environment {name!r}"))
     return datums
+
+
+def supervised_datum(renderer, messages, tools, context: int | None, where: str) -> types.Datum:
+    """One conversation as a cross-entropy Datum, weight 1 on the assistant's tokens; a
+    :class:`UserInputError` naming ``where`` if it does not fit the model's ``context``."""
+    rendered, weights = renderer.render_supervised(messages, tools or None)
+    if context is not None and len(rendered.tokens) > context:
+        raise UserInputError(f"{where}: the conversation is {len(rendered.tokens)} tokens, longer than the "
+                             f"model's context of {context}; shorten or drop it")
+    model_input, targets = next_token_inputs(rendered.tokens, rendered.images)
+    return types.Datum(
+        model_input=model_input,
+        loss_fn_inputs={"target_tokens": types.TensorData(data=targets, dtype="int64"),
+                        "weights": types.TensorData(data=weights[1:], dtype="float32")},
+    )
+
+
+def data_datums(conversations: list[Conversation], renderer, context: int | None) -> list[types.Datum]:
+    return [supervised_datum(renderer, c.messages, c.tools, context, c.where) for c in conversations]
+
+
+async def context_length(service, model_name: str) -> int | None:
+    """The model's context length as its service reports it; None where it does not say."""
+    try:
+        capabilities = await service.get_server_capabilities_async()
+    except Exception:  # noqa: BLE001 - a service without the call: the engine's own check is the last word
+        return None
+    lengths = {m.model_name: m.max_context_length for m in capabilities.supported_models}
+    return lengths.get(model_name)
 
 
 async def sft_async(config: SFTConfig, console: ConsoleLog | None = None) -> str:
     """Train and return the saved state path (``tinker://.../weights/<save_name>``)."""
     console = console or ConsoleLog()
+    conversations = read_conversations(config.data)  # a bad line is said before the model loads
     files = RunFiles(config.log_path)
     files.write_config(config.model_dump())
     policy = await open_policy(config, lambda service: service.create_lora_training_client(
         base_model=config.model_name, rank=config.lora_rank, seed=config.seed))
     async with ending_session(policy.service, service_url(config)):
-        return await _train(config, policy, files, console)
+        return await _train(config, policy, conversations, files, console)
 
 
-async def _train(config: SFTConfig, policy: OpenPolicy, files: RunFiles, console: ConsoleLog) -> str:
+async def _train(config: SFTConfig, policy: OpenPolicy, conversations: list[Conversation], files: RunFiles,
+                 console: ConsoleLog) -> str:
     """The SFT steps on ``policy``'s training client, then its state and sampler checkpoints."""
     training = policy.client
-    datums = demonstration_datums(config, policy.renderer)
+    context = await context_length(policy.service, config.model_name) if conversations else None
+    datums_D = data_datums(conversations, policy.renderer, context)
+    datums_D += demonstration_datums(config, policy.renderer)  # both given: mixed
     rng = random.Random(config.seed)
     order: list[int] = []
     log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
     with console.progress("sft", config.max_steps, loss="-") as progress:
         for step in range(config.max_steps):
             t0 = time.monotonic()
-            batch = []
+            batch: list[types.Datum] = []
             while len(batch) < config.batch_size:
                 if not order:
-                    order = list(range(len(datums)))
+                    order = list(range(len(datums_D)))
                     rng.shuffle(order)
-                batch.append(datums[order.pop()])
+                batch.append(datums_D[order.pop()])
             lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
             fwd = training.forward_backward(batch, "cross_entropy")
             opt = training.optim_step(types.AdamParams(learning_rate=lr))

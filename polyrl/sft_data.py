@@ -1,0 +1,159 @@
+"""Conversation files for ``polyrl sft --data``: JSONL in the OpenAI chat fine-tuning format.
+
+Each line is one conversation::
+
+    {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": ...,
+                   "tool_calls": [...], "tool_call_id": ...}, ...],
+     "tools": [{"type": "function", "function": {"name", "description", "parameters"}}, ...]}
+
+or TRL's prompt-completion form, ``{"prompt": [messages] | "text", "completion": [messages] | "text"}``
+(the completion follows the prompt; plain text is a user message and an assistant reply). A content may
+be a string or a list of OpenAI text parts; tool-call arguments may be a JSON string (as OpenAI writes
+them) or an object. The model learns every assistant message (loss weight 1 on its tokens, 0 on the
+rest), exactly as :meth:`polyrl.renderers.base.Renderer.render_supervised` renders it.
+
+A problem with a line is a :class:`polyrl.errors.UserInputError` naming ``file:line`` and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polyrl.envs.base import Message, ToolSpec
+from polyrl.errors import UserInputError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One line of a data file: its messages and tool specs, and where it came from (``file:line``)."""
+
+    messages: list[Message]
+    tools: list[ToolSpec]
+    where: str
+
+
+def read_conversations(paths: list[str]) -> list[Conversation]:
+    """Every conversation of the JSONL files ``paths``, in order; blank lines are skipped."""
+    out: list[Conversation] = []
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserInputError(f"data file not found: {path}") from None
+        except UnicodeDecodeError as exc:
+            raise UserInputError(f"{path}: not UTF-8 text (offset {exc.start}); save it as UTF-8") from None
+        except OSError as exc:
+            raise UserInputError(f"{path}: cannot read the data file ({exc.strerror or exc})") from None
+        found = 0
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                out.append(parse_line(line, f"{path}:{number}"))
+                found += 1
+        if not found:
+            raise UserInputError(f"{path}: no conversations (one JSON object per line expected)")
+    return out
+
+
+def parse_line(line: str, where: str) -> Conversation:
+    """One JSONL line as a conversation; a :class:`UserInputError` starting with ``where`` if it is not."""
+    def bad(problem: str) -> UserInputError:
+        return UserInputError(f"{where}: {problem}")
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise bad(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise bad(f"expected a JSON object with messages, got {type(row).__name__}")
+    if "messages" in row:
+        raw = row["messages"]
+    elif "prompt" in row and "completion" in row:
+        raw = [*_turns(row["prompt"], "user", bad), *_turns(row["completion"], "assistant", bad)]
+    else:
+        raise bad('no messages: expected {"messages": [...]} or {"prompt": ..., "completion": ...}')
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty list of {role, content} objects")
+    messages = [_message(m, i, bad) for i, m in enumerate(raw)]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise bad("no assistant message: nothing to learn from this conversation")
+    return Conversation(messages, _tools(row.get("tools"), bad), where)
+
+
+def _turns(value: Any, role: str, bad) -> list[Any]:
+    """TRL's prompt or completion: a list of messages, or plain text as one message of ``role``."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return value
+    raise bad(f"prompt and completion must be text or lists of messages, got {type(value).__name__}")
+
+
+def _message(m: Any, i: int, bad) -> Message:
+    """Message ``i`` in polyrl's form (see :mod:`polyrl.envs.base`): content a string or text parts,
+    tool-call arguments decoded."""
+    if not isinstance(m, dict):
+        raise bad(f"message {i} is not an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"message {i}: unknown role {role!r} (expected {', '.join(ROLES)})")
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type", "text") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad(f'message {i}: content parts must be text parts ({{"type": "text", "text": ...}})')
+    elif not isinstance(content, str):
+        raise bad(f"message {i}: content must be text, got {type(content).__name__}")
+    out: Message = {"role": role, "content": content}
+    calls = m.get("tool_calls")
+    if calls:
+        if role != "assistant":
+            raise bad(f"message {i}: only assistant messages make tool calls")
+        out["tool_calls"] = [_tool_call(c, i, j, bad) for j, c in enumerate(_as_list(calls, i, bad))]
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if isinstance(m.get(key), str):
+            out[key] = m[key]
+    return out
+
+
+def _as_list(value: Any, i: int, bad) -> list[Any]:
+    if not isinstance(value, list):
+        raise bad(f"message {i}: tool_calls must be a list")
+    return value
+
+
+def _tool_call(call: Any, i: int, j: int, bad) -> dict[str, Any]:
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"message {i}: tool call {j} needs a function name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            raise bad(f"message {i}: tool call {j}'s arguments are not JSON") from None
+    if not isinstance(args, dict):
+        raise bad(f"message {i}: tool call {j}'s arguments must be a JSON object")
+    return {"id": call.get("id") or f"call_{j}", "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
+
+
+def _tools(tools: Any, bad) -> list[ToolSpec]:
+    """OpenAI function specs; a bare ``{"name", "parameters", ...}`` is wrapped as one."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of function specs")
+    out = []
+    for k, tool in enumerate(tools):
+        spec = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad(f"tool {k} needs a name ({{\"type\": \"function\", \"function\": {{\"name\": ...}}}})")
+        out.append({"type": "function", "function": spec})
+    return out
