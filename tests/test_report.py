@@ -776,3 +776,20 @@ def test_first_screen_of_a_run_that_made_no_update_in_headless_chromium(tmp_path
         assert not driver.find_element("css selector", "#config-full").get_attribute("open")
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
         assert not errors, errors
+
+
+def test_screenshot_script_renders_a_report_png(tmp_path):
+    _ensure_chromium()
+    run = write_synthetic_run(tmp_path / "run", steps=3, episodes_per_step=4, think_words=2)
+    out = tmp_path / "shot.png"
+    done = subprocess.run([sys.executable, "-m", "polyrl.report.screenshot", str(out), "--run", str(run)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    head = out.read_bytes()[:24]
+    size = (int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big"))
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and size == (1280, 900)
+    assert (run / "report" / "index.html").exists()  # built on the way
+    done = subprocess.run([sys.executable, "-m", "polyrl.report.screenshot", str(out), "--run",
+                           str(tmp_path / "nope")], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: --run '{tmp_path / 'nope'}': no run directory there"
