@@ -2,17 +2,21 @@
 other policies (a KL penalty against a reference, on-policy distillation from a teacher), and the
 Datums they become.
 
-Every estimator returns values: for each group, for each of its episodes, one advantage per sampled
-turn (``advantages_G``). The training step passes them on and records them once on the episodes
-(:func:`record_advantages`) just before :func:`to_datum` broadcasts each onto that turn's action tokens
-and adds the per-token terms, if any (zero on prompt and environment tokens).
+Every estimator (:class:`Estimator`, registered with :func:`register_estimator`) returns values: for
+each group, for each of its episodes, one advantage per sampled turn (``advantages_G``). The training
+step passes them on and records them once on the episodes (:func:`record_advantages`) just before
+:func:`to_datum` broadcasts each onto that turn's action tokens and adds the per-token terms, if any
+(zero on prompt and environment tokens).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol
 
 from tinker import types
 
@@ -22,15 +26,70 @@ from polyrl.images import next_token_inputs
 
 #: Per group, per episode, one advantage per sampled turn.
 Advantages = list[list[list[float]]]
-ESTIMATORS: dict[str, Callable[..., Advantages]] = {}
+#: The ``advantages:`` settings every estimator is called with, and their defaults (the values that
+#: mean "not set": an estimator that does not use a setting refuses any other value at config load).
+SETTINGS: dict[str, float | bool] = {"gamma": 1.0, "normalize_by_std": False}
 
 
-def register_estimator(name: str):
-    def deco(fn):
-        ESTIMATORS[name] = fn
+class Estimator(Protocol):
+    """An advantage estimator: the step's groups of episodes in, per group, per episode, one advantage
+    per sampled turn (``ep.num_turns``) out. It is called with every setting of :data:`SETTINGS`."""
+
+    def __call__(self, episodes_G: list[list[Episode]], *, gamma: float,
+                 normalize_by_std: bool) -> Advantages: ...
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    fn: Estimator
+    uses: tuple[str, ...]  # the settings it reads; the others must keep their defaults
+    per_group: bool  # a group's advantages depend on that group alone (minibatches can be streamed)
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(name: str, *, uses: tuple[str, ...] = (),
+                       per_group: bool = True) -> Callable[[Callable[..., Advantages]], Estimator]:
+    """``@register_estimator("name")`` on an :class:`Estimator`: ``advantages.estimator: name`` then
+    chooses it. ``uses`` names the settings (of :data:`SETTINGS`) it honours; a config that sets another
+    is refused when it loads. ``per_group=False``: it compares episodes across groups (a batch-wide
+    normalization), so minibatches cannot be trained before the whole batch is in. A function without
+    the interface's signature is a TypeError here, not at the first training step."""
+    if unknown := sorted(set(uses) - set(SETTINGS)):
+        raise TypeError(f"estimator {name!r}: uses {unknown} are not advantages settings "
+                        f"({', '.join(SETTINGS)})")
+
+    def deco(fn: Callable[..., Advantages]) -> Estimator:
+        try:
+            inspect.signature(fn).bind([], **SETTINGS)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"estimator {name!r}: {getattr(fn, '__name__', fn)}{_signature(fn)} does not "
+                            "take fn(episodes_G, *, gamma, normalize_by_std) (the groups of episodes in, per "
+                            f"group, per episode, per turn advantages out) ({exc})") from None
+        ESTIMATORS[name] = EstimatorSpec(name, fn, tuple(uses), per_group)
         return fn
 
     return deco
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def get_estimator(name: str) -> EstimatorSpec:
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    return ESTIMATORS[name]
+
+
+def unused_settings(spec: EstimatorSpec, settings: dict[str, float | bool]) -> list[str]:
+    """The settings of ``settings`` set away from their defaults that estimator ``spec`` does not use."""
+    return [key for key, value in settings.items() if key not in spec.uses and value != SETTINGS[key]]
 
 
 def _std(xs: list[float]) -> float:
@@ -53,8 +112,8 @@ def centred(xs: list[float], normalize_by_std: bool) -> list[float]:
     return [(y - mean) * scale for y in ys]
 
 
-@register_estimator("grpo")
-def grpo(episodes_G: list[list[Episode]], normalize_by_std: bool = False, gamma: float = 1.0) -> Advantages:
+@register_estimator("grpo", uses=("normalize_by_std",))
+def grpo(episodes_G: list[list[Episode]], *, gamma: float, normalize_by_std: bool) -> Advantages:
     """Episode reward minus its group's mean (optionally over the group's std), on every turn."""
     advantages_G = []
     for group in episodes_G:
@@ -71,10 +130,11 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     return out[::-1]
 
 
-@register_estimator("rebn")
-def rebn(episodes_G: list[list[Episode]], normalize_by_std: bool = True, gamma: float = 1.0) -> Advantages:
+@register_estimator("rebn", uses=("gamma",), per_group=False)
+def rebn(episodes_G: list[list[Episode]], *, gamma: float, normalize_by_std: bool) -> Advantages:
     """Return batch normalization: each turn's discounted return-to-go, normalized over every turn
-    of the batch (mean 0, std 1). Credits individual turns of multi-turn episodes."""
+    of the batch (mean 0, std 1; always, so ``normalize_by_std`` is not among its settings). Credits
+    individual turns of multi-turn episodes."""
     returns_G = [[discounted_returns(turn_rewards(ep), gamma) for ep in group] for group in episodes_G]
     flat = [r for returns in returns_G for rets in returns for r in rets]
     if not flat:
@@ -96,13 +156,35 @@ def turn_rewards(ep: Episode) -> list[float]:
 
 def compute_advantages(episodes_G: list[list[Episode]], estimator: str = "grpo",
                        normalize_by_std: bool = False, gamma: float = 1.0) -> Advantages:
-    """The advantages ``estimator`` gives the episodes of ``episodes_G``, group by group."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(sorted(ESTIMATORS))}")
-    kwargs: dict[str, float | bool] = {"gamma": gamma}
-    if estimator == "grpo":
-        kwargs["normalize_by_std"] = normalize_by_std
-    return ESTIMATORS[estimator](episodes_G, **kwargs)
+    """The advantages ``estimator`` gives the episodes of ``episodes_G``, group by group: a ValueError
+    for a setting it does not use, or for values that are not one advantage per sampled turn."""
+    spec = get_estimator(estimator)
+    settings: dict[str, float | bool] = {"gamma": gamma, "normalize_by_std": normalize_by_std}
+    if unused := unused_settings(spec, settings):
+        raise ValueError(f"advantage estimator {estimator!r} does not use {', '.join(unused)}")
+    advantages_G = spec.fn(episodes_G, gamma=gamma, normalize_by_std=normalize_by_std)
+    if problem := shape_problem(episodes_G, advantages_G):
+        raise ValueError(f"advantage estimator {estimator!r} returned {problem}")
+    return advantages_G
+
+
+def shape_problem(episodes_G: list[list[Episode]], advantages_G: object) -> str | None:
+    """What is wrong with ``advantages_G`` as per group, per episode, per turn advantages, or None."""
+    if not isinstance(advantages_G, list) or len(advantages_G) != len(episodes_G):
+        return f"{_described(advantages_G)} for {len(episodes_G)} groups (one list per group expected)"
+    for g, (group, advantages) in enumerate(zip(episodes_G, advantages_G)):
+        if not isinstance(advantages, list) or len(advantages) != len(group):
+            return f"{_described(advantages)} for group {g} of {len(group)} episodes (one list per episode)"
+        for e, (ep, turns) in enumerate(zip(group, advantages)):
+            if not isinstance(turns, list) or len(turns) != ep.num_turns \
+                    or not all(isinstance(a, numbers.Real) and not isinstance(a, bool) for a in turns):
+                return (f"{_described(turns)} for episode {e} of group {g}, which has {ep.num_turns} sampled "
+                        "turns (a list of one number per turn expected)")
+    return None
+
+
+def _described(value: object) -> str:
+    return f"a list of {len(value)}" if isinstance(value, list) else f"a {type(value).__name__}"
 
 
 def scale_advantages(advantages_G: Advantages, weight: float) -> Advantages:

@@ -18,7 +18,7 @@ from tinker import types
 from polyrl.backend import ServiceGuard
 from polyrl.config import TrainConfig
 from polyrl.local import ServiceClient
-from polyrl.local.losses import CORRECTIONS, Segments, get_loss
+from polyrl.local.losses import CORRECTIONS, Segments, get_loss, policy_gradient_losses
 from polyrl.step_metrics import off_policy_metrics
 from polyrl.update import fold_correction
 from test_local_engine import (  # noqa: F401 - store, service and warm are fixtures shared with that module
@@ -45,7 +45,8 @@ CONFIGS = {"tis": {"tis_cap": 1.5}, "mis": {"mis_low": 0.6, "mis_high": 1.4},
            "seq_mis": {"seq_mis_low": 0.3, "seq_mis_high": 3.0},
            "geo_mis": {"geo_mis_low": 0.8, "geo_mis_high": 1.25},
            "icepop": {"icepop_low": 0.6, "icepop_high": 1.6}}
-LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+#: Every registered loss an off-policy correction applies to (each has its direct computation below).
+LOSSES = tuple(name for name in policy_gradient_losses() if get_loss(name).correction)
 
 
 # ---- direct computations (the README's formulas, written out) -----------------------------------

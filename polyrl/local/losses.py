@@ -14,15 +14,20 @@ Adding a loss is one decorated function::
 
     @register_loss("my_loss", inputs=("target_tokens", "logprobs", "advantages"))
     def my_loss(logprobs, inputs, segments, config): ...
+
+The registry is the one list of losses: the engine, ``polyrl serve`` and the run config's ``loss_fn``
+(:func:`policy_gradient_losses`: those that take ``advantages``) all read it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, get_args
 
 import torch
+from tinker import types
 
 from polyrl.optim_ranges import LOSS_CONFIG, range_problems
 
@@ -73,6 +78,9 @@ class LossSpec:
 
 
 LOSSES: dict[str, LossSpec] = {}
+#: The loss names Tinker's SDK knows (its ``LossFnType``); ``polyrl serve`` tells these apart from
+#: names no Tinker service has.
+TINKER_LOSSES: tuple[str, ...] = get_args(types.LossFnType)
 
 
 def register_loss(
@@ -87,12 +95,36 @@ def register_loss(
     """``correction`` (a loss with sampler logprobs): how the off-policy corrections apply to it; the
     registered function then takes their ``loss_fn_config`` keys too (see :func:`corrected`)."""
     def deco(fn: LossFn) -> LossFn:
+        check_loss_signature(name, fn)
+        if clash := sorted(set(config_keys) & set(CORRECTION_KEYS)):
+            raise TypeError(f"loss {name!r}: config_keys {clash} are the off-policy corrections' keys")
         keys = config_keys + (CORRECTION_KEYS if correction else ())
         wrapped = corrected(fn, name, correction) if correction else fn
         LOSSES[name] = LossSpec(name, wrapped, inputs, optional_inputs, keys, top_k, provenance, correction)
         return fn
 
     return deco
+
+
+def check_loss_signature(name: str, fn: Callable) -> None:
+    """A TypeError naming the loss unless ``fn`` takes ``fn(logprobs, inputs, segments, config)``."""
+    try:
+        inspect.signature(fn).bind(None, None, None, None)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"loss {name!r}: {getattr(fn, '__name__', fn)}{_signature(fn)} cannot be called as "
+                        f"fn(logprobs, inputs, segments, config) ({exc})") from None
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def policy_gradient_losses() -> list[str]:
+    """The registered losses a training run can use (``loss_fn``): those that take ``advantages``."""
+    return sorted(name for name, spec in LOSSES.items() if "advantages" in spec.inputs)
 
 
 def check_config_keys(spec: LossSpec, config: Mapping[str, float]) -> None:

@@ -224,9 +224,15 @@ _REGISTRY: dict[str, Callable[[Any], Renderer]] = {}
 
 
 def register_renderer(name: str) -> Callable[[type[Renderer]], type[Renderer]]:
-    """Class decorator: ``@register_renderer("name")`` makes ``get_renderer("name", tok)`` build one."""
+    """Class decorator: ``@register_renderer("name")`` makes ``get_renderer("name", tok)`` build one and
+    the config's ``renderer: name`` choose it. A class that is not a complete :class:`Renderer` (an
+    abstract method left out) is a TypeError here, not when a run first renders."""
 
     def deco(cls: type[Renderer]) -> type[Renderer]:
+        if not (isinstance(cls, type) and issubclass(cls, Renderer)):
+            raise TypeError(f"renderer {name!r}: {cls!r} is not a subclass of polyrl.renderers.base.Renderer")
+        if missing := sorted(getattr(cls, "__abstractmethods__", ())):
+            raise TypeError(f"renderer {name!r}: {cls.__name__} does not define {', '.join(missing)}")
         cls.name = name
         _REGISTRY[name] = cls
         return cls
