@@ -16,19 +16,19 @@ text :mod:`polyrl.config_reference`.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
 from polyrl.errors import UserInputError
-from polyrl.optim_ranges import LEARNING_RATE, LOSS_CONFIG, optimizer_problems, range_problems
+from polyrl.optim_ranges import LEARNING_RATE, optimizer_problems, range_problems
 from polyrl.secrets import redact_config
 
 DEFAULT_CORRECTION_CAP = 2.0  # off_policy.correction tis: verl's and TRL's usual cap
 CORRECTION_BOUNDS = {"mis": (0.5, 2.0), "seq_mis": (0.5, 2.0), "geo_mis": (0.999, 1.001),
                      "icepop": (0.5, 5.0)}  # off_policy.correction's [low, high] by default
-LOSS_FN_CONFIG_KEYS = ("clip_low_threshold", "clip_high_threshold", "beta", "kl_coeff", "max_ratio")
 TINKER_KEY_PREFIXES = ("tml-", "eyJ")  # what the tinker SDK accepts: API keys and JWTs
 # Bounds on what an environment hands the trainer (LimitsConfig.max_abs_reward, max_observation_*).
 DEFAULT_MAX_ABS_REWARD = 1e6
@@ -48,6 +48,20 @@ def scheduled_lr(learning_rate: float, schedule: LrSchedule, step: int, max_step
     """The learning rate of update ``step`` (0-based) of ``max_steps``: constant, or decayed linearly
     from ``learning_rate`` at step 0 towards 0 at ``max_steps``."""
     return learning_rate * (1.0 - step / max_steps) if schedule == "linear" else learning_rate
+
+
+@dataclass(frozen=True)
+class Registered:
+    """Marks a ``str`` field naming a registered part (``kind``: 'loss', 'estimator' or 'renderer'). Its
+    registry, not this schema, holds the choices: :mod:`polyrl.config_checks` checks the name against it
+    (and the part's settings against what its registration declares), ``--help-config`` lists them."""
+
+    kind: str
+
+
+LossName = Annotated[str, Registered("loss")]
+EstimatorName = Annotated[str, Registered("estimator")]
+RendererName = Annotated[str, Registered("renderer")]
 
 
 class ConfigError(UserInputError):
@@ -141,29 +155,20 @@ class AdvantagesConfig(BaseModel):
 
     model_config = _STRICT
 
-    estimator: Literal["grpo", "rebn"] = Field(
-        "grpo", description="'grpo': episode reward minus its group's mean. 'rebn': per-step discounted "
-        "returns normalized over the batch (GEM-style), for multi-turn environments.",
+    estimator: EstimatorName = Field(
+        "grpo", description="A registered advantage estimator. 'grpo': episode reward minus its group's "
+        "mean. 'rebn': per-step discounted returns normalized over the batch (GEM-style), for multi-turn "
+        "environments.",
     )
-    gamma: float = Field(1.0, gt=0, le=1, description="Discount of future step rewards; rebn only.")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount of future step rewards, for an estimator "
+                         "that uses it (rebn); leave it at 1 with any other.")
     normalize_by_std: bool = Field(
-        False, description="Divide group advantages by the group's std; grpo only (rebn always normalizes)."
+        False, description="Divide group advantages by the group's std, for an estimator that uses it "
+        "(grpo; rebn always normalizes)."
     )
     remove_constant_reward_groups: bool = Field(
         False, description="Drop groups whose episodes all got the same reward (they carry no signal)."
     )
-
-    @model_validator(mode="after")
-    def _settings_of_the_estimator(self) -> AdvantagesConfig:
-        problems = []
-        if self.gamma != 1.0 and self.estimator != "rebn":
-            problems.append(("gamma", "only used by advantages.estimator 'rebn', leave it at 1 with 'grpo'"))
-        if self.normalize_by_std and self.estimator == "rebn":
-            problems.append(("normalize_by_std", "only used by advantages.estimator 'grpo' ('rebn' always "
-                                                 "divides by the batch std)"))
-        if problems:
-            raise ConfigProblems(problems)
-        return self
 
 
 class OptimizerConfig(BaseModel):
@@ -408,8 +413,9 @@ class PolicyConfig(RenamedKeys):
     )
     model_name: str = Field(description="Base model: a Hugging Face hub id or a local directory.")
     lora_rank: int = Field(32, gt=0, description="Rank of the LoRA adapter being trained.")
-    renderer: str | None = Field(
-        None, description="Chat format used to turn messages into tokens; null = inferred from the model."
+    renderer: RendererName | None = Field(
+        None, description="Chat format used to turn messages into tokens (a registered renderer); null = "
+        "inferred from the model."
     )
     local: LocalEngineConfig = Field(
         default_factory=LocalEngineConfig, description="The built-in engine's settings (backend 'local' "
@@ -441,14 +447,15 @@ class TrainConfig(PolicyConfig):
     )
 
     # loss and advantages
-    loss_fn: Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"] = Field(
-        "importance_sampling", description="Policy-gradient loss. stable_reinforce (Tinker's "
-        "StableReinforce) trains against the sampler logprobs the service recorded for each sampled turn, "
-        "named by provenance spans on the Datums; it stays stable off-policy."
+    loss_fn: LossName = Field(
+        "importance_sampling", description="Policy-gradient loss: a registered loss that takes advantages. "
+        "stable_reinforce (Tinker's StableReinforce) trains against the sampler logprobs the service "
+        "recorded for each sampled turn, named by provenance spans on the Datums; it stays stable off-policy."
     )
     loss_fn_config: dict[str, float] = Field(
-        default_factory=dict, description="Loss parameters: clip_low_threshold and clip_high_threshold (ppo, "
-        "cispo, gspo), beta (dro), kl_coeff and max_ratio (stable_reinforce).",
+        default_factory=dict, description="The loss's parameters, the keys its registration declares: "
+        "clip_low_threshold and clip_high_threshold (ppo, cispo, gspo), beta (dro), kl_coeff and max_ratio "
+        "(stable_reinforce).",
     )
     advantages: AdvantagesConfig = Field(
         default_factory=AdvantagesConfig, description="How episode rewards become advantages."
@@ -538,28 +545,9 @@ class TrainConfig(PolicyConfig):
         return self
 
     def _loss_problems(self) -> list[tuple[str, str]]:
-        """Loss settings the loss would not use or refuses, and a learning rate past the engine's range."""
-        problems = range_problems({"learning_rate": self.learning_rate}, {"learning_rate": LEARNING_RATE})
-        for key in self.loss_fn_config:
-            where = f"loss_fn_config.{key}"
-            if key not in LOSS_FN_CONFIG_KEYS:
-                problems.append((where, f"unknown key (allowed: {', '.join(LOSS_FN_CONFIG_KEYS)})"))
-            elif key == "beta" and self.loss_fn != "dro":
-                problems.append((where, f"only used by loss_fn 'dro', not {self.loss_fn!r}"))
-            elif key in ("kl_coeff", "max_ratio") and self.loss_fn != "stable_reinforce":
-                problems.append((where, f"only used by loss_fn 'stable_reinforce', not {self.loss_fn!r}"))
-            elif key.startswith("clip_") and self.loss_fn in ("dro", "importance_sampling",
-                                                               "stable_reinforce"):
-                problems.append((where, f"not used by loss_fn {self.loss_fn!r}"))
-            else:
-                problems += [(f"loss_fn_config.{k}", why) for k, why in
-                             range_problems({key: self.loss_fn_config[key]}, LOSS_CONFIG)]
-        if self.off_policy.correction == "tis" and self.loss_fn == "stable_reinforce":
-            problems.append(("off_policy.correction", "stable_reinforce truncates its importance weight "
-                                                      "itself (loss_fn_config.max_ratio); 'tis' would "
-                                                      "truncate it twice (use a mask: mis, seq_mis, geo_mis "
-                                                      "or icepop)"))
-        return problems
+        """A learning rate past the engine's range (the loss and its ``loss_fn_config`` are checked against
+        the loss's registration by :mod:`polyrl.config_checks`)."""
+        return range_problems({"learning_rate": self.learning_rate}, {"learning_rate": LEARNING_RATE})
 
     def _batch_problems(self) -> list[tuple[str, str]]:
         """A step's size, and minibatches that cannot be trained before the whole batch is in."""
@@ -575,9 +563,6 @@ class TrainConfig(PolicyConfig):
             if stream > self.batch_size:
                 problems.append((key, f"{stream} groups per minibatch is more than batch_size "
                                       f"({self.batch_size})"))
-            if self.advantages.estimator == "rebn":
-                problems.append((key, "advantages.estimator 'rebn' normalizes over the whole batch, which a "
-                                      "minibatch trained before the rest finished cannot do (use 'grpo')"))
             if self.kl is not None:
                 problems.append((key, "the KL penalty is centred on its mean over the whole batch, which a "
                                       "minibatch trained before the rest finished cannot do"))

@@ -1,5 +1,7 @@
 """Checks of a validated run config that need more than the config: environment types and their
-arguments (the environment registry), renderer names, local model directories and optional packages.
+arguments (the environment registry), the names of registered parts (losses, advantage estimators,
+renderers: the fields :class:`polyrl.config.Registered` marks) and the settings their registrations
+declare, local model directories and optional packages.
 
 :func:`polyrl.config_files.load_config` runs them after validation; anything else that builds a config
 for a run (the quickstart, tests) calls :func:`check_config` itself.
@@ -8,15 +10,29 @@ for a run (the quickstart, tests) calls :func:`check_config` itself.
 from __future__ import annotations
 
 import importlib.util
-from typing import TypeVar
+import types
+from typing import Annotated, Any, Callable, TypeVar, Union, get_args, get_origin
 
-from polyrl import renderers
-from polyrl.config import ConfigError, EnvConfig, PolicyConfig, TrainConfig
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from polyrl import advantages, renderers
+from polyrl.config import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
 from polyrl.config_errors import problems_line
 from polyrl.envs import registry
+from polyrl.local import losses
 from polyrl.models import resolve_model_path
+from polyrl.optim_ranges import LOSS_CONFIG, range_problems
 
 C = TypeVar("C", bound=PolicyConfig)
+
+#: For each kind of :class:`Registered` field: what its parts are called, and their names now (the
+#: registries fill as their modules load, user modules included, so this is asked, not copied).
+REGISTRIES: dict[str, tuple[str, Callable[[], list[str]]]] = {
+    "loss": ("policy-gradient loss", losses.policy_gradient_losses),
+    "estimator": ("advantage estimator", lambda: sorted(advantages.ESTIMATORS)),
+    "renderer": ("renderer", lambda: renderers.renderer_names()),
+}
 
 
 def check_config(config: C) -> C:
@@ -34,8 +50,9 @@ def config_problems(config: PolicyConfig) -> list[tuple[str, str]]:
             problems += local_model_problems(config.backend, config.kl.reference, "kl.reference")
         if config.teacher is not None and not config.teacher.model.startswith("tinker://"):
             problems += local_model_problems(config.backend, config.teacher.model, "teacher.model")
-    if config.renderer is not None and (reason := unknown_renderer(config.renderer)):
-        problems.append(("renderer", reason))
+    problems += registered_problems(config)
+    if isinstance(config, TrainConfig):
+        problems += loss_problems(config) + estimator_problems(config)
     if isinstance(config, TrainConfig) and config.openreward_run_name and not installed("openreward"):
         problems.append(("openreward_run_name", "uploads need the openreward package "
                                                 "(pip install 'polyrl[openreward]')"))
@@ -55,12 +72,95 @@ def local_model_problems(backend: str, model_name: str, key: str = "model_name")
     return []
 
 
-def unknown_renderer(name: str) -> str | None:
-    """Why ``name`` is not a renderer, or None."""
-    names = renderers.renderer_names()
-    if names and name not in names:
-        return f"unknown renderer {name!r} (known: {', '.join(names)})"
-    return None
+def registered_kind(field: FieldInfo) -> str | None:
+    """The registry a field's value names (its :class:`Registered` mark, optional or not), or None."""
+    marks = [m for m in field.metadata if isinstance(m, Registered)]
+    tp = field.annotation
+    if get_origin(tp) in (Union, types.UnionType):
+        marks += [m for arg in get_args(tp) if get_origin(arg) is Annotated
+                  for m in get_args(arg)[1:] if isinstance(m, Registered)]
+    return marks[0].kind if marks else None
+
+
+def registered_names(kind: str) -> list[str]:
+    """The names a :class:`Registered` field of ``kind`` accepts, sorted."""
+    return REGISTRIES[kind][1]()
+
+
+def registered_problems(model: BaseModel, prefix: str = "") -> list[tuple[str, str]]:
+    """Each :class:`Registered` field of ``model`` (its sub-models included) naming no registered part."""
+    problems = []
+    for name, field in type(model).model_fields.items():
+        value: Any = getattr(model, name)
+        if isinstance(value, BaseModel):
+            problems += registered_problems(value, f"{prefix}{name}.")
+        elif isinstance(value, str) and (kind := registered_kind(field)):
+            if reason := unknown_part(kind, value):
+                problems.append((prefix + name, reason))
+    return problems
+
+
+def unknown_part(kind: str, name: str) -> str | None:
+    """Why ``name`` is no registered part of ``kind``, or None."""
+    what, _ = REGISTRIES[kind]
+    names = registered_names(kind)
+    if name in names:
+        return None
+    if kind == "loss" and name in losses.LOSSES:
+        return f"loss {name!r} takes no advantages (a {what} is one of: {', '.join(names)})"
+    return f"unknown {what} {name!r} (known: {', '.join(names)})"
+
+
+def loss_problems(config: TrainConfig) -> list[tuple[str, str]]:
+    """``loss_fn_config`` keys the loss's registration does not declare (or out of their range), and an
+    off-policy correction the loss cannot take."""
+    spec = losses.LOSSES.get(config.loss_fn)
+    if spec is None or unknown_part("loss", config.loss_fn):
+        return []  # named by registered_problems
+    own = [key for key in spec.config_keys if key not in losses.CORRECTION_KEYS]
+    loss, problems = config.loss_fn, []
+    for key, value in config.loss_fn_config.items():
+        where = f"loss_fn_config.{key}"
+        takers = [name for name in registered_names("loss") if key in losses.LOSSES[name].config_keys]
+        if key in losses.CORRECTION_KEYS:
+            problems.append((where, "an off-policy correction's key: set off_policy.correction instead"))
+        elif key in own:
+            problems += [(where, why) for _, why in range_problems({key: value}, LOSS_CONFIG)]
+        elif takers:
+            problems.append((where, f"only used by loss_fn {', '.join(map(repr, takers))}, not {loss!r}"))
+        else:
+            problems.append((where, f"unknown key (loss_fn {loss!r} takes: {', '.join(own) or 'none'})"))
+    correction, where = config.off_policy.correction, "off_policy.correction"
+    if correction != "none" and spec.correction is None:
+        takers = [name for name in registered_names("loss") if losses.LOSSES[name].correction]
+        problems.append((where, f"loss_fn {loss!r} takes no off-policy correction (those that do: "
+                                f"{', '.join(takers)})"))
+    elif correction == "tis" and spec.correction == losses.MASK_ONLY:
+        problems.append((where, f"{loss} truncates its importance weight itself; 'tis' would truncate it "
+                                "twice (use a mask: mis, seq_mis, geo_mis or icepop)"))
+    return problems
+
+
+def estimator_problems(config: TrainConfig) -> list[tuple[str, str]]:
+    """``advantages`` settings the estimator does not use, and streamed minibatches for an estimator that
+    compares episodes across groups."""
+    name = config.advantages.estimator
+    spec = advantages.ESTIMATORS.get(name)
+    if spec is None:
+        return []  # named by registered_problems
+    settings = {key: getattr(config.advantages, key) for key in advantages.SETTINGS}
+    problems = []
+    for key in advantages.unused_settings(spec, settings):
+        takers = ", ".join(repr(other) for other, s in sorted(advantages.ESTIMATORS.items()) if key in s.uses)
+        users = f"only used by advantages.estimator {takers}" if takers else "not used by any estimator"
+        default = str(advantages.SETTINGS[key]).lower()
+        problems.append((f"advantages.{key}", f"{users}, not {name!r} (leave it at {default})"))
+    if config.off_policy.stream_minibatches is not None and not spec.per_group:
+        per_group = ", ".join(other for other, s in sorted(advantages.ESTIMATORS.items()) if s.per_group)
+        problems.append(("off_policy.stream_minibatches", f"advantages.estimator {name!r} compares episodes "
+                         "across groups, which a minibatch trained before the rest of the batch finished "
+                         f"cannot do (estimators that can: {per_group})"))
+    return problems
 
 
 def installed(package: str) -> bool:

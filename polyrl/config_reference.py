@@ -13,6 +13,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from polyrl.config import TrainConfig
+from polyrl.config_checks import registered_kind, registered_names
 from polyrl.config_errors import is_model, strip_optional
 
 
@@ -33,8 +34,10 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
         else:
             default = "default " + _show(field.get_default(call_default_factory=True))
         lines.append(f"{key}  ({_type_name(field.annotation)}{_bounds(field)}, {default})")
-        lines += textwrap.wrap(field.description or "", width=100, initial_indent="    ",
-                               subsequent_indent="    ")
+        description = field.description or ""
+        if kind := registered_kind(field):  # the choices are the registry's, not the schema's
+            description += f" Registered choices: {', '.join(registered_names(kind))}."
+        lines += textwrap.wrap(description, width=100, initial_indent="    ", subsequent_indent="    ")
         tp = strip_optional(field.annotation)
         if is_model(tp):
             _describe(tp, key + ".", lines)

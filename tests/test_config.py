@@ -10,6 +10,7 @@ import pytest
 from polyrl.config import ConfigError, EnvConfig, TrainConfig
 from polyrl.config_files import apply_overrides, load_config, load_dotenv_file, parse_scalar
 from polyrl.config_reference import config_reference
+from polyrl.local.losses import policy_gradient_losses
 from polyrl.secrets import SECRET_ENV_VARS, redact, redact_text
 
 KNOWN_ENV_TYPES = {"arithmetic", "wordle"}
@@ -161,12 +162,12 @@ def test_apply_overrides_copies_and_creates_mappings():
          "environments.arithmetic.num_rollouts: Input should be a valid integer"),
         (["environments.arithmetic.num_rollouts=0"],
          "environments.arithmetic.num_rollouts: Input should be greater than or equal to 1"),
-        (["loss_fn=reinforce"], "loss_fn: Input should be 'importance_sampling', 'ppo', 'cispo', 'dro', "
-                                "'gspo' or 'stable_reinforce'"),
+        (["loss_fn=reinforce"], "loss_fn: unknown policy-gradient loss 'reinforce' (known: "
+                                f"{', '.join(policy_gradient_losses())})"),
         (["loss_fn=ppo", "loss_fn_config.clip_lo=0.2"], "loss_fn_config.clip_lo: unknown key"),
         (["loss_fn_config.beta=0.1"], "loss_fn_config.beta: only used by loss_fn 'dro'"),
         (["loss_fn=dro", "loss_fn_config.clip_high_threshold=1.2"],
-         "loss_fn_config.clip_high_threshold: not used by loss_fn 'dro'"),
+         "loss_fn_config.clip_high_threshold: only used by loss_fn 'cispo', 'gspo', 'ppo', not 'dro'"),
         (["advantages.gamma=0.9"], "advantages.gamma: only used by advantages.estimator 'rebn'"),
         (["advantages.gamma=0"], "advantages.gamma: Input should be greater than 0"),
         (["eval_every=5", "environments.arithmetic.splits.test=null"],

@@ -18,6 +18,7 @@ from tinker import types
 from polyrl import advantages as adv
 from polyrl.backend import ServiceGuard
 from polyrl.config import TrainConfig
+from polyrl.config_checks import check_config
 from polyrl.envs.base import EnvBuilder, register_env
 from polyrl.episode import Episode, finalize_reward
 from polyrl.errors import NonFiniteUpdateError, RunStoppedError
@@ -565,7 +566,7 @@ def test_stable_reinforce_samplers_record_and_its_datums_name_their_sequences(tm
     with pytest.raises(RunStoppedError, match="stable_reinforce needs the sampler's sequence_id of every"):
         adv.to_datum(ep, "stable_reinforce")
     with pytest.raises(ValueError, match=r"kl_coeff: only used by loss_fn 'stable_reinforce'"):
-        _config(tmp_path, loss_fn="ppo", loss_fn_config={"kl_coeff": 0.1})
+        check_config(_config(tmp_path, loss_fn="ppo", loss_fn_config={"kl_coeff": 0.1}))
 
 
 def test_dimuon_config_gives_dimuon_clients_and_steps(tmp_path):
