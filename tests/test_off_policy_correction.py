@@ -1,5 +1,5 @@
 """Off-policy corrections (``off_policy.correction``): each correction's loss and gradient against a direct
-computation of the README's formulas and against the published definitions (verl's rollout correction,
+computation of the documented formulas and against the published definitions (verl's rollout correction,
 TRL's vLLM importance sampling, IcePop), their metrics, the engine's checks, the client-side folding
 used with hosted Tinker against the in-loss result, ``polyrl serve`` against in-process, and a
 ``polyrl train`` run logging the metrics."""
@@ -49,7 +49,7 @@ CONFIGS = {"tis": {"tis_cap": 1.5}, "mis": {"mis_low": 0.6, "mis_high": 1.4},
 LOSSES = tuple(name for name in policy_gradient_losses() if get_loss(name).correction)
 
 
-# ---- direct computations (the README's formulas, written out) -----------------------------------
+# ---- direct computations (the documented formulas, written out) -----------------------------------
 def batch(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], Segments]:
     """Learner logprobs (a leaf with gradient) of three datums and sampler logprobs: close to them on the
     first, all above them on the second (a sequence every mask rejects), spread ~0.8 on the third (tokens

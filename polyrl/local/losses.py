@@ -151,8 +151,8 @@ def get_loss(name: str) -> LossSpec:
 # ---- off-policy corrections ------------------------------------------------------------------------
 # The sampler's logprobs q (what was sampled) and the learner's p differ: lower-precision sampling,
 # another engine's numerics, a stale sampler. With rho_t = exp(sg(p_t) - q_t) on the sampled tokens,
-# a correction multiplies each token's advantage by a factor c_t (no gradient; see the README's
-# "Off-policy correction"):
+# a correction multiplies each token's advantage by a factor c_t (no gradient; see
+# docs/guides/async.md, "Off-policy correction"):
 #   tis      c_t = min(rho_t, cap)                          truncated importance sampling
 #   mis      c_t = 1[low <= rho_t <= high]                  token-level masked importance sampling
 #   seq_mis  c_t = 1[low <= prod_s rho_s <= high]           a whole sequence kept or masked (product)
