@@ -172,6 +172,12 @@ def cmd_play(args) -> None:
     run_play(args)
 
 
+def cmd_init_env(args) -> None:
+    from polyrl.init_env import init_env
+
+    print(init_env(args.name, args.dir, model=args.model))
+
+
 def main(argv: list[str] | None = None) -> None:
     redact_tracebacks()
     parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
@@ -256,6 +262,15 @@ def main(argv: list[str] | None = None) -> None:
                                     "policy play")
     add_play_arguments(p)
     p.set_defaults(fn=cmd_play)
+
+    p = sub.add_parser("init-env", help="write a new environment package: its module, test, pyproject.toml "
+                                        "(a polyrl.environments entry point) and a config that trains on it")
+    p.add_argument("name", help="the environment's name (its config type and, with '-' as '_', its module)")
+    p.add_argument("dir", nargs="?", help="a new or empty directory (default: ./NAME)")
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                   help="model_name of the config it writes: a local model directory (polyrl tiny-model DIR "
+                        "builds a tiny one) or a Hugging Face id")
+    p.set_defaults(fn=cmd_init_env)
 
     args = parser.parse_args(argv)
     from polyrl.errors import RunStoppedError, UserInputError
