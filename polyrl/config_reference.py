@@ -37,7 +37,8 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
         description = field.description or ""
         if kind := registered_kind(field):  # the choices are the registry's, not the schema's
             description += f" Registered choices: {', '.join(registered_names(kind))}."
-        lines += textwrap.wrap(description, width=100, initial_indent="    ", subsequent_indent="    ")
+        lines += textwrap.wrap(description, width=100, initial_indent="    ", subsequent_indent="    ",
+                               break_on_hyphens=False)  # "per-step" stays one word when the lines are joined
         tp = strip_optional(field.annotation)
         if is_model(tp):
             _describe(tp, key + ".", lines)

@@ -506,12 +506,13 @@ def test_the_command_line_warns_about_old_keys_and_prints_the_new_layout(tmp_pat
 
 def test_help_config_describes_every_nested_field():
     text = config_reference()
+    joined = text.replace("\n    ", " ")
     for section in ("local", "advantages", "optimizer", "off_policy", "limits", "outputs", "kl"):
         model = TrainConfig.model_fields[section].annotation
         model = next((arg for arg in getattr(model, "__args__", ()) if arg is not type(None)), model)
         for name, field in model.model_fields.items():
             assert f"\n{section}.{name}  (" in text, (section, name)
-            assert field.description, (section, name)
+            assert field.description and field.description in joined, (section, name)  # unbroken words
     assert "local.micro_batch_tokens  (int >= 1 | \"auto\", default \"auto\")" in text
     assert "max_store_bytes  (int | null, >= 1, default null)" in text
 
