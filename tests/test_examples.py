@@ -74,6 +74,10 @@ EXAMPLES: dict[str, Example] = {
         ("polyrl", "train", "--config_path", "configs/train.toml"), cwd="examples/minds_rl",
         files=("minds_rl/environments/shout/__init__.py", "minds_rl/environments/shout/shout.py")),
     "gem_guess_the_number.sh": Example(("sh", "examples/gem_guess_the_number.sh"), needs="gem"),
+    "envs/reverse.yaml": Example(("polyrl", "train", "--config_path", "examples/envs/reverse.yaml"),
+                                 files=("envs/reverse.py",), logs=("env/reverse/reward/reversed_word",)),
+    "envs/guess.yaml": Example(("polyrl", "train", "--config_path", "examples/envs/guess.yaml"), steps=2,
+                               files=("envs/guess.py",), logs=("env/guess/tries",)),
 }
 
 
