@@ -17,7 +17,7 @@ GENERATED = {
 }
 
 COMMANDS = ["train", "distill", "sft", "eval", "serve", "report", "export", "chat", "play", "tiny-model",
-            "import-gguf"]
+            "import-gguf", "init-env"]
 
 
 def config_fields(text: str) -> list[tuple[str, str, list[str]]]:
