@@ -6,8 +6,10 @@ the environment gives its own verdict, ``success``, for a hit on either try.
 
 Run, from the repository root:
   polyrl train --config_path examples/envs/guess.yaml
-  its demonstrations (a first-try hit) warm-start a model first:
-  polyrl sft --config_path examples/envs/guess.yaml
+  its demonstrations (a first-try hit) can warm-start a model first:
+  polyrl sft --overrides model_name=HuggingFaceTB/SmolLM2-135M-Instruct \
+      environments.guess.type=module:examples/envs/guess.py:GuessBuilder \
+      environments.guess.splits.train.num_samples=64
 
 Expect: reward/mean and success/mean per step; env/guess/tries, the guesses an episode took.
 docs/guides/environments.md explains each part.

@@ -7,8 +7,9 @@ another order, which is not a success: success needs full marks unless the entry
 
 Run, from the repository root:
   polyrl train --config_path examples/envs/reverse.yaml
-  its demonstrations (each row's completion) warm-start a model first:
-  polyrl sft --config_path examples/envs/reverse.yaml
+  its demonstrations (each row's completion) can warm-start a model first:
+  polyrl sft --overrides model_name=HuggingFaceTB/SmolLM2-135M-Instruct \
+      environments.reverse.type=module:examples/envs/reverse.py
 
 Expect: reward/mean and success/mean per step, and env/reverse/reward/reversed_word, the reward
 function's own value. docs/guides/environments.md explains each part.
