@@ -78,6 +78,9 @@ EXAMPLES: dict[str, Example] = {
                                  files=("envs/reverse.py",), logs=("env/reverse/reward/reversed_word",)),
     "envs/guess.yaml": Example(("polyrl", "train", "--config_path", "examples/envs/guess.yaml"), steps=2,
                                files=("envs/guess.py",), logs=("env/guess/tries",)),
+    "own_task/train.yaml": Example(("polyrl", "train", "--config_path", "examples/own_task/train.yaml"),
+                                   files=("own_task/last_word.py", "own_task/make_demos.py"),
+                                   logs=("env/last_word/reward/exact_match",)),
 }
 
 
