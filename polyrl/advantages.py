@@ -23,6 +23,7 @@ from tinker import types
 from polyrl.episode import Episode
 from polyrl.errors import RunStoppedError
 from polyrl.images import next_token_inputs
+from polyrl.local import losses
 
 #: Per group, per episode, one advantage per sampled turn.
 Advantages = list[list[list[float]]]
@@ -256,14 +257,10 @@ def token_advantages(ep: Episode) -> list[float]:
     return advantages_T
 
 
-#: Losses that must be told which tokens were sampled, and the ``loss_fn_inputs`` key that says it:
-#: DRO's quadratic penalty and GSPO's sequence ratio would otherwise also cover prompt and
-#: environment tokens, whose sampler logprob is a 0.0 placeholder.
-ACTION_MASK_INPUTS = {"dro": "mask", "gspo": "sequence_ratio_mask"}
-
-
-#: Losses whose Datums must say which sampled sequence each token comes from (``Datum.with_provenance``).
-PROVENANCE_LOSSES = ("stable_reinforce",)
+def needs_provenance(loss_fn: str) -> bool:
+    """Whether ``loss_fn``'s Datums must say which sampled sequence each token comes from
+    (``Datum.with_provenance``; its registration's ``provenance``)."""
+    return loss_fn in losses.LOSSES and losses.LOSSES[loss_fn].provenance
 
 
 class MissingSequenceId(RunStoppedError):
@@ -307,14 +304,15 @@ def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
              terms_T: list[float] | None = None) -> types.Datum:
     """The training example for an episode: input ``tokens[:-1]`` predicts ``tokens[1:]``; sampler
     logprobs and advantages (plus ``terms_T``, a per-token term for each token, if given) are shifted
-    the same way, zero outside the sampled tokens; losses in :data:`ACTION_MASK_INPUTS` also get the
-    action mask, losses in :data:`PROVENANCE_LOSSES` provenance spans (the Datum then ends with the
-    last sampled turn)."""
+    the same way, zero outside the sampled tokens. As the loss's registration says, the action mask
+    goes in its ``action_mask`` input (DRO's penalty and GSPO's sequence ratio would otherwise also
+    cover prompt and environment tokens, whose sampler logprob is a 0.0 placeholder), and a
+    ``provenance`` loss gets provenance spans (the Datum then ends with the last sampled turn)."""
     advantages_T = token_advantages(ep)
     if terms_T is not None:
         advantages_T = [a + t for a, t in zip(advantages_T, terms_T, strict=True)]
     n, spans = len(ep.tokens), None
-    if loss_fn in PROVENANCE_LOSSES:
+    if needs_provenance(loss_fn):
         spans, n = provenance_spans(ep)
     model_input, targets = next_token_inputs(ep.tokens[:n], [s for s in ep.images if s.end <= n])
     inputs = {
@@ -322,9 +320,8 @@ def to_datum(ep: Episode, loss_fn: str = "importance_sampling",
         "logprobs": types.TensorData(data=ep.logprobs[1:n], dtype="float32"),
         "advantages": types.TensorData(data=advantages_T[1:n], dtype="float32"),
     }
-    if loss_fn in ACTION_MASK_INPUTS:
-        inputs[ACTION_MASK_INPUTS[loss_fn]] = types.TensorData(data=[float(m) for m in ep.action_mask[1:n]],
-                                                               dtype="float32")
+    if (mask_key := losses.LOSSES[loss_fn].action_mask if loss_fn in losses.LOSSES else None) is not None:
+        inputs[mask_key] = types.TensorData(data=[float(m) for m in ep.action_mask[1:n]], dtype="float32")
     datum = types.Datum(model_input=model_input, loss_fn_inputs=inputs)
     if spans is None:
         return datum

@@ -259,7 +259,7 @@ def optim_params(config: TrainConfig, step: int) -> OptimParams:
 def sampler_options(config: TrainConfig) -> dict:
     """How the run's samplers are made: a loss that trains on what the service recorded of each sampled
     sequence (stable_reinforce) needs them to record it."""
-    return {"record_stability_info": True} if config.loss_fn in adv_lib.PROVENANCE_LOSSES else {}
+    return {"record_stability_info": True} if adv_lib.needs_provenance(config.loss_fn) else {}
 
 
 def optimizer_choice(config: TrainConfig) -> dict:

@@ -202,8 +202,7 @@ def test_a_loss_or_renderer_without_the_interface_is_refused_when_registered(reg
         def two_args(logprobs, inputs):
             return -logprobs.sum(), {}
     with pytest.raises(TypeError, match="config_keys \\['tis_cap'\\] are the off-policy corrections' keys"):
-        losses.register_loss("clash", inputs=("target_tokens",), config_keys=("tis_cap",))(
-            lambda logprobs, inputs, segments, config: (logprobs.sum(), {}))
+        losses.register_loss("clash", inputs=("target_tokens",), config_keys=("tis_cap",))
     with pytest.raises(TypeError, match="renderer 'half': Half does not define continuation, parse_response"):
         @renderers_base.register_renderer("half")
         class Half(renderers_base.Renderer):
@@ -216,3 +215,23 @@ def test_a_loss_or_renderer_without_the_interface_is_refused_when_registered(reg
             def supervised(self, messages, tools=None):
                 return [], []
     assert "two_args" not in losses.LOSSES and "half" not in renderers_base.renderer_names()
+
+
+def test_the_datums_give_a_loss_the_inputs_its_registration_names(registries):
+    """The action mask goes in the input a loss registers as its ``action_mask``; the others get none."""
+    @losses.register_loss("masked_pg", inputs=("target_tokens", "advantages"),
+                          optional_inputs=("sampled_only",), action_mask="sampled_only")
+    def masked_pg(logprobs, inputs, segments, config):
+        return -(inputs["sampled_only"] * inputs["advantages"] * logprobs).sum(), {}
+
+    ep = episode(1.0)
+    ep.tokens, ep.logprobs, ep.action_mask = [5, 6, 7, 8], [0.0, 0.0, -0.5, -0.7], [0, 0, 1, 1]
+    ep.turn_spans, ep.turn_advantages = [(2, 4)], [1.0]
+    inputs = advantages.to_datum(ep, "masked_pg").loss_fn_inputs
+    assert inputs["sampled_only"].data == [0.0, 1.0, 1.0]
+    assert set(advantages.to_datum(ep, "ppo").loss_fn_inputs) == {
+        "target_tokens", "logprobs", "advantages"}
+    assert "sequence_ratio_mask" in advantages.to_datum(ep, "gspo").loss_fn_inputs
+    assert advantages.needs_provenance("stable_reinforce") and not advantages.needs_provenance("masked_pg")
+    with pytest.raises(TypeError, match="loss 'stray': action_mask 'mask' is none of its inputs"):
+        losses.register_loss("stray", inputs=("target_tokens",), action_mask="mask")

@@ -75,6 +75,7 @@ class LossSpec:
     top_k: bool = False  # takes (N, K) target_tokens and weights
     provenance: bool = False  # needs provenance spans resolved against recorded sequences
     correction: str | None = None  # how an off-policy correction applies (ANCHOR, WEIGHT, MASK_ONLY)
+    action_mask: str | None = None  # the input through which an RL Datum says which tokens were sampled
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -91,16 +92,24 @@ def register_loss(
     top_k: bool = False,
     provenance: bool = False,
     correction: str | None = None,
+    action_mask: str | None = None,
 ) -> Callable[[LossFn], LossFn]:
     """``correction`` (a loss with sampler logprobs): how the off-policy corrections apply to it; the
-    registered function then takes their ``loss_fn_config`` keys too (see :func:`corrected`)."""
+    registered function then takes their ``loss_fn_config`` keys too (see :func:`corrected`).
+    ``action_mask``: one of its inputs, which the training loop's Datums fill with 1.0 on sampled tokens
+    (a loss that must not act on prompt and environment tokens). ``provenance``: the Datums name the
+    sampled sequence each token comes from."""
+    if clash := sorted(set(config_keys) & set(CORRECTION_KEYS)):
+        raise TypeError(f"loss {name!r}: config_keys {clash} are the off-policy corrections' keys")
+    if action_mask is not None and action_mask not in inputs + optional_inputs:
+        raise TypeError(f"loss {name!r}: action_mask {action_mask!r} is none of its inputs")
+
     def deco(fn: LossFn) -> LossFn:
         check_loss_signature(name, fn)
-        if clash := sorted(set(config_keys) & set(CORRECTION_KEYS)):
-            raise TypeError(f"loss {name!r}: config_keys {clash} are the off-policy corrections' keys")
         keys = config_keys + (CORRECTION_KEYS if correction else ())
         wrapped = corrected(fn, name, correction) if correction else fn
-        LOSSES[name] = LossSpec(name, wrapped, inputs, optional_inputs, keys, top_k, provenance, correction)
+        LOSSES[name] = LossSpec(name, wrapped, inputs, optional_inputs, keys, top_k, provenance, correction,
+                                action_mask)
         return fn
 
     return deco
@@ -344,7 +353,7 @@ def cispo(logprobs, inputs, segments, config):
 
 
 @register_loss("dro", inputs=("target_tokens", "logprobs", "advantages"), optional_inputs=("mask",),
-               config_keys=("beta",), correction=WEIGHT)
+               config_keys=("beta",), correction=WEIGHT, action_mask="mask")
 def dro(logprobs, inputs, segments, config):
     """The quadratic penalty pulls every token towards its sampler logprob; with ``mask`` only the
     masked (sampled) tokens, so prompt tokens with a 0.0 placeholder logprob are left alone."""
@@ -363,6 +372,7 @@ def dro(logprobs, inputs, segments, config):
     optional_inputs=("sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold"),
     config_keys=("clip_low_threshold", "clip_high_threshold"),
     correction=ANCHOR,
+    action_mask="sequence_ratio_mask",
 )
 def gspo(logprobs, inputs, segments, config):
     """GSPO-token: every token carries its sequence's geometric-mean ratio (value) with its own
