@@ -61,7 +61,7 @@ class SFTConfig(PolicyConfig):
         return self
 
 
-def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
+def demonstration_datums(config: SFTConfig, renderer, context: int | None = None) -> list[types.Datum]:
     from polyrl.rollouts import EnvRuntime
 
     datums = []
@@ -79,7 +79,8 @@ def demonstration_datums(config: SFTConfig, renderer) -> list[types.Datum]:
                     "with polyrl sft --data FILE.jsonl (and leave the environment out), or make the "
                     "environment give demonstrations")
             messages, tools = demo
-            datums.append(supervised_datum(renderer, messages, tools, None, f"environment {name!r}"))
+            where = f"environment {name!r}, demonstration {i}"
+            datums.append(supervised_datum(renderer, messages, tools, context, where))
     return datums
 
 
@@ -128,9 +129,9 @@ async def _train(config: SFTConfig, policy: OpenPolicy, conversations: list[Conv
                  console: ConsoleLog) -> str:
     """The SFT steps on ``policy``'s training client, then its state and sampler checkpoints."""
     training = policy.client
-    context = await context_length(policy.service, config.model_name) if conversations else None
+    context = await context_length(policy.service, config.model_name)
     datums_D = data_datums(conversations, policy.renderer, context)
-    datums_D += demonstration_datums(config, policy.renderer)  # both given: mixed
+    datums_D += demonstration_datums(config, policy.renderer, context)  # both given: mixed
     rng = random.Random(config.seed)
     order: list[int] = []
     log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
