@@ -41,7 +41,7 @@ class SFTConfig(PolicyConfig):
     data: list[str] = Field(
         default_factory=list, description="JSONL files of conversations to learn, one per line: "
         '{"messages": [...], "tools": [...]} (OpenAI chat format) or {"prompt": ..., "completion": ...}; '
-        "the loss is on assistant messages. polyrl sft --data sets it.",
+        "the loss is on assistant messages (but those with \"weight\": 0). polyrl sft --data sets it.",
     )
     environments: dict[str, EnvConfig] = Field(
         default_factory=dict, description="Environments whose demonstrations to learn; "
@@ -84,10 +84,14 @@ def demonstration_datums(config: SFTConfig, renderer, context: int | None = None
     return datums
 
 
-def supervised_datum(renderer, messages, tools, context: int | None, where: str) -> types.Datum:
-    """One conversation as a cross-entropy Datum, weight 1 on the assistant's tokens; a
-    :class:`UserInputError` naming ``where`` if it does not fit the model's ``context``."""
+def supervised_datum(renderer, messages, tools, context: int | None, where: str,
+                     assistant_weights: tuple[float, ...] = ()) -> types.Datum:
+    """One conversation as a cross-entropy Datum, weight 1 on the assistant's tokens (those of an
+    assistant message whose ``assistant_weights`` entry is 0 excepted); a :class:`UserInputError` naming
+    ``where`` if it does not fit the model's ``context``."""
     rendered, weights = renderer.render_supervised(messages, tools or None)
+    if 0 in assistant_weights:
+        weights = weigh_turns(weights, assistant_weights, where)
     if context is not None and len(rendered.tokens) > context:
         raise UserInputError(f"{where}: the conversation is {len(rendered.tokens)} tokens, longer than the "
                              f"model's context of {context}; shorten or drop it")
@@ -99,8 +103,25 @@ def supervised_datum(renderer, messages, tools, context: int | None, where: str)
     )
 
 
+def weigh_turns(weights_T: list[float], assistant_weights: tuple[float, ...], where: str) -> list[float]:
+    """``weights_T`` with the k-th run of learned tokens (the k-th assistant message) scaled by
+    ``assistant_weights[k]``; an error where the runs are not one per assistant message."""
+    starts = {t for t, w in enumerate(weights_T) if w and (t == 0 or not weights_T[t - 1])}
+    if len(starts) != len(assistant_weights):
+        raise UserInputError(f"{where}: this chat format does not keep the assistant messages apart, so a "
+                             "message's weight 0 cannot apply; drop the weight keys or those messages")
+    out, k = list(weights_T), -1
+    for t, w in enumerate(weights_T):
+        if t in starts:
+            k += 1
+        if w:
+            out[t] = w * assistant_weights[k]
+    return out
+
+
 def data_datums(conversations: list[Conversation], renderer, context: int | None) -> list[types.Datum]:
-    return [supervised_datum(renderer, c.messages, c.tools, context, c.where) for c in conversations]
+    return [supervised_datum(renderer, c.messages, c.tools, context, c.where, c.assistant_weights)
+            for c in conversations]
 
 
 async def context_length(service, model_name: str) -> int | None:

@@ -10,7 +10,8 @@ or TRL's prompt-completion form, ``{"prompt": [messages] | "text", "completion":
 (the completion follows the prompt; plain text is a user message and an assistant reply). A content may
 be a string or a list of OpenAI text parts; tool-call arguments may be a JSON string (as OpenAI writes
 them) or an object. The model learns every assistant message (loss weight 1 on its tokens, 0 on the
-rest), exactly as :meth:`polyrl.renderers.base.Renderer.render_supervised` renders it.
+rest), exactly as :meth:`polyrl.renderers.base.Renderer.render_supervised` renders it, except one with
+``"weight": 0`` (OpenAI's key for an assistant message to keep as context only).
 
 A problem with a line is a :class:`polyrl.errors.UserInputError` naming ``file:line`` and the problem.
 """
@@ -35,6 +36,7 @@ class Conversation:
     messages: list[Message]
     tools: list[ToolSpec]
     where: str
+    assistant_weights: tuple[float, ...] = ()  # one per assistant message, in order: 1 learned, 0 context
 
 
 def read_conversations(paths: list[str]) -> list[Conversation]:
@@ -79,9 +81,19 @@ def parse_line(line: str, where: str) -> Conversation:
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list of {role, content} objects")
     messages = [_message(m, i, bad) for i, m in enumerate(raw)]
-    if not any(m["role"] == "assistant" for m in messages):
+    weights = tuple(_weight(m, i, bad) for i, m in enumerate(raw) if m["role"] == "assistant")
+    if not weights:
         raise bad("no assistant message: nothing to learn from this conversation")
-    return Conversation(messages, _tools(row.get("tools"), bad), where)
+    if not any(weights):
+        raise bad("every assistant message has weight 0: nothing to learn from this conversation")
+    return Conversation(messages, _tools(row.get("tools"), bad), where, weights)
+
+
+def _weight(m: dict, i: int, bad) -> float:
+    weight = m.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise bad(f"message {i}: weight must be 0 (context only) or 1 (learned), got {weight!r}")
+    return float(weight)
 
 
 def _turns(value: Any, role: str, bad) -> list[Any]:
@@ -101,6 +113,8 @@ def _message(m: Any, i: int, bad) -> Message:
     role = m.get("role")
     if role not in ROLES:
         raise bad(f"message {i}: unknown role {role!r} (expected {', '.join(ROLES)})")
+    if "weight" in m and role != "assistant":
+        raise bad(f"message {i}: only assistant messages take a weight")
     content = m.get("content")
     if content is None:
         content = ""

@@ -75,6 +75,15 @@ BAD_LINES = [
     (json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
                  "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}),
      "arguments are not JSON"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi", "weight": 0},
+                              {"role": "assistant", "content": "hello"}]}),
+     "only assistant messages take a weight"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "hello", "weight": 0.5}]}),
+     "weight must be 0"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "hello", "weight": 0}]}),
+     "every assistant message"),
 ]
 
 
@@ -191,3 +200,25 @@ def test_the_supervised_datum_weighs_only_assistant_tokens(tokenizer, tiny_model
     assert next_token_inputs(tokens, [])[1] == targets
     with pytest.raises(UserInputError, match="x:1: the conversation is .* than the model's context of 8"):
         supervised_datum(renderer, conversation.messages, [], 8, "x:1")
+
+
+def test_an_assistant_message_of_weight_0_is_context_only(tokenizer, tiny_model_dir):
+    from polyrl.renderers import resolve_renderer
+    from polyrl.sft import supervised_datum
+
+    renderer = resolve_renderer(None, tiny_model_dir, tokenizer)
+    line = {"messages": [{"role": "user", "content": "apple river"},
+                         {"role": "assistant", "content": "river", "weight": 0},
+                         {"role": "user", "content": "cloud tiger"},
+                         {"role": "assistant", "content": "tiger"}]}
+
+    def learned(row) -> str:
+        c = parse_line(json.dumps(row), "x:1")
+        datum = supervised_datum(renderer, c.messages, c.tools, None, c.where, c.assistant_weights)
+        targets, weights = (datum.loss_fn_inputs[k].tolist() for k in ("target_tokens", "weights"))
+        return tokenizer.decode([t for t, w in zip(targets, weights) if w])
+
+    assert parse_line(json.dumps(line), "x:1").assistant_weights == (0.0, 1.0)
+    assert "tiger" in learned(line) and "river" not in learned(line)
+    both = {"messages": [{k: v for k, v in m.items() if k != "weight"} for m in line["messages"]]}
+    assert "tiger" in learned(both) and "river" in learned(both)
