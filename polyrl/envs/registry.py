@@ -78,7 +78,7 @@ def get_env_builder(type_name: str) -> Callable[..., EnvBuilder]:
         key = "openreward:"  # a bare ``Org/EnvName`` is an OpenReward environment
     else:
         key = type_name.split(":", 1)[0] + ":"
-    if ":" not in type_name or key not in ENV_TYPES:
+    if key not in ENV_TYPES:
         raise KeyError(f"unknown environment type {type_name!r}; known: {', '.join(env_types())} "
                        f"(or module:path/to/file.py, module:pkg.mod)")
     return ENV_TYPES[key]
