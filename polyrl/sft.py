@@ -41,7 +41,7 @@ class SFTConfig(PolicyConfig):
     data: list[str] = Field(
         default_factory=list, description="JSONL files of conversations to learn, one per line: "
         '{"messages": [...], "tools": [...]} (OpenAI chat format) or {"prompt": ..., "completion": ...}; '
-        "the loss is on assistant messages (but those with \"weight\": 0). polyrl sft --data sets it.",
+        "the loss is on assistant messages (except those with \"weight\": 0). polyrl sft --data sets it.",
     )
     environments: dict[str, EnvConfig] = Field(
         default_factory=dict, description="Environments whose demonstrations to learn; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -95,16 +96,31 @@ def test_a_bad_line_names_its_file_line_and_problem(tmp_path, line, problem):
     assert str(info.value).startswith(f"{path}:2: ") and problem in str(info.value)
 
 
-def test_bad_data_on_the_command_line_is_one_line_and_exit_2(tmp_path):
-    cases = []
-    for k, (line, problem) in enumerate(BAD_LINES[:4]):
+def cli_error(argv: list[str], capsys) -> str:
+    """The one ``error:`` line of ``polyrl ARGV`` run as the ``polyrl`` script runs it; exit code 2."""
+    from polyrl.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_bad_data_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "good.jsonl", CONVERSATIONS)
+    model = ["--overrides", "model_name=any"]
+    for k, (line, problem) in enumerate(BAD_LINES):
         write_jsonl(tmp_path / f"bad{k}.jsonl", [CONVERSATIONS[1], line])
-        cases.append((["sft", "--data", f"bad{k}.jsonl", "--overrides", "model_name=any"],
-                      f"bad{k}.jsonl:2: "))
-    cases += [(["sft", "--data", "missing.jsonl", "--overrides", "model_name=any"],
-               "not found: missing.jsonl"),
-              (["sft", "--overrides", "model_name=any"], "nothing to learn")]
-    run_all(cases, tmp_path)
+        error = cli_error(["sft", "--data", "good.jsonl", f"bad{k}.jsonl", *model], capsys)
+        assert error.startswith(f"error: bad{k}.jsonl:2: ") and problem in error
+    error = cli_error(["sft", "--data", "good.jsonl", "--data", "missing.jsonl", *model], capsys)
+    assert error == "error: data file not found: missing.jsonl"  # --data repeats; every file is read
+    assert "nothing to learn" in cli_error(["sft", *model], capsys)
+    # and in a process of its own, as a user runs it: one line, no traceback
+    run_all([(["sft", "--data", "bad0.jsonl", *model], "bad0.jsonl:2: not JSON")], tmp_path)
 
 
 NO_DEMOS_ENV = '''
@@ -122,19 +138,22 @@ def load_environment():
 '''
 
 
-def test_too_long_conversation_and_environment_without_demonstrations_are_one_line(tmp_path, tiny_model_dir):
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_too_long_conversation_and_environment_without_demonstrations_are_one_line(
+        tmp_path, tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "long.jsonl", [CONVERSATIONS[1], {"messages": [
         {"role": "user", "content": "word " * 5000}, {"role": "assistant", "content": "word"}]}])
     (tmp_path / "say_yes.py").write_text(NO_DEMOS_ENV)
     common = [f"model_name={tiny_model_dir}", "lora_rank=2", f"log_path={tmp_path}/run",
               f"local.store_dir={tmp_path}/store"]
-    run_all([
-        (["sft", "--data", "long.jsonl", "--overrides", *common], "long.jsonl:2: the conversation is"),
-        (["sft", "--overrides", *common, "environments.say_yes.type=module:say_yes.py",
-          "environments.say_yes.splits.train.num_samples=2"],
-         "environment 'say_yes' has no demonstrations to learn: give conversations to imitate with "
-         "polyrl sft --data FILE.jsonl"),
-    ], tmp_path)
+    error = cli_error(["sft", "--data", "long.jsonl", "--overrides", *common], capsys)
+    assert re.fullmatch(r"error: long\.jsonl:2: the conversation is \d+ tokens, longer than the model's "
+                        r"context of 4096; shorten or drop it", error), error
+    error = cli_error(["sft", "--overrides", *common, "environments.say_yes.type=module:say_yes.py",
+                       "environments.say_yes.splits.train.num_samples=2"], capsys)
+    assert error.startswith("error: environment 'say_yes' has no demonstrations to learn: give conversations "
+                            "to imitate with polyrl sft --data FILE.jsonl"), error
 
 
 # ----------------------------------------------------------------------------------- learning
