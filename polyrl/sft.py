@@ -77,7 +77,8 @@ def demonstration_datums(config: SFTConfig, renderer, context: int | None = None
                 raise UserInputError(
                     f"environment {name!r} has no demonstrations to learn: give conversations to imitate "
                     "with polyrl sft --data FILE.jsonl (and leave the environment out), or make the "
-                    "environment give demonstrations")
+                    "environment give demonstrations (a dataset row's completion, or a demonstration() "
+                    "method)")
             messages, tools = demo
             where = f"environment {name!r}, demonstration {i}"
             datums.append(supervised_datum(renderer, messages, tools, context, where))
