@@ -114,8 +114,8 @@ def config_error(tmp_path: Path, environments: dict) -> str:
 def test_an_env_builder_loads_from_its_file_with_or_without_its_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "echo_env.py", ECHO)
-    for type_name in ("module:./echo_env.py", "module:echo_env.py:EchoBuilder",
-                      "module:./echo_env:EchoBuilder"):
+    for type_name in ("module:./echo_env.py", "module:./echo_env.py:EchoBuilder",
+                      "module:echo_env.py:EchoBuilder", "module:./echo_env:EchoBuilder"):
         assert get_env_builder(type_name).__name__ == "EchoBuilder"
         builder = make_env_builder(type_name, {"words": ["a", "b"]}, seed=0)
         assert builder.num_tasks("train") == 2 and builder.type_name == type_name
