@@ -293,6 +293,16 @@ def test_module_environments_give_demonstrations(tmp_path, monkeypatch):
     assert step.demonstration("train", 7) == ([{"role": "user", "content": "Say 7."},
                                                {"role": "assistant", "content": "7"}], [])
     assert step.demonstration("train", 2) is None
+    write(tmp_path / "trl.py", '''
+        from polyrl.envs.base import SingleTurnEnv
+
+        def load_environment():  # TRL-style rows: prompt and completion messages
+            row = {"prompt": [{"role": "user", "content": "q"}],
+                   "completion": [{"role": "assistant", "content": "a"}]}
+            return SingleTurnEnv(dataset=[row], rubric=len)
+    ''')
+    assert make_env_builder(f"module:{tmp_path / 'trl.py'}", {}, seed=0).demonstration("train", 0) == (
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], [])
     write(tmp_path / "nodemo.py", "from polyrl.envs.base import SingleTurnEnv\n"
                                   "def load_environment():\n"
                                   "    return SingleTurnEnv(dataset=[{'question': 'q'}], rubric=len)\n")

@@ -39,11 +39,12 @@ function on the object, called the same way, gives the environment's verdict on 
 the ``success`` metric); without one, success is judged from the reward (see
 :func:`polyrl.episode.finalize_reward`).
 
-**Demonstrations** (for ``polyrl sft`` warm starts): a dataset row's ``completion`` (the expert's reply,
-a string) is its demonstration; either kind of object may define ``demonstration`` instead, called
-with those of ``index``, ``split``, ``seed`` and ``row`` (dataset rows) it accepts, returning the
-expert's reply (a string, answering the first observation) or the whole conversation (a list of
-messages, or ``{"messages": [...], "tools": [...]}``); ``None`` when the task has none.
+**Demonstrations** (for ``polyrl sft`` warm starts): a dataset row's ``completion`` (the expert's reply:
+a string, or assistant messages) is its demonstration; either kind of object may define
+``demonstration`` instead, called with those of ``index``, ``split``, ``seed`` and ``row`` (dataset rows)
+it accepts, returning the expert's reply (a string or assistant messages, answering the first
+observation) or the whole conversation (messages, or ``{"messages": [...], "tools": [...]}``);
+``None`` when the task has none.
 
 **Model-aware rewards**: an object with ``build(sampling_client)`` gets the current sampling client
 before it is used (each new sampler, for a dataset environment; each episode's fresh object, for a
@@ -550,15 +551,20 @@ class ModuleBuilder(EnvBuilder):
             demo = row.get("completion") if row is not None else None
         if demo is None:
             return None
-        if not isinstance(demo, str):
-            return as_messages(demo, f"{self.where}: demonstration")
+        if isinstance(demo, str):
+            replies = [{"role": "assistant", "content": demo}]
+        else:
+            replies, tools = as_messages(demo, f"{self.where}: demonstration")
+            if not replies or replies[0].get("role") != "assistant":
+                return replies, tools  # a whole conversation
+        # the expert's replies (a string, or TRL-style completion messages) answer the task's prompt
         if row is not None:
             messages, tools = row_messages(row, self.system_prompt, self.where)
         else:
             start = obj.initial_observation
             obs = run_sync(call_with_accepted(start, index=index, split=split, seed=self._seed(split, index)))
             messages, tools = as_messages(obs, "initial_observation()")
-        return [*messages, {"role": "assistant", "content": demo}], tools
+        return [*messages, *replies], tools
 
     def _seed(self, split: str, index: int) -> int:
         return int.from_bytes(hashlib.sha256(repr((self.seed, split, index)).encode()).digest()[:4], "little")
