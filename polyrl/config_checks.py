@@ -16,11 +16,10 @@ from typing import Annotated, Any, Callable, TypeVar, Union, get_args, get_origi
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from polyrl import advantages, renderers
+from polyrl import registries
 from polyrl.config import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
 from polyrl.config_errors import problems_line
 from polyrl.envs import registry
-from polyrl.local import losses
 from polyrl.models import resolve_model_path
 from polyrl.optim_ranges import LOSS_CONFIG, range_problems
 
@@ -29,9 +28,9 @@ C = TypeVar("C", bound=PolicyConfig)
 #: For each kind of :class:`Registered` field: what its parts are called, and their names now (the
 #: registries fill as their modules load, user modules included, so this is asked, not copied).
 REGISTRIES: dict[str, tuple[str, Callable[[], list[str]]]] = {
-    "loss": ("policy-gradient loss", losses.policy_gradient_losses),
-    "estimator": ("advantage estimator", lambda: sorted(advantages.ESTIMATORS)),
-    "renderer": ("renderer", lambda: renderers.renderer_names()),
+    "loss": ("policy-gradient loss", lambda: registries.losses().policy_gradient_losses()),
+    "estimator": ("advantage estimator", lambda: sorted(registries.advantages().ESTIMATORS)),
+    "renderer": ("renderer", lambda: registries.renderers().renderer_names()),
 }
 
 
@@ -43,21 +42,26 @@ def check_config(config: C) -> C:
 
 
 def config_problems(config: PolicyConfig) -> list[tuple[str, str]]:
-    """``(dotted key, reason)`` for each problem found."""
+    """``(dotted key, reason)`` for each problem found. The names of registered parts are checked once
+    everything else passes: their registries load torch (seconds), and a mistyped model path or
+    environment is better said at once."""
     problems = local_model_problems(config.backend, config.model_name)
     if isinstance(config, TrainConfig):
         if config.kl is not None and config.kl.reference and not config.kl.reference.startswith("tinker://"):
             problems += local_model_problems(config.backend, config.kl.reference, "kl.reference")
         if config.teacher is not None and not config.teacher.model.startswith("tinker://"):
             problems += local_model_problems(config.backend, config.teacher.model, "teacher.model")
-    problems += registered_problems(config)
-    if isinstance(config, TrainConfig):
-        problems += loss_problems(config) + estimator_problems(config)
     if isinstance(config, TrainConfig) and config.openreward_run_name and not installed("openreward"):
         problems.append(("openreward_run_name", "uploads need the openreward package "
                                                 "(pip install 'polyrl[openreward]')"))
     environments = getattr(config, "environments", None)
-    return problems + (environment_problems(environments) if environments else [])
+    problems += environment_problems(environments) if environments else []
+    if problems:
+        return problems
+    problems = registered_problems(config)
+    if isinstance(config, TrainConfig):
+        problems += loss_problems(config) + estimator_problems(config)
+    return problems
 
 
 def local_model_problems(backend: str, model_name: str, key: str = "model_name") -> list[tuple[str, str]]:
@@ -106,7 +110,7 @@ def unknown_part(kind: str, name: str) -> str | None:
     names = registered_names(kind)
     if name in names:
         return None
-    if kind == "loss" and name in losses.LOSSES:
+    if kind == "loss" and name in registries.losses().LOSSES:
         return f"loss {name!r} takes no advantages (a {what} is one of: {', '.join(names)})"
     return f"unknown {what} {name!r} (known: {', '.join(names)})"
 
@@ -114,6 +118,7 @@ def unknown_part(kind: str, name: str) -> str | None:
 def loss_problems(config: TrainConfig) -> list[tuple[str, str]]:
     """``loss_fn_config`` keys the loss's registration does not declare (or out of their range), and an
     off-policy correction the loss cannot take."""
+    losses = registries.losses()
     spec = losses.LOSSES.get(config.loss_fn)
     if spec is None or unknown_part("loss", config.loss_fn):
         return []  # named by registered_problems
@@ -145,6 +150,7 @@ def estimator_problems(config: TrainConfig) -> list[tuple[str, str]]:
     """``advantages`` settings the estimator does not use, and streamed minibatches for an estimator that
     compares episodes across groups."""
     name = config.advantages.estimator
+    advantages = registries.advantages()
     spec = advantages.ESTIMATORS.get(name)
     if spec is None:
         return []  # named by registered_problems
