@@ -954,36 +954,36 @@ def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tin
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
 
     async def result(rid: str) -> dict:
-        status, body = await server.retrieve(P.RetrieveFutureReq(request_id=rid), False, me)
+        status, body = await server.futures.retrieve(rid, False, me, server.config.long_poll_s)
         assert status == 200 and "error" not in body, body
         return body
 
     async def sample_base(session: str, seq: int) -> dict:
-        server.create_sampling_session(P.CreateSamplingSessionReq(session_id=session,
-                                                                  sampling_session_seq_id=seq,
-                                                                  base_model=tiny_model_dir), me)
-        rid = server.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt,
-                                        num_samples=2, sampling_params={"max_tokens": 3, "seed": 1}),
-                            me)["request_id"]
+        server.samplers.create_sampling_session(P.CreateSamplingSessionReq(session_id=session,
+                                                                           sampling_session_seq_id=seq,
+                                                                           base_model=tiny_model_dir), me)
+        rid = server.samplers.sample(P.SampleReq(sampling_session_id=f"{session}:sample:{seq}", prompt=prompt,
+                                                 num_samples=2, sampling_params={"max_tokens": 3, "seed": 1}),
+                                     me)["request_id"]
         return await result(rid)
 
     async def use_a_session() -> str:
-        session = server.create_session(P.CreateSessionReq(), me)["session_id"]
-        r = server.create_model(P.CreateModelReq(session_id=session, model_seq_id=0,
-                                                 base_model=tiny_model_dir,
-                                                 lora_config={"rank": 2, "seed": 0}), me)
+        session = server.sessions.create([], None, me)["session_id"]
+        r = server.training.create_model(P.CreateModelReq(session_id=session, model_seq_id=0,
+                                                          base_model=tiny_model_dir,
+                                                          lora_config={"rank": 2, "seed": 0}), me)
         await result(r["request_id"])
         await sample_base(session, 0)
         return session
 
     async def scenario() -> None:
-        first = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        first = await sample_base(server.sessions.create([], None, me)["session_id"], 0)
         server.finish_session(await use_a_session(), me)
         abandoned = await use_a_session()
         server.sessions[abandoned].last_seen -= server.config.session_timeout_s + 1
         server.tick()
         await asyncio.to_thread(server.engine.call, lambda: None)  # the released adapters are deleted
-        again = await sample_base(server.create_session(P.CreateSessionReq(), me)["session_id"], 0)
+        again = await sample_base(server.sessions.create([], None, me)["session_id"], 0)
         assert [s["tokens"] for s in again["sequences"]] == [s["tokens"] for s in first["sequences"]]
 
     asyncio.run(scenario())

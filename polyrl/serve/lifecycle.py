@@ -1,10 +1,9 @@
-"""The checkpoint lifecycle over Tinker's REST routes: TTLs, publishing, copies, external weights and
-their signed download URLs, expiry sweeps and the store's size cap.
+"""Checkpoints and training runs over Tinker's REST routes: who may read or change them, saves' admission,
+TTLs, publishing, copies, external weights and their signed download URLs, expiry sweeps and the store's
+size cap, and the runs' and checkpoints' listings.
 
-:class:`CheckpointLifecycle` is part of :class:`~polyrl.serve.server.Server` (a base class of it), kept
-here so that each file has one job. It uses the server's ``engine`` (its store), ``runs``, ``models``,
-``config``, its sessions and its ownership rules: a key changes only the checkpoints of its own runs
-(another key's are "not found"), and reads those, the ones no key owns, and published ones.
+A key changes only the checkpoints of its own runs (another key's are "not found"), and reads those, the
+ones no key owns, and published ones.
 """
 
 from __future__ import annotations
@@ -24,11 +23,12 @@ from urllib.parse import quote
 
 import tinker
 
-from polyrl.local.checkpoints import CheckpointPath, age_recipients, check_ttl
+from polyrl.local.checkpoints import CheckpointPath, check_ttl
 from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
-from polyrl.serve.runs import check_id, check_tinker_path
-from polyrl.serve.state import ModelRecord, key_owner
+from polyrl.serve.runs import Runs, check_id, check_tinker_path, optimizer_config, paginate
+from polyrl.serve.sessions import Models, Sessions
+from polyrl.serve.state import Futures, ModelRecord, key_owner
 
 log = logging.getLogger("polyrl.serve")
 
@@ -87,15 +87,24 @@ class Downloads:
                                     "new one)")
 
 
-class CheckpointLifecycle:
-    """Checkpoint saves' admission, TTLs, publishing, copies, external weights, sweeps: part of ``Server``."""
+class Checkpoints:
+    """The checkpoints of the engine's store and the training runs they belong to, as keys see them: live
+    runs are ``models``' training clients, the others the store's ``runs``."""
 
     MAX_REMEMBERED_COPIES = 10_000  # idempotency keys of copies, per server
 
-    def _init_lifecycle(self) -> None:
-        self.downloads = Downloads()
-        self.copies: OrderedDict[tuple[str, str], str] = OrderedDict()  # (owner, idempotency key) -> path
-        self.key_owners = {key_owner_of(k) for k in self.config.api_keys}
+    def __init__(self, config, engine, runs: Runs, models: Models, sessions: Sessions,
+                 futures: Futures) -> None:
+        self._config = config  # read at each call: ``max_checkpoints``
+        self._store = engine.store
+        self._runs = runs
+        self._models = models
+        self._sessions = sessions
+        self._futures = futures
+        self._downloads = Downloads()
+        self._copies: OrderedDict[tuple[str, str], str] = OrderedDict()  # (owner, idempotency key) -> path
+        self._key_owners = {key_owner_of(k) for k in config.api_keys}
+        self._saving: dict[str, list[tuple[Future, tuple[str, str, str]]]] = {}  # owner -> saves not yet done
 
     # ---- who may do what ---------------------------------------------------------------------------
     def token_owner(self, token: str | None) -> str | None:
@@ -104,28 +113,57 @@ class CheckpointLifecycle:
         if not token:
             return None
         owner = key_owner_of(token)
-        return owner if owner in self.key_owners else None
+        return owner if owner in self._key_owners else None
+
+    def run_owner(self, run_id: str) -> str | None:
+        """Who owns a run: a key digest, ``""`` for a run no key owns, None if there is no such run."""
+        rec = self._models.get(run_id)
+        return rec.owner if rec is not None else self._runs.owner(run_id)
+
+    def readable(self, run_id: str, owner: str) -> bool:
+        return self.run_owner(run_id) in (owner, "")
+
+    def checkpoint_meta(self, path: str, owner: str, token: str | None = None, loading: bool = False) -> dict:
+        """A checkpoint's metadata, if ``owner`` (or the key ``token`` is) may read it: its own, one no key
+        owns, or a published one; otherwise the same 404 as for a missing one. ``loading``: external weights
+        (made to be downloaded) are a 400."""
+        cp = check_tinker_path(path)
+        try:
+            _, directory = self._store.resolve(path)
+            meta = self._store.meta(directory)
+        except (ValueError, OSError):
+            raise RequestError(404, f"checkpoint {path} not found") from None
+        readers = {owner, "", self.token_owner(token)}
+        if self.run_owner(cp.run_id) not in readers and not meta.get("public"):
+            raise RequestError(404, f"checkpoint {path} not found")
+        if loading and cp.kind == "external_weights":
+            raise RequestError(400, f"checkpoint {path} is external weights, made to be downloaded; load the "
+                                    "training or sampler checkpoint it was saved from")
+        return meta
 
     def _own_checkpoint(self, run_id: str, kind: str, name: str, owner: str) -> str:
         """The path of a checkpoint ``owner`` may change, or the 404 of a missing one."""
-        path = self.runs.checkpoint_path(run_id, f"{kind}/{name}")
-        if self._run_owner(run_id) != owner:
+        path = self._runs.checkpoint_path(run_id, f"{kind}/{name}")
+        if self.run_owner(run_id) != owner:
             raise RequestError(404, f"checkpoint {path} not found")
         return path
 
+    def _own_runs(self, owner: str) -> list[str]:
+        return self._runs.run_ids([rec.model_id for rec in self._models.of(owner)], owner)
+
     # ---- saves -------------------------------------------------------------------------------------------
-    def _saving(self, owner: str) -> list[tuple[Future, tuple[str, str, str]]]:
+    def _saves_under_way(self, owner: str) -> list[tuple[Future, tuple[str, str, str]]]:
         """The key's saves of new checkpoints not done yet (with their (run, kind, name))."""
-        self.saving[owner] = [x for x in self.saving.get(owner, []) if not x[0].done()]
-        return self.saving[owner]
+        self._saving[owner] = [x for x in self._saving.get(owner, []) if not x[0].done()]
+        return self._saving[owner]
 
     def _checkpoint_room(self, owner: str) -> RequestError | None:
         """A 403 when the key already keeps ``max_checkpoints`` (counting saves under way), until it
         deletes some."""
-        limit = self.config.max_checkpoints
-        kept = self.runs.count_checkpoints(self._own_runs(owner))
+        limit = self._config.max_checkpoints
+        kept = self._runs.count_checkpoints(self._own_runs(owner))
         # saves under way, not on disk yet
-        coming = sum(not self.runs.has_checkpoint(*target) for _, target in self._saving(owner))
+        coming = sum(not self._runs.has_checkpoint(*target) for _, target in self._saves_under_way(owner))
         if kept + coming < limit:
             return None
         pending = f" and is saving {coming} more" if coming else ""
@@ -134,15 +172,15 @@ class CheckpointLifecycle:
                                  "(RestClient.delete_checkpoint, or DELETE "
                                  "/api/v1/training_runs/<run>/checkpoints/<id>) to save more")
 
-    def _save(self, rec: ModelRecord, seq_id: int, kind: str, name: str, run, overwrite: bool,
-              ttl_seconds: int | None = None) -> dict:
+    def save(self, rec: ModelRecord, seq_id: int, kind: str, name: str, run, overwrite: bool,
+             ttl_seconds: int | None = None) -> dict:
         """Submit a checkpoint save, or refuse it at the request (using up ``seq_id``, and answering the
         SDK's retries of it the same): a name that exists (or is being saved), unless ``overwrite``, is a
         409, as from Tinker; a bad TTL a 400; a key that keeps ``max_checkpoints``, or a store at its
         size cap, a 403. Replacing a checkpoint that exists adds none."""
         new = False
         if rec.ops.accepts(seq_id):
-            exists = self.runs.has_checkpoint(rec.model_id, kind, name)
+            exists = self._runs.has_checkpoint(rec.model_id, kind, name)
             new = not exists
             target = (rec.model_id, kind, name)
             error = None
@@ -150,7 +188,7 @@ class CheckpointLifecycle:
                 check_ttl(ttl_seconds)
             except ValueError as e:
                 error = RequestError(400, str(e))
-            taken = exists or any(t == target for _, t in self._saving(rec.owner))
+            taken = exists or any(t == target for _, t in self._saves_under_way(rec.owner))
             if error is None and not overwrite and taken:
                 why = "already exists" if exists else "is already being saved"
                 error = RequestError(409, f"checkpoint tinker://{rec.model_id}/{kind}/{name} {why} "
@@ -169,51 +207,34 @@ class CheckpointLifecycle:
                 raise error
         rid = rec.ops.submit(seq_id, run, dict)
         if new:
-            self._saving(rec.owner).append((self.futures.get(rid).future, (rec.model_id, kind, name)))
+            saving = self._futures.get(rid).future
+            self._saves_under_way(rec.owner).append((saving, (rec.model_id, kind, name)))
         return {"request_id": rid, "model_id": rec.model_id}
 
-    def save_external(self, req: P.SaveExternalReq, owner: str) -> dict:
-        rec = self._model(req.model_id, owner)
-        name = self._checkpoint_name(rec, req.seq_id, req.path)
-        try:
-            age_recipients(req.age_encryption_recipients)  # checked at the request
-        except ValueError as e:
-            rec.ops.refuse(req.seq_id, error := RequestError(400, str(e)))
-            raise error from None
-
-        def run() -> dict:
-            path = self.engine.save_external(rec.ready.result(), name, req.ttl_seconds,
-                                             req.age_encryption_recipients)
-            rows = self.runs.checkpoints(rec.model_id)
-            size = sum(c["size_bytes"] or 0 for c in rows if c["tinker_path"] == path)
-            return {"path": path, "size_bytes": size, "type": "save_weights_external"}
-
-        return self._save(rec, req.seq_id, "external_weights", name, run, False, req.ttl_seconds)
-
-    # ---- REST ------------------------------------------------------------------------------------------
+    # ---- one checkpoint's lifecycle ---------------------------------------------------------------------
     def set_checkpoint_ttl(self, run_id: str, kind: str, name: str, req: P.SetTtlReq, owner: str) -> None:
         path = self._own_checkpoint(run_id, kind, name, owner)
         with store_errors(path):
-            self.engine.store.set_ttl(path, req.ttl_seconds)
+            self._store.set_ttl(path, req.ttl_seconds)
 
     def publish_checkpoint(self, run_id: str, kind: str, name: str, owner: str, public: bool) -> None:
         """Publish (every key may then load or sample it) or unpublish; 409 if it already is."""
         path = self._own_checkpoint(run_id, kind, name, owner)
         with store_errors(path):
-            self.engine.store.set_public(path, public)
+            self._store.set_public(path, public)
 
     def external_weights_urls(self, run_id: str, kind: str, name: str, owner: str, base_url: str) -> dict:
         """Signed URLs of the checkpoint's files, bound to its generation and, when the caller reads it only
         because it is published, to that publication."""
-        path = self.runs.checkpoint_path(run_id, f"{kind}/{name}")
+        path = self._runs.checkpoint_path(run_id, f"{kind}/{name}")
         if kind != "external_weights":
             raise RequestError(400, f"{path} is not external weights: save them with save_weights_external")
-        meta = self._checkpoint_meta(path, owner)
+        meta = self.checkpoint_meta(path, owner)
         with store_errors(path):
-            files = self.engine.store.files(path)
-        publication = "" if self._readable(run_id, owner) else _publication(meta)
-        urls, expires = self.downloads.urls(base_url, run_id, name, list(files), _generation(meta),
-                                            publication)
+            files = self._store.files(path)
+        publication = "" if self.readable(run_id, owner) else _publication(meta)
+        urls, expires = self._downloads.urls(base_url, run_id, name, list(files), _generation(meta),
+                                             publication)
         return {"urls": urls, "expires": expires.isoformat()}
 
     def download(self, run_id: str, name: str, file: str, expires: int, signature: str, generation: str = "",
@@ -221,16 +242,16 @@ class CheckpointLifecycle:
         """The file a signed URL names, opened, if the URL is valid and its checkpoint is still the
         generation (and, for a reader's URL, the publication) it was issued for. The checkpoint is read
         again after the file is open, so a save that replaced it in between is seen."""
-        self.downloads.check(run_id, name, file, expires, signature, generation, publication)
+        self._downloads.check(run_id, name, file, expires, signature, generation, publication)
         path = str(check_tinker_path(f"tinker://{run_id}/external_weights/{name}"))
         with store_errors(path):
-            files = self.engine.store.files(path)
+            files = self._store.files(path)
             if file not in files:
                 raise RequestError(404, f"{path} has no file {file!r}")
             handle = files[file].open("rb")
         try:
             with store_errors(path):
-                meta = self.engine.store.meta(self.engine.store.resolve(path)[1])
+                meta = self._store.meta(self._store.resolve(path)[1])
             if _generation(meta) != generation or (publication and _publication(meta) != publication):
                 raise RequestError(404, f"checkpoint {path} not found (the checkpoint this URL was issued "
                                         "for was deleted, replaced or unpublished)")
@@ -246,10 +267,10 @@ class CheckpointLifecycle:
         duplicated; the source's TTL is not inherited. A retry with the same idempotency key gets the
         first copy back."""
         remembered = (owner, idempotency_key or "")
-        if idempotency_key and remembered in self.copies:
-            return {"tinker_path": self.copies[remembered]}
+        if idempotency_key and remembered in self._copies:
+            return {"tinker_path": self._copies[remembered]}
         source = check_tinker_path(req.source_path)
-        meta = self._checkpoint_meta(req.source_path, owner, token)
+        meta = self.checkpoint_meta(req.source_path, owner, token)
         try:
             check_ttl(req.ttl_seconds)
         except ValueError as e:
@@ -257,9 +278,9 @@ class CheckpointLifecycle:
         if req.session_id is not None:
             if req.model_seq_id is None:
                 raise RequestError(400, "copy_weights with a session_id needs its model_seq_id")
-            session = self._session(req.session_id, owner)
+            session = self._sessions.owned(req.session_id, owner)
             run_id = f"{session.session_id}:train:{req.model_seq_id}"
-            if run_id in self.models or self.runs.owner(run_id) is not None:
+            if run_id in self._models or self._runs.owner(run_id) is not None:
                 raise RequestError(409, f"training run {run_id} exists already; copy into another "
                                         "model_seq_id")
         elif req.destination_project_id:
@@ -270,34 +291,102 @@ class CheckpointLifecycle:
         if (full := self._checkpoint_room(owner)) is not None:
             raise full
         try:
-            self.runs.record(run_id, owner, meta["base_model"], meta.get("lora") or {}, None,
-                             project_id=req.destination_project_id, copied_from=req.source_path)
+            self._runs.record(run_id, owner, meta["base_model"], meta.get("lora") or {}, None,
+                              project_id=req.destination_project_id, copied_from=req.source_path)
         except OSError as e:  # its reason, not str(e), which names the store's files
             raise RequestError(503, f"could not record training run {run_id}: "
                                     f"{e.strerror or str(e) or type(e).__name__}", "server") from None
         target = CheckpointPath(run_id, source.kind, source.name)
         try:
             with store_errors(req.source_path):
-                path = self.engine.store.copy(req.source_path, target, req.ttl_seconds,
-                                              {"project_id": req.destination_project_id, "model_id": run_id})
+                path = self._store.copy(req.source_path, target, req.ttl_seconds,
+                                        {"project_id": req.destination_project_id, "model_id": run_id})
         except BaseException:
-            self.runs.forget(run_id)
+            self._runs.forget(run_id)
             raise
         if idempotency_key:
-            self.copies[remembered] = path
-            while len(self.copies) > self.MAX_REMEMBERED_COPIES:
-                self.copies.popitem(last=False)
+            self._copies[remembered] = path
+            while len(self._copies) > self.MAX_REMEMBERED_COPIES:
+                self._copies.popitem(last=False)
         return {"tinker_path": path}
+
+    # ---- runs and checkpoints, listed -----------------------------------------------------------------
+    def _live_run(self, run_id: str) -> dict | None:
+        rec = self._models.get(run_id)
+        if rec is None:
+            return None
+        return {"base_model": rec.base_model, "lora": rec.lora, "user_metadata": rec.user_metadata,
+                "last_request": rec.last_request}
+
+    def _visible_run(self, run_id: str, owner: str, access_scope: str = "owned") -> str:
+        """A run ``owner`` may see: its own or one no key owns; with ``access_scope="accessible"`` also one
+        with a published checkpoint."""
+        check_id(run_id, "training run id")
+        if not self.readable(run_id, owner) and not (
+                access_scope == "accessible" and any(c["public"] for c in self._runs.checkpoints(run_id))):
+            raise RequestError(404, f"training run {run_id!r} not found")
+        return run_id
+
+    def training_run(self, run_id: str, owner: str, access_scope: str = "owned") -> dict:
+        return self._run_view(self._visible_run(run_id, owner, access_scope), owner)
+
+    def _run_view(self, run_id: str, owner: str) -> dict:
+        """A run as ``owner`` may see it: all of it if it may read the run, else only what is published."""
+        if self.readable(run_id, owner):
+            return self._runs.training_run(run_id, self._live_run(run_id))
+        return self._runs.training_run(run_id, public_only=True)
+
+    def training_runs(self, limit: int, offset: int, owner: str, access_scope: str = "owned",
+                      project_id: str | None = None) -> dict:
+        """The key's runs (``accessible``: and those with a published checkpoint), newest first; with a
+        ``project_id``, those copied into that project."""
+        run_ids = self._own_runs(owner)
+        if access_scope == "accessible":
+            run_ids = list(dict.fromkeys([*run_ids, *self._runs.public_runs()]))
+        if project_id is not None:
+            run_ids = [r for r in run_ids if (self._runs.info(r) or {}).get("project_id") == project_id]
+        rows = []
+        for run_id in run_ids:
+            try:
+                rows.append(self._run_view(run_id, owner))
+            except RequestError:
+                continue
+        rows.sort(key=lambda r: r["last_request_time"], reverse=True)
+        page, cursor = paginate(rows, limit, offset)
+        return {"training_runs": page, "cursor": cursor}
+
+    def run_checkpoints(self, run_id: str, owner: str) -> dict:
+        return {"checkpoints": self._runs.checkpoints(self._visible_run(run_id, owner))}
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, owner: str) -> None:
+        path = self._runs.checkpoint_path(run_id, checkpoint_id)
+        if self.run_owner(run_id) != owner:  # only the owner deletes; nobody deletes what no key owns
+            raise RequestError(404, f"checkpoint {path} not found")
+        self._runs.delete_checkpoint(path)
+
+    def user_checkpoints(self, limit: int, offset: int, owner: str) -> dict:
+        rows = [c for run_id in self._own_runs(owner) for c in self._runs.checkpoints(run_id)]
+        rows.sort(key=lambda c: c.get("time") or "", reverse=True)
+        page, cursor = paginate(rows, limit, offset)
+        return {"checkpoints": page, "cursor": cursor}
+
+    def weights_info(self, req: P.WeightsInfoReq, owner: str) -> dict:
+        meta = self.checkpoint_meta(req.tinker_path, owner)
+        lora = meta.get("lora", {})
+        return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora.get("rank"),
+                "train_unembed": lora.get("train_unembed"), "train_mlp": lora.get("train_mlp"),
+                "train_attn": lora.get("train_attn"),
+                "optimizer_config": optimizer_config(meta.get("optimizer", "adamw"))}
 
     # ---- the store's bounds ----------------------------------------------------------------------------
     def store_room(self, run_id: str, kind: str, name: str) -> RequestError | None:
         """A 403 when the store's size cap leaves no room for a new checkpoint of this run (as large as its
         latest of that kind; a replaced one frees its own room). The save itself checks exactly."""
-        store = self.engine.store
+        store = self._store
         if store.max_bytes is None:
             return None
-        replacing = self.runs.has_checkpoint(run_id, kind, name)
-        same_kind = [c for c in self.runs.checkpoints(run_id) if c["checkpoint_id"].startswith(f"{kind}/")]
+        replacing = self._runs.has_checkpoint(run_id, kind, name)
+        same_kind = [c for c in self._runs.checkpoints(run_id) if c["checkpoint_id"].startswith(f"{kind}/")]
         estimate = 0 if replacing or not same_kind else int(same_kind[-1]["size_bytes"] or 0)
         used = store.used_bytes()
         if used + estimate <= store.max_bytes and used < store.max_bytes:
@@ -309,7 +398,7 @@ class CheckpointLifecycle:
 
     def sweep(self) -> list[str]:
         """Remove expired checkpoints (run every ``sweep_interval_s`` by the server)."""
-        removed = self.engine.store.sweep()
+        removed = self._store.sweep()
         if removed:
             log.info("removed %d expired checkpoint(s): %s", len(removed), ", ".join(removed[:5]))
         return removed

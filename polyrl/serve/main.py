@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
     server = Server(config)
     if server.config.preload:
         try:
-            server.preload()
+            server.bases.preload()
         except ValueError as e:  # a model directory that holds no model
             raise UserInputError(str(e)) from None
     family = sock.family

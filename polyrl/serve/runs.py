@@ -191,3 +191,8 @@ def paginate(items: list, limit: int, offset: int) -> tuple[list, dict]:
     limit = max(0, min(int(limit), 1000))
     offset = max(0, int(offset))
     return items[offset: offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
+
+
+def optimizer_config(kind: str) -> dict:
+    """The optimizer config a client is told (``get_info``, ``weights_info``), as the SDK's types write it."""
+    return {"type": "dimuon", "version": 1} if kind == "dimuon" else {"type": "adamw"}

@@ -1,10 +1,6 @@
 """Sampling in ``polyrl serve``: sampling sessions (from a base model or a saved checkpoint) and
 ``asample`` requests, checked against the key's quotas and gathered into the engine's sampling batches
 (:class:`~polyrl.serve.state.SampleGate`), bypassing the training clients' ``seq_id`` order.
-
-:class:`Sampling` is part of :class:`~polyrl.serve.server.Server` (a base class of it), kept here so that
-each file has one job. It uses the server's ``engine``, ``config``, ``samplers``, ``futures``, ``usage``,
-``records``, ``gate`` and ``limits``, and its session, checkpoint and quota checks.
 """
 
 from __future__ import annotations
@@ -13,51 +9,97 @@ import asyncio
 import functools
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
-from polyrl.local.engine import SamplerState
+from polyrl.local.engine import Engine, SamplerState
 from polyrl.local.sampler import SampleJob
 from polyrl.local.service import PromptQueries, make_sample_job, record_sequences
-from polyrl.local.stability import input_positions
+from polyrl.local.stability import SequenceRecords, input_positions
 from polyrl.serve import protocol as P
 from polyrl.serve.protocol import RequestError
+from polyrl.serve.quotas import Quotas
 from polyrl.serve.sample_wire import encode_sample_response, sample_response_json
-from polyrl.serve.state import SamplerRecord, Session, chain
+from polyrl.serve.sessions import Sessions
+from polyrl.serve.state import Futures, SampleGate, SamplerRecord, Session, chain
+from polyrl.serve.work import BaseModels, EngineWork
+
+if TYPE_CHECKING:
+    from polyrl.serve.lifecycle import Checkpoints
 
 
-class Sampling:
-    def add_sampler(self, session: Session, rec: SamplerRecord) -> None:
-        self.samplers[rec.sampler_id] = rec
+class Samplers:
+    """The live sampling clients by id (each in its session's ``samplers`` too, at most
+    ``max_samplers_per_session`` of them) and their requests."""
+
+    def __init__(self, config, engine: Engine, work: EngineWork, sessions: Sessions, bases: BaseModels,
+                 checkpoints: Checkpoints, quotas: Quotas, futures: Futures, records: SequenceRecords,
+                 limits: P.RequestLimits) -> None:
+        self._config = config  # read at each call: the limits
+        self._engine = engine
+        self._work = work
+        self._sessions = sessions
+        self._bases = bases
+        self._checkpoints = checkpoints
+        self._quotas = quotas
+        self._futures = futures
+        self._records = records  # sampled sequences, by key and session (for stable_reinforce)
+        self._limits = limits
+        self._live: dict[str, SamplerRecord] = {}
+        quiet = config.sample_quiet_ms / 1000
+        self._gate = SampleGate(work.submit_sample, work.busy, quiet, 3 * quiet, 100 * quiet)
+
+    def __contains__(self, sampler_id: object) -> bool:
+        return sampler_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._live)
+
+    def values(self) -> list[SamplerRecord]:
+        return list(self._live.values())
+
+    def release(self, session: Session) -> list[SamplerRecord]:
+        """Remove the session's sampling clients; their records."""
+        return [self._live.pop(sid) for sid in session.samplers if sid in self._live]
+
+    def add(self, session: Session, rec: SamplerRecord) -> None:
+        """Add a sampling client to its session, dropping the session's least recently used ones past
+        ``max_samplers_per_session``."""
+        self._live[rec.sampler_id] = rec
         session.samplers.append(rec.sampler_id)
-        session.samplers = [s for s in session.samplers if s in self.samplers]
-        excess = len(session.samplers) - self.config.max_samplers_per_session
+        session.samplers = [s for s in session.samplers if s in self._live]
+        excess = len(session.samplers) - self._config.max_samplers_per_session
         if excess > 0:  # drop the least recently used, and what their snapshots held in the engine
-            dropped = sorted(session.samplers, key=lambda s: self.samplers[s].last_used)[:excess]
+            dropped = sorted(session.samplers, key=lambda s: self._live[s].last_used)[:excess]
             for sid in dropped:
                 session.samplers.remove(sid)
-            self._release_clients([], [self.samplers.pop(sid) for sid in dropped], session.owner)
+            self._work.release([], [self._live.pop(sid) for sid in dropped], session.owner)
 
     def create_sampling_session(self, req: P.CreateSamplingSessionReq, owner: str) -> dict:
-        session = self._session(req.session_id, owner)
+        session = self._sessions.owned(req.session_id, owner)
         sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
-        if sampler_id in self.samplers:
+        if sampler_id in self._live:
             return {"sampling_session_id": sampler_id}
         if req.model_path is not None:
-            meta = self._checkpoint_meta(req.model_path, owner, loading=True)
-            base = self.base_model_name(meta["base_model"])
+            meta = self._checkpoints.checkpoint_meta(req.model_path, owner, loading=True)
+            base = self._bases.canonical(meta["base_model"])
             path = req.model_path
-            ready = self._submit(lambda: self.engine.load_sampler(path), owner)
+            ready = self._work.submit(lambda: self._engine.load_sampler(path), owner)
         elif req.base_model is not None:
-            base = self.base_model_name(req.base_model)
-            ready = self._submit(lambda: SamplerState(self.engine.base(base), None, None), owner)
+            base = self._bases.canonical(req.base_model)
+            ready = self._work.submit(lambda: SamplerState(self._engine.base(base), None, None), owner)
         else:
             raise RequestError(400, "create_sampling_session needs model_path or base_model")
-        self.add_sampler(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path,
-                                                ready, False))
+        self.add(session, SamplerRecord(sampler_id, session.session_id, owner, base, req.model_path,
+                                        ready, False))
         return {"sampling_session_id": sampler_id}
 
     def get_sampler(self, sampler_id: str, owner: str) -> dict:
-        rec = self.samplers.get(sampler_id)
+        rec = self._live.get(sampler_id)
         if rec is None or rec.owner != owner:
             raise RequestError(404, f"unknown sampler {sampler_id!r}")
         out = {"sampler_id": sampler_id, "base_model": rec.base_model}
@@ -69,7 +111,7 @@ class Sampling:
         if req.sampling_session_id is None:
             raise RequestError(400, "asample needs a sampling_session_id "
                                     "(create one with create_sampling_session)")
-        rec = self.samplers.get(req.sampling_session_id)
+        rec = self._live.get(req.sampling_session_id)
         if rec is None or rec.owner != owner:
             raise RequestError(404, f"unknown sampling_session_id {req.sampling_session_id!r} "
                                     "(it expired, its session finished, or the server restarted)")
@@ -77,8 +119,8 @@ class Sampling:
         if req.seq_id is not None and req.seq_id in rec.seen:
             rid, ids = rec.seen[req.seq_id]
             return {"request_id": rid, "sample_sequence_ids": ids}
-        P.check_prompt_images(req.prompt, self.limits)
-        n_prompt, cfg = req.prompt.length, self.config
+        P.check_prompt_images(req.prompt, self._limits)
+        n_prompt, cfg = req.prompt.length, self._config
         if n_prompt > cfg.max_request_tokens:
             raise RequestError(400, f"prompt of {n_prompt} tokens is longer than this server takes "
                                     f"({cfg.max_request_tokens}, --max-request-tokens)")
@@ -93,25 +135,25 @@ class Sampling:
                                     f"({cfg.max_decode_tokens_in_flight} tokens, "
                                     "--max-decode-tokens-in-flight); ask for fewer samples or a lower "
                                     "max_tokens")
-        self.in_flight_room(owner, "samples", req.num_samples)
-        self.in_flight_room(owner, "tokens", n_prompt)
-        self.in_flight_room(owner, "decode", decode)
+        self._quotas.in_flight_room(owner, "samples", req.num_samples)
+        self._quotas.in_flight_room(owner, "tokens", n_prompt)
+        self._quotas.in_flight_room(owner, "decode", decode)
         ids = [uuid.uuid4().hex for _ in range(req.num_samples)]
         out: Future = Future()
-        self.usage.hold(owner, out, tokens=n_prompt, samples=req.num_samples, decode=decode)
-        rid = self.futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
-                               owner=owner, session_id=rec.session_id)
+        self._quotas.hold(owner, out, tokens=n_prompt, samples=req.num_samples, decode=decode)
+        rid = self._futures.add(out, lambda r: sample_response_json(r, ids), encode_sample_response,
+                                owner=owner, session_id=rec.session_id)
         done = out
         if req.record_stability_info:  # recorded (under the ids the client has) before the result is out
             done = Future()
             prompt = input_positions(req.prompt)
-            chain(done, out, lambda r: record_sequences(self.records, owner, rec.session_id, prompt, r, ids))
+            chain(done, out, lambda r: record_sequences(self._records, owner, rec.session_id, prompt, r, ids))
         if req.seq_id is not None:
             rec.seen[req.seq_id] = (rid, ids)
             if len(rec.seen) > 8192:  # retries only ever repeat recent requests
                 for seq in list(rec.seen)[:4096]:
                     del rec.seen[seq]
-        loop_add = functools.partial(self.gate.add, owner=owner)
+        loop_add = functools.partial(self._gate.add, owner=owner)
 
         loop = asyncio.get_running_loop()
 
@@ -119,7 +161,7 @@ class Sampling:
             target = None
             if req.target_prompt_logprobs is not None:
                 target = P.tensor_from_json(req.target_prompt_logprobs, "target_prompt_logprobs",
-                                            self.limits.max_values)
+                                            self._limits.max_values)
             queries = PromptQueries(req.topk_prompt_logprobs, req.topk_sample_logprobs, target,
                                     req.prompt_alt_tokens_k, req.prompt_logprobs_last_n)
             return make_sample_job(state.base, req.prompt, req.num_samples, req.sampling_params,

@@ -75,6 +75,9 @@ class Pending:
 
 
 class Futures:
+    """Accepted requests' results by request id, each its caller's, until ``result_ttl_s`` after they are
+    done (:meth:`expire`) or their session ends."""
+
     def __init__(self) -> None:
         self._items: dict[str, Pending] = {}
 
@@ -92,6 +95,26 @@ class Futures:
         id."""
         p = self._items.get(request_id)
         return p if p is not None and p.owner == owner else None
+
+    async def retrieve(self, request_id: str, accept_proto: bool, owner: str, long_poll_s: float
+                       ) -> tuple[int, Any]:
+        """``retrieve_future``'s (HTTP status, body): a done result (bytes for protobuf, a dict for JSON) or
+        its error, or a 408 ``try_again`` once ``long_poll_s`` seconds pass first."""
+        pending = self.owned(request_id, owner)
+        if pending is None:
+            raise RequestError(404, f"unknown or expired request_id {request_id!r}")
+        if not await wait_done(pending.future, long_poll_s):
+            return 408, {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        error = pending.future.exception()
+        if error is not None:
+            body = error_body(error)
+            if body["category"] == "server":
+                log.error("request %s failed", request_id, exc_info=error)
+            return 200, body
+        result = pending.future.result()
+        if accept_proto and pending.to_proto is not None:
+            return 200, pending.to_proto(result)
+        return 200, pending.to_json(result)
 
     def drop_session(self, session_id: str) -> None:
         for rid in [rid for rid, p in self._items.items() if p.session_id == session_id]:
