@@ -242,7 +242,7 @@ class OffPolicyConfig(BaseModel):
         "'tis' weights each token's advantage by min(rho, correction_cap); 'mis' masks tokens with rho "
         "outside [correction_low, correction_high], 'seq_mis' sequences whose product of rho is, 'geo_mis' "
         "those whose geometric mean is; 'icepop' weights by rho inside and masks outside. The loss's own "
-        "ratio is then taken against the learner (README: Off-policy correction). 'none': that ratio only.",
+        "ratio is then taken against the learner (docs: Off-policy correction). 'none': that ratio only.",
     )
     correction_cap: float = Field(DEFAULT_CORRECTION_CAP, ge=1, le=1e6,
                                   description="correction 'tis': the largest importance weight (C).")
