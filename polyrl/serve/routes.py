@@ -4,7 +4,8 @@ sessions, training, sampling, results, training runs and checkpoints, and extern
 Each router factory takes the :class:`~polyrl.serve.server.Server` and its routes call the object that owns
 the operation (``server.training``, ``server.samplers``, ...). The request helpers are plain functions:
 :func:`read_body` (the body, within ``max_body_bytes``, zstd decoded), :func:`parse` (a JSON body as a
-request model), :func:`owner` (whose request it is) and :func:`ok` (the answer).
+request model; :func:`parse_model_op` for a training client's operation), :func:`owner` (whose request it
+is) and :func:`ok` (the answer).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import Downloads
 from polyrl.serve.protocol import RequestError
 from polyrl.serve.server import Server
+from polyrl.serve.training import Training
 
 API = "/api/v1"
 PROTOBUF = "application/x-protobuf"
@@ -82,6 +84,19 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def parse(request: Request, model: type[P.R], limit: int) -> P.R:
     """The JSON body as ``model`` (a 400 naming what is wrong)."""
     return P.parse_json(model, await read_body(request, limit))
+
+
+async def parse_model_op(request: Request, model: type[P.R], limit: int, training: Training) -> P.R:
+    """Like :func:`parse`, for an operation on a training client: a malformed body that names its model and
+    seq_id still uses up that seq_id (so that the model's later operations need not wait for it)."""
+    data = await read_body(request, limit)
+    try:
+        return P.parse_json(model, data)
+    except RequestError as e:
+        ids = P.peek_json_ids(data)
+        if ids is not None:
+            training.refuse_op(ids[0], ids[1], e, owner(request))
+        raise
 
 
 def owner(request: Request) -> str:
@@ -159,16 +174,7 @@ def training_router(server: Server) -> APIRouter:
     r, training = APIRouter(prefix=API), server.training
 
     async def parse_op(request: Request, model: type[P.R]) -> P.R:
-        """Like :func:`parse`, but a malformed body that names its model and seq_id still uses up that
-        seq_id."""
-        data = await read_body(request, server.config.max_body_bytes)
-        try:
-            return P.parse_json(model, data)
-        except RequestError as e:
-            ids = P.peek_json_ids(data)
-            if ids is not None:
-                training.refuse_op(ids[0], ids[1], e, owner(request))
-            raise
+        return await parse_model_op(request, model, server.config.max_body_bytes, training)
 
     @r.post("/create_model")
     async def create_model(request: Request):
