@@ -516,7 +516,7 @@ class _DecodeState:
     next_pos: torch.Tensor  # [C]: each history's next position
     delta: torch.Tensor | None  # [C]: how far multimodal positions run ahead (None: no images)
     logits: torch.Tensor  # [C, V] float32: what each history predicts next
-    logit_buf: torch.Tensor  # a step's logits, per history, go into these buffers (see _decode)
+    logit_buf: torch.Tensor  # a step's logits, per history, go into these buffers (see _decode_state)
     row_buf: torch.Tensor  # ... per row
     prob_buf: torch.Tensor  # ... and their probabilities
     max_stop_chars: int  # the longest stop string's characters
