@@ -54,6 +54,9 @@ def config_problems(config: PolicyConfig) -> list[tuple[str, str]]:
     if isinstance(config, TrainConfig) and config.openreward_run_name and not installed("openreward"):
         problems.append(("openreward_run_name", "uploads need the openreward package "
                                                 "(pip install 'polyrl[openreward]')"))
+    if isinstance(config, TrainConfig):  # the ranges losses require of these keys, whichever loss takes them
+        problems += [(f"loss_fn_config.{key}", why)
+                     for key, why in range_problems(config.loss_fn_config, LOSS_CONFIG)]
     environments = getattr(config, "environments", None)
     problems += environment_problems(environments) if environments else []
     if problems:
@@ -130,7 +133,7 @@ def loss_problems(config: TrainConfig) -> list[tuple[str, str]]:
         if key in losses.CORRECTION_KEYS:
             problems.append((where, "an off-policy correction's key: set off_policy.correction instead"))
         elif key in own:
-            problems += [(where, why) for _, why in range_problems({key: value}, LOSS_CONFIG)]
+            continue  # its range was checked with the cheap checks
         elif takers:
             problems.append((where, f"only used by loss_fn {', '.join(map(repr, takers))}, not {loss!r}"))
         else:
