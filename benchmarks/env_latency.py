@@ -95,8 +95,8 @@ def run(model: Path, root: Path, args, off_policy: int, blocking: bool, name: st
         chunk: int | None = None) -> tuple[float, float, float]:
     """Steps per minute of one run, and the mean staleness of the groups (their oldest tokens) and of the
     tokens it trained."""
-    from polyrl.config import TrainConfig
-    from polyrl.train import train
+    from polyrl.config.schema import TrainConfig
+    from polyrl.rl.train import train
 
     cfg = TrainConfig(model_name=str(model), lora_rank=8, batch_size=args.groups, max_steps=args.steps,
                       max_tokens=args.tokens, save_every=0, outputs={"report": False}, learning_rate=1e-3,

@@ -41,8 +41,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _models import (add_model_arg, add_rollout_args, build_model, local_service, placement,  # noqa: E402
-                     randomize_lora, synchronize)
+from _models import (  # noqa: E402
+    add_model_arg,
+    add_rollout_args,
+    build_model,
+    local_service,
+    placement,
+    randomize_lora,
+    synchronize,
+)
 
 
 def main() -> None:
@@ -54,9 +61,9 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM
     from peft import PeftModel
     from tinker import types
+    from transformers import AutoModelForCausalLM
 
     root, service = local_service(args.threads)
     engine = service.engine

@@ -10,7 +10,7 @@ Like ``make quickstart`` (polyrl/quickstart.py), offline and through the same co
    built): demonstrations of ``visual`` (``colour``: "What colour is the largest shape?"), a share of
    which (``demo_error_rate``) name the background (``\\boxed{white}``) instead of the shape. The
    warm-started policy learns to read the colour *and* the habit, which no further imitation removes.
-3. ``polyrl.train``: GRPO, reward 1 for the right colour. Groups that sampled both habits get a clear
+3. ``polyrl.rl.train``: GRPO, reward 1 for the right colour. Groups that sampled both habits get a clear
    advantage, so RL drops "white".
 4. Held-out pass@1 (one reply at temperature 1, averaged over samples) on test tasks never trained on.
 
@@ -33,14 +33,14 @@ import shutil
 import time
 from pathlib import Path
 
-from polyrl.config import EnvConfig, TrainConfig
-from polyrl.config_checks import check_config
+from polyrl.config.checks import check_config
+from polyrl.config.schema import EnvConfig, TrainConfig
 from polyrl.evaluate import evaluate_checkpoint
 from polyrl.models.tiny import build_tiny_model
 from polyrl.quickstart import served
+from polyrl.rl.train import train_async
 from polyrl.sft import SFTConfig, sft_async
 from polyrl.tracking.console import ConsoleLog
-from polyrl.train import train_async
 
 ENV = "visual"
 ARGS = {"kinds": ["colour"], "image_size": 64, "max_distractors": 2, "demo_error_rate": 0.6}

@@ -1,6 +1,6 @@
 """MkDocs hook: the reference pages that are generated from the code at build time, so they cannot go
 stale. ``reference/configuration.md`` comes from the run config's pydantic schema (the text of
-``polyrl train --help-config``, :mod:`polyrl.config_reference`) and ``reference/cli.md`` from the
+``polyrl train --help-config``, :mod:`polyrl.config.reference`) and ``reference/cli.md`` from the
 command line's own ``--help``. ``tests/test_docs.py`` checks both against the code."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def config_fields(text: str) -> list[tuple[str, str, list[str]]]:
 
 
 def configuration_page() -> str:
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
     return _config_page(TrainConfig, [
         "# Configuration reference",
@@ -64,7 +64,7 @@ def sft_configuration_page() -> str:
 
 
 def _config_page(model, out: list[str]) -> str:
-    from polyrl.config_reference import config_reference
+    from polyrl.config.reference import config_reference
 
     fields = config_fields(config_reference(model))
     sections = {name.split(".")[0] for name, _, _ in fields if "." in name}

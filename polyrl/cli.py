@@ -29,9 +29,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args, model):
-    from polyrl.config import TrainConfig
-    from polyrl.config_files import load_config, load_dotenv_file
-    from polyrl.config_reference import config_reference
+    from polyrl.config.files import load_config, load_dotenv_file
+    from polyrl.config.reference import config_reference
+    from polyrl.config.schema import TrainConfig
 
     if args.help_config:
         print(config_reference(model))
@@ -76,10 +76,10 @@ def _config_yaml(config, translation) -> str:
 
 
 def cmd_train(args) -> None:
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
     config = _load(args, TrainConfig)  # a mistake in it is said before the heavy imports below
-    from polyrl.train import train
+    from polyrl.rl.train import train
 
     row = train(config)
     print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
@@ -88,7 +88,7 @@ def cmd_train(args) -> None:
 def cmd_distill(args) -> None:
     """``polyrl train`` with a teacher: the config's ``teacher:`` block, its model named on the command
     line."""
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
     if args.teacher:
         args.overrides = [f"teacher.model={json.dumps(args.teacher)}", *args.overrides]
@@ -96,7 +96,7 @@ def cmd_distill(args) -> None:
     if config.teacher is None:
         raise UserInputError("distill needs a teacher: give TEACHER (a tinker://<run>/sampler_weights/<name> "
                              "checkpoint or a base model) or a teacher: block in the config")
-    from polyrl.train import train
+    from polyrl.rl.train import train
 
     row = train(config)
     shown = {k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}
@@ -114,7 +114,7 @@ def cmd_sft(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
     config = _load(args, TrainConfig)
     from polyrl.evaluate import evaluate_checkpoint

@@ -10,7 +10,7 @@ from math import comb
 from typing import Any
 
 from polyrl.backend import ending_session, service_url
-from polyrl.rollouts import EnvRuntime, collect_groups, rollout_bounds
+from polyrl.rl.rollouts import EnvRuntime, collect_groups, rollout_bounds
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,7 +73,7 @@ def _score(out: dict[str, float], key: str, groups: list[list], num_samples: int
 async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dict[str, float]:
     """``polyrl eval``: the test splits of ``config.environments`` against a checkpoint (a sampler or
     state path) or, without one, the base model."""
-    from polyrl.policy import open_policy
+    from polyrl.rl.policy import open_policy
 
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
                 for n, c in config.environments.items()}

@@ -22,12 +22,12 @@ from pathlib import Path
 
 from polyrl.errors import UserInputError
 from polyrl.models import resolve_model_path
-from polyrl.policy import Policy, resolve_policy
+from polyrl.rl.policy import Policy, resolve_policy
 
 
 def export_checkpoint(target: str, out_dir: str | Path, merged: bool = False,
                       store_dir: str | None = None) -> Path:
-    """Export the checkpoint ``target`` names (see :func:`polyrl.policy.resolve_policy`) to ``out_dir``."""
+    """Export the checkpoint ``target`` names (see :func:`polyrl.rl.policy.resolve_policy`) to ``out_dir``."""
     policy = resolve_policy(target, store_dir, allow_base=False)
     out = Path(out_dir).expanduser()
     if out.exists():

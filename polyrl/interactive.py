@@ -1,6 +1,6 @@
 """``polyrl chat`` and ``polyrl play``: a person at the terminal in the places a rollout has.
 
-Both run the rollout code itself (:func:`polyrl.episode.run_episode`), so what is shown is what
+Both run the rollout code itself (:func:`polyrl.rl.episode.run_episode`), so what is shown is what
 training does: one growing token sequence, rendered once and extended with exactly the sampled
 tokens and the rendered replies.
 
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from polyrl import images
 from polyrl.envs.base import Env, Message, Observation, StepResult, call_env
-from polyrl.episode import Episode, RolloutContext, RolloutSettings, run_episode
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import Renderer, message_text
+from polyrl.rl.episode import Episode, RolloutContext, RolloutSettings, run_episode
 
 if TYPE_CHECKING:  # the command line builds its parser from this module: keep its import light
     from tinker import types
@@ -280,7 +280,7 @@ class ShownPolicy:
 async def play_episode(runtime: Any, split: str, task: int, renderer: Renderer, screen: Screen,
                        sampler: Any = None, seed: int | None = 0, pause: bool = False,
                        images_dir: str | Path | None = None) -> list[Episode]:
-    """Play task ``task`` of ``split`` of a configured environment (a :class:`polyrl.rollouts.EnvRuntime`)
+    """Play task ``task`` of ``split`` of a configured environment (a :class:`polyrl.rl.rollouts.EnvRuntime`)
     once, by hand (``sampler`` None) or watching ``sampler``; returns the episode(s), [] on /quit."""
     builder = runtime.builder
     n = builder.num_tasks(split)
@@ -335,7 +335,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace, screen: Screen | None = None) -> None:
-    from polyrl.policy import open_trained, resolve_policy
+    from polyrl.rl.policy import open_trained, resolve_policy
 
     _check_sampling(args.temperature, args.max_tokens)
     screen = screen or Screen()
@@ -385,7 +385,7 @@ def add_play_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_env_args(items: list[str]) -> dict[str, Any]:
     """``--args``: ``key=value`` pairs (values parsed as YAML) or a single JSON/YAML object."""
-    from polyrl.config_files import parse_scalar
+    from polyrl.config.files import parse_scalar
 
     if len(items) == 1 and items[0].lstrip().startswith("{"):
         value = parse_scalar(items[0])
@@ -402,11 +402,11 @@ def parse_env_args(items: list[str]) -> dict[str, Any]:
 
 
 def play_runtime(args: argparse.Namespace):
-    """(the environment's :class:`polyrl.rollouts.EnvRuntime`, the run config or None) from the options."""
-    from polyrl.config import EnvConfig
-    from polyrl.config_files import load_config
+    """(the environment's :class:`polyrl.rl.rollouts.EnvRuntime`, the run config or None) from the options."""
+    from polyrl.config.files import load_config
+    from polyrl.config.schema import EnvConfig
     from polyrl.envs.registry import get_env_builder
-    from polyrl.rollouts import EnvRuntime
+    from polyrl.rl.rollouts import EnvRuntime
 
     extra = parse_env_args(args.args)
     config = None
@@ -442,8 +442,8 @@ def play_runtime(args: argparse.Namespace):
 
 def run_play(args: argparse.Namespace, screen: Screen | None = None) -> list[Episode]:
     from polyrl.models import resolve_model_path
-    from polyrl.policy import open_trained, resolve_policy
     from polyrl.renderers import resolve_renderer
+    from polyrl.rl.policy import open_trained, resolve_policy
 
     screen = screen or Screen()
     runtime, config = play_runtime(args)

@@ -2,8 +2,8 @@
 
 One table, read where the values enter: the engine's check of every ``optim_step``
 (:mod:`polyrl.local.optim`, so ``polyrl serve``'s requests and the in-process client alike) and the run
-config's validators (:mod:`polyrl.config`), so a value ``polyrl train`` accepts at load is one the engine
-accepts at its first step. A leaf: it imports nothing of polyrl (the config schema imports it).
+config's validators (:mod:`polyrl.config.schema`), so a value ``polyrl train`` accepts at load is one the
+engine accepts at its first step. A leaf: it imports nothing of polyrl (the config schema imports it).
 
 The upper bounds are generous: far above any value a run uses, low enough that one step cannot overflow
 float32 weights or a Python float (``(32 / rank) ** rank_lr_correction_exponent``).

@@ -15,7 +15,7 @@ Everything runs offline on a CPU in a few minutes, through the same code paths a
    result into the box; the bisection tree) *and* the bad habit at the demonstrated rate. It is neither
    hopeless (it succeeds whenever it picks the good habit) nor perfect, and no amount of further
    imitation would fix it: only reward tells the two habits apart.
-3. ``polyrl.train.train_async``: GRPO on both environments at once, reward 1 for a correct final
+3. ``polyrl.rl.train.train_async``: GRPO on both environments at once, reward 1 for a correct final
    answer. Groups that sampled both habits get a clear advantage, so RL drops the bad one.
 4. Held-out evaluation before and after RL on test tasks that never appear in training: pass@1 of
    one reply sampled at temperature 1 (the policy as trained, not its greedy mode -- greedy decoding
@@ -58,15 +58,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from polyrl.config import EnvConfig, TrainConfig
-from polyrl.config_checks import check_config
+from polyrl.config.checks import check_config
+from polyrl.config.schema import EnvConfig, TrainConfig
 from polyrl.evaluate import evaluate_checkpoint
 from polyrl.fileio import atomic_write_text
 from polyrl.models.gguf import cached_import, packaged_gguf
 from polyrl.models.tiny import SIZES, build_tiny_model
+from polyrl.rl.train import train_async
 from polyrl.sft import SFTConfig, sft_async
 from polyrl.tracking.console import ConsoleLog
-from polyrl.train import train_async
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ def losses() -> ModuleType:
 
 
 def advantages() -> ModuleType:
-    """:mod:`polyrl.advantages`: ``ESTIMATORS`` by name, with the settings each uses."""
-    from polyrl import advantages as module
+    """:mod:`polyrl.rl.advantages`: ``ESTIMATORS`` by name, with the settings each uses."""
+    from polyrl.rl import advantages as module
 
     return module
 

@@ -18,10 +18,10 @@ from pydantic import Field, field_validator, model_validator
 from tinker import types
 
 from polyrl.backend import ending_session, service_url
-from polyrl.config import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
+from polyrl.config.schema import EnvConfig, LrSchedule, PolicyConfig, scheduled_lr
 from polyrl.errors import UserInputError
 from polyrl.images import next_token_inputs
-from polyrl.policy import OpenPolicy, open_policy
+from polyrl.rl.policy import OpenPolicy, open_policy
 from polyrl.sft_data import Conversation, read_conversations
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles, atomic_write_text
@@ -62,7 +62,7 @@ class SFTConfig(PolicyConfig):
 
 
 def demonstration_datums(config: SFTConfig, renderer, context: int | None = None) -> list[types.Datum]:
-    from polyrl.rollouts import EnvRuntime
+    from polyrl.rl.rollouts import EnvRuntime
 
     datums = []
     for name, env_cfg in config.environments.items():

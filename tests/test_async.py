@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.episode import Episode
-from polyrl.rollout_queue import DrawPoint, RolloutQueue
+from polyrl.rl.episode import Episode
+from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
+from polyrl.rl.train import train
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import train
 
 B = 2  # groups per step in the queue tests
 

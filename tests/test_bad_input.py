@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.config import MAX_EPISODES_PER_STEP
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import MAX_EPISODES_PER_STEP
 from polyrl.sft import SFTConfig
 
 BASE = {"model_name": "tiny", "environments": {"arithmetic": {}}}

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from polyrl.config import ConfigError, EnvConfig, TrainConfig
-from polyrl.config_files import apply_overrides, load_config, load_dotenv_file, parse_scalar
-from polyrl.config_reference import config_reference
+from polyrl.config.files import apply_overrides, load_config, load_dotenv_file, parse_scalar
+from polyrl.config.reference import config_reference
+from polyrl.config.schema import ConfigError, EnvConfig, TrainConfig
 from polyrl.local.losses import policy_gradient_losses
 from polyrl.secrets import SECRET_ENV_VARS, redact, redact_text
 

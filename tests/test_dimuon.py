@@ -10,9 +10,6 @@ import math
 
 import pytest
 import torch
-from tinker import types
-
-from polyrl.local.optim import DimuonSettings
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adapter_params,
     assert_weights_equal,
@@ -21,6 +18,9 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     store,
     weights,
 )
+from tinker import types
+
+from polyrl.local.optim import DimuonSettings
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polyrl.config import TrainConfig
-from polyrl.config_reference import config_reference
+from polyrl.config.reference import config_reference
+from polyrl.config.schema import TrainConfig
 from polyrl.sft import SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,10 +13,6 @@ import random
 
 import pytest
 import torch
-from tinker import types
-
-from polyrl.local.compute import TargetLogprobs, packed_logprobs
-from polyrl.local.packing import CPU_CALL_TOKENS, _tensors, group_rows, micro_batches, pack_rows
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adam,
     assert_grads_close,
@@ -35,6 +31,10 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     weights,
     with_inputs,
 )
+from tinker import types
+
+from polyrl.local.compute import TargetLogprobs, packed_logprobs
+from polyrl.local.packing import CPU_CALL_TOKENS, _tensors, group_rows, micro_batches, pack_rows
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]

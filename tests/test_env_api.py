@@ -13,20 +13,20 @@ import re
 import shlex
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from scripted import ScriptedSampler
 
 from polyrl.cli import main
-from polyrl.config import ConfigError, EnvConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, EnvConfig
 from polyrl.envs.base import ENV_TYPES, StepResult
 from polyrl.envs.registry import entry_points, env_types, get_env_builder, make_env_builder
-from polyrl.episode import Episode, RolloutSettings, finalize_reward, run_episode
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import EnvRuntime
+from polyrl.rl.episode import Episode, RolloutSettings, finalize_reward, run_episode
+from polyrl.rl.rollouts import EnvRuntime
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "guides" / "environments.md"

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.registry import make_env_builder
 from polyrl.renderers import get_renderer
-from polyrl.episode import Episode, RolloutSettings, run_episode
+from polyrl.rl.episode import Episode, RolloutSettings, run_episode
 
 GUESS = "gem:game:GuessTheNumber-v0-easy"
 
@@ -170,8 +170,8 @@ def test_what_gem_cannot_do_here_is_a_config_error(monkeypatch):
 
 @pytest.mark.slow
 def test_gem_trains_two_steps(tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
                       save_every=0, log_path=str(tmp_path / "run"),

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.base import StepResult
-from polyrl.envs.registry import get_env_builder, make_env_builder
 from polyrl.envs.module_env import ModuleBuilder, RewardCoercion, parse_rubric, parse_step
+from polyrl.envs.registry import get_env_builder, make_env_builder
 from polyrl.renderers import get_renderer
-from polyrl.episode import Episode, RolloutSettings, run_episode
+from polyrl.rl.episode import Episode, RolloutSettings, run_episode
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_FILE = "tests/fixtures/module_step_env.py"
@@ -132,8 +132,8 @@ def test_step_module_by_file_path_plays_multi_turn_episodes(in_repo, tokenizer, 
 # ---------------------------------------------------------------------------- polyrl train
 @pytest.mark.slow
 def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     cfg = TrainConfig(
         model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,
@@ -175,7 +175,7 @@ def test_train_on_a_step_module_and_a_rubric_module_with_build(in_repo, tiny_mod
 
 
 def test_step_module_with_build_gets_the_rollouts_sampler(tmp_path, tokenizer):
-    from polyrl.episode import RolloutContext
+    from polyrl.rl.episode import RolloutContext
 
     (tmp_path / "built.py").write_text(
         "class E:\n"

@@ -16,19 +16,25 @@ from scripted import ScriptedSampler
 
 openreward = pytest.importorskip("openreward")
 
-from openreward.environments import (  # noqa: E402
-    Environment, ImageBlock, Server, TextBlock, ToolOutput, terminal, tool,
-)
 from fastapi import FastAPI, Request  # noqa: E402
+from openreward.environments import (  # noqa: E402
+    Environment,
+    ImageBlock,
+    Server,
+    TextBlock,
+    ToolOutput,
+    terminal,
+    tool,
+)
 from pydantic import BaseModel  # noqa: E402
 
-from polyrl.config import ConfigError, TrainConfig  # noqa: E402
-from polyrl.config_files import load_config  # noqa: E402
+from polyrl.config.files import load_config  # noqa: E402
+from polyrl.config.schema import ConfigError, TrainConfig  # noqa: E402
 from polyrl.envs.openreward_env import OpenRewardBuilder, chat_tool_spec  # noqa: E402
 from polyrl.envs.registry import get_env_builder, make_env_builder  # noqa: E402
 from polyrl.renderers import get_renderer  # noqa: E402
-from polyrl.episode import Episode, RolloutSettings, run_episode  # noqa: E402
-from polyrl.rollouts import run_group  # noqa: E402
+from polyrl.rl.episode import Episode, RolloutSettings, run_episode  # noqa: E402
+from polyrl.rl.rollouts import run_group  # noqa: E402
 
 SECRET = "or-secret-key-value-4242"
 
@@ -305,8 +311,8 @@ def test_failing_tool_fails_the_rollout_and_every_session_is_closed(ors, openrew
 # ---------------------------------------------------------------------------- polyrl train
 @pytest.mark.slow
 def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     ors_server, url = ors
     capture = openreward_env

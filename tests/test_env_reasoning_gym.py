@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.registry import make_env_builder
 
 
@@ -108,8 +108,8 @@ def test_what_reasoning_gym_rejects_is_a_config_error():
 
 @pytest.mark.slow
 def test_reasoning_gym_trains_two_steps(tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     # power_function gives 0.01 for any parseable but wrong number and 0 for none: a random tiny model
     # already gets different rewards within a group, so the update has advantages to follow

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.registry import make_env_builder
 from polyrl.envs.textarena_env import offered_moves
 
@@ -130,8 +130,8 @@ def test_what_textarena_cannot_do_here_is_a_config_error():
 
 @pytest.mark.slow
 def test_textarena_trains_two_steps(tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
                       save_every=0, log_path=str(tmp_path / "run"),

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.openai_server import OpenAIServer
 from polyrl.renderers import get_renderer
 
@@ -126,8 +126,8 @@ def test_group_reward_rubrics_are_refused_before_the_run(in_repo):
 @needs_verifiers
 @pytest.mark.slow
 def test_train_verifiers_environments_through_the_endpoint(in_repo, tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     cfg = TrainConfig(
         model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=6, save_every=0,

@@ -11,10 +11,10 @@ from math import comb
 
 import pytest
 
-from polyrl.config import TrainConfig
+from polyrl.config.schema import TrainConfig
 from polyrl.evaluate import pass_at_k
+from polyrl.rl.train import train
 from polyrl.tracking.console import ConsoleLog
-from polyrl.train import train
 
 
 @pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (4, 4, 2), (6, 1, 6)])

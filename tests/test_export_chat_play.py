@@ -219,7 +219,7 @@ def test_store_refuses_tinker_paths_that_leave_it(trained, tmp_path):
 
 # --------------------------------------------------------------------------------- naming a policy
 def test_a_run_directory_names_its_latest_checkpoint_and_its_renderer(trained, tmp_path):
-    from polyrl.policy import open_sampler, renderer_for, resolve_policy
+    from polyrl.rl.policy import open_sampler, renderer_for, resolve_policy
 
     run = tmp_path / "run"
     run.mkdir()
@@ -437,9 +437,9 @@ def test_play_by_hand_in_a_terminal_shows_what_the_policy_sees(trained, terminal
 def test_watching_a_checkpoint_play_in_a_terminal(trained, terminals):
     import asyncio
 
-    from polyrl.config import EnvConfig
-    from polyrl.episode import Episode, run_episode
-    from polyrl.rollouts import EnvRuntime
+    from polyrl.config.schema import EnvConfig
+    from polyrl.rl.episode import Episode, run_episode
+    from polyrl.rl.rollouts import EnvRuntime
 
     runtime = EnvRuntime.create("guess_number", EnvConfig(type="guess_number"), 0, 256)
     settings = runtime.settings.__class__(max_turns=2, max_tokens=MAX_TOKENS, temperature=0.0, timeout=60)

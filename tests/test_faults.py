@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from scripted import ScriptedSampler
 
-from polyrl.config import TrainConfig
+from polyrl.config.schema import TrainConfig
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
-from polyrl.episode import Episode, RolloutSettings
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import run_group
+from polyrl.rl.episode import Episode, RolloutSettings
+from polyrl.rl.rollouts import run_group
+from polyrl.rl.train import train
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,14 +7,14 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from polyrl.cli import main
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
 from polyrl.envs.registry import make_env_builder
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from tinker import types
 
-from polyrl import advantages as adv
 from polyrl.backend import ServiceGuard
-from polyrl.config import ConfigError, TrainConfig
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.episode import Episode
-from polyrl.scoring import Scorer, TokenSignals, open_scorer
+from polyrl.rl import advantages as adv
+from polyrl.rl.episode import Episode
+from polyrl.rl.scoring import Scorer, TokenSignals, open_scorer
 
 
 class _WordEnv:
@@ -280,8 +280,8 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
     from test_serve import KEY
 
     from polyrl.local import ServiceClient
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     monkeypatch.setenv("TINKER_API_KEY", KEY)
 
@@ -308,7 +308,7 @@ def test_kl_penalty_and_teacher_through_serve_match_in_process(served, tiny_mode
 
 # ----------------------------------------------------------------------------------- config and errors
 def test_settings_without_effect_and_missing_models_are_config_errors(tiny_model_dir, tmp_path):
-    from polyrl.config_files import load_config
+    from polyrl.config.files import load_config
 
     def _config(model_dir, tmp_path, **over):  # as a config file would be loaded: one ConfigError line
         return load_config(None, base=dict(model_name=model_dir,
@@ -337,7 +337,7 @@ def test_settings_without_effect_and_missing_models_are_config_errors(tiny_model
 
 def test_a_missing_teacher_or_one_with_another_tokenizer_is_refused_at_start(tiny_model_dir, small_model_dir,
                                                                               tmp_path):
-    from polyrl.run import open_run
+    from polyrl.rl.run import open_run
 
     config = _config(tiny_model_dir, tmp_path, teacher={"model": small_model_dir})
     with pytest.raises(ConfigError, match="teacher.model: .* does not share the tokenizer of"):

@@ -1,8 +1,8 @@
 """The layout's rules, read from the source with ``ast`` (nothing is imported):
 
-- no import cycle among polyrl's modules (imports that run when a module loads; those under
-  ``if TYPE_CHECKING:`` and inside functions do not count);
-- no polyrl import inside a function in ``polyrl/envs``, ``polyrl/workflows`` and ``polyrl/config*.py``:
+- no import cycle among polyrl's modules (imports that run when a module loads, and those under
+  ``if TYPE_CHECKING:``: a cycle of types is a cycle of design; imports inside functions do not count);
+- no polyrl import inside a function in ``polyrl/envs``, ``polyrl/workflows`` and ``polyrl/config``:
   those sit low, and a function-level import is how an upward import hides;
 - no import of an underscore name from another module.
 """
@@ -36,18 +36,20 @@ def _is_type_checking(node: ast.AST) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _load_time_imports(body: list[ast.stmt]):
-    """The import statements that run when the module loads."""
+def _load_time_imports(body: list[ast.stmt], typing: bool = False):
+    """The import statements that run when the module loads (and, with ``typing``, those under
+    ``if TYPE_CHECKING:``)."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_type_checking(node):
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+                _is_type_checking(node) and not typing):
             continue
         else:
             for field in ("body", "orelse", "finalbody", "handlers"):  # if, try, with, class bodies
                 inner = getattr(node, field, None)
                 if isinstance(inner, list):
-                    yield from _load_time_imports(inner)
+                    yield from _load_time_imports(inner, typing)
 
 
 def _targets(node: ast.Import | ast.ImportFrom, importer: str) -> list[tuple[str, str | None]]:
@@ -69,7 +71,8 @@ def _targets(node: ast.Import | ast.ImportFrom, importer: str) -> list[tuple[str
 
 
 def _graph() -> dict[str, set[str]]:
-    return {name: {target for node in _load_time_imports(tree.body) for target, _ in _targets(node, name)
+    return {name: {target for node in _load_time_imports(tree.body, typing=True)
+                   for target, _ in _targets(node, name)
                    if target in FILES and target != name}
             for name, tree in TREES.items()}
 
@@ -114,14 +117,17 @@ def test_the_checker_finds_what_it_looks_for():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
     tree = ast.parse("import os\nfrom polyrl.envs import base\n"
-                     "if TYPE_CHECKING:\n    from polyrl import train\n"
-                     "try:\n    import polyrl.rollouts\nexcept ImportError:\n    pass\n"
-                     "def f():\n    from polyrl.train import x\n")
-    loaded = [t for node in _load_time_imports(tree.body) for t in _targets(node, "polyrl.episode")]
-    assert loaded == [("polyrl.envs.base", None), ("polyrl.rollouts", None)]
-    assert _function_level(tree) == ["from polyrl.train import x (line 10)"]
+                     "if TYPE_CHECKING:\n    from polyrl.rl import train\n"
+                     "try:\n    import polyrl.rl.rollouts\nexcept ImportError:\n    pass\n"
+                     "def f():\n    from polyrl.rl.train import x\n")
+    loaded = [t for node in _load_time_imports(tree.body) for t in _targets(node, "polyrl.rl.episode")]
+    assert loaded == [("polyrl.envs.base", None), ("polyrl.rl.rollouts", None)]
+    typed = [t for node in _load_time_imports(tree.body, typing=True)
+             for t in _targets(node, "polyrl.rl.episode")]
+    assert typed == [("polyrl.envs.base", None), ("polyrl.rl.train", None), ("polyrl.rl.rollouts", None)]
+    assert _function_level(tree) == ["from polyrl.rl.train import x (line 10)"]
     private = ast.parse("from polyrl.envs.builtin.base import _helper, public\n")
-    assert _private_names(private, "polyrl.train") == ["_helper from polyrl.envs.builtin.base (line 1)"]
+    assert _private_names(private, "polyrl.rl.train") == ["_helper from polyrl.envs.builtin.base (line 1)"]
 
 
 def test_no_import_cycle_among_polyrl_modules():
@@ -139,8 +145,7 @@ def _function_level(tree: ast.Module) -> list[str]:
     return sorted(set(found), key=lambda s: int(s.rsplit("line ", 1)[1][:-1]))
 
 
-LOW = [name for name in FILES if name.startswith(("polyrl.envs", "polyrl.workflows"))
-       or FILES[name].parent == ROOT / "polyrl" and FILES[name].name.startswith("config")]
+LOW = [name for name in FILES if name.startswith(("polyrl.envs", "polyrl.workflows", "polyrl.config"))]
 
 
 def _cases(names: list[str], known: dict[str, pytest.MarkDecorator]) -> list:
@@ -169,10 +174,10 @@ def test_no_underscore_name_is_imported_from_another_module(name):
 
 
 def test_the_config_schema_is_a_leaf():
-    """``polyrl/config.py`` (the schema) imports, anywhere in it, only the environment entry's schema and
-    the leaves errors, secrets and optim_ranges: files, checks, errors and the reference sit above it."""
-    imports = [node for node in ast.walk(TREES["polyrl.config"])
+    """``polyrl/config/schema.py`` imports, anywhere in it, only the environment entry's schema and the
+    leaves errors, secrets and optim_ranges: files, checks, errors and the reference sit above it."""
+    imports = [node for node in ast.walk(TREES["polyrl.config.schema"])
                if isinstance(node, (ast.Import, ast.ImportFrom))]
-    imported = {module for node in imports for module, _ in _targets(node, "polyrl.config")}
-    assert imported <= {"polyrl.config_env", "polyrl.errors", "polyrl.secrets", "polyrl.optim_ranges"}, \
+    imported = {module for node in imports for module, _ in _targets(node, "polyrl.config.schema")}
+    assert imported <= {"polyrl.config.env", "polyrl.errors", "polyrl.secrets", "polyrl.optim_ranges"}, \
         sorted(imported)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sampler_precision import BF16, CPU, F32, datum
 from tinker import types
 
-from polyrl.local import ServiceClient, model as model_module, sampler_copy
+from polyrl.local import ServiceClient, sampler_copy
+from polyrl.local import model as model_module
 from polyrl.local.attention import TREE_ATTENTION, float32_attention
 from polyrl.local.model import BaseModel, LoraSpec, select_dtype
-from test_sampler_precision import BF16, CPU, F32, datum
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -58,9 +58,9 @@ def _trajectories(run, step):
 
 @pytest.mark.slow
 def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_path):
-    from polyrl.config_files import load_config
+    from polyrl.config.files import load_config
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     data = yaml.safe_load(CONFIG)
     data.update(model_name=tiny_model_dir, log_path=str(tmp_path / "a"),

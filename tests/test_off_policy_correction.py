@@ -13,14 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from tinker import types
-
-from polyrl.backend import ServiceGuard
-from polyrl.config import TrainConfig
-from polyrl.local import ServiceClient
-from polyrl.local.losses import CORRECTIONS, Segments, get_loss, policy_gradient_losses
-from polyrl.step_metrics import off_policy_metrics
-from polyrl.update import fold_correction
 from test_local_engine import (  # noqa: F401 - store, service and warm are fixtures shared with that module
     assert_grads_close,
     from_state,
@@ -35,6 +27,14 @@ from test_local_engine import (  # noqa: F401 - store, service and warm are fixt
 )
 from test_serve import KEY, Served
 from test_stable_reinforce import off_policy  # noqa: F401 - a fixture: sequences sampled off the learner
+from tinker import types
+
+from polyrl.backend import ServiceGuard
+from polyrl.config.schema import TrainConfig
+from polyrl.local import ServiceClient
+from polyrl.local.losses import CORRECTIONS, Segments, get_loss, policy_gradient_losses
+from polyrl.rl.step_metrics import off_policy_metrics
+from polyrl.rl.update import fold_correction
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -370,9 +370,10 @@ def test_serve_applies_the_correction_as_in_process(served, tiny_model_dir, tmp_
 
 # ---- polyrl train --------------------------------------------------------------------------------
 def test_train_with_a_correction_logs_its_metrics(tiny_model_dir, tmp_path):
-    from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
     from test_train import _config
+
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
 
     config = _config(tiny_model_dir, tmp_path, max_steps=2, save_every=0, loss_fn="ppo",
                      off_policy={"correction": "tis", "correction_cap": 1.5})
@@ -391,9 +392,10 @@ def test_train_through_the_sdk_folds_the_correction_client_side(served, tiny_mod
                                                                monkeypatch):
     """backend tinker (here polyrl serve through the official SDK, as hosted Tinker would be): a forward
     pass per minibatch, the correction folded into the Datums, its metrics logged."""
-    from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
     from test_train import _config
+
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
 
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     config = _config(tiny_model_dir, tmp_path, backend="tinker", base_url=served.url, local={}, max_steps=2,
@@ -445,7 +447,7 @@ def test_a_bad_correction_on_the_command_line_exits_2(tmp_path, capsys):
 
 def test_train_config_keys_match_the_engine(tmp_path):
     """off_policy.correction becomes the engine's loss_fn_config keys (defaults per correction)."""
-    from polyrl.update import correction_keys
+    from polyrl.rl.update import correction_keys
 
     def keys(**settings):
         config = TrainConfig(model_name="m", environments={"arithmetic": {}}, off_policy=settings)

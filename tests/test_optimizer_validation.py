@@ -9,12 +9,11 @@ import math
 
 import pytest
 import tinker
-from tinker import types
-from tinker.types.optimizer import OptimParamsBase
-
 from test_bad_input import BASE, run_all
 from test_config import error_of
 from test_serve import KEY, Served
+from tinker import types
+from tinker.types.optimizer import OptimParamsBase
 
 
 @pytest.fixture(scope="module")

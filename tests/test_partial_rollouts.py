@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from tinker import types
 
-from polyrl.advantages import provenance_spans
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.base import EnvBuilder, Observation, StepResult, register_env
-from polyrl.episode import Episode, RolloutContext, RolloutSettings, SamplerRef, run_episode, stop_across
-from polyrl.rollout_queue import DrawPoint, RolloutQueue
-from polyrl.rollouts import run_group
+from polyrl.rl.advantages import provenance_spans
+from polyrl.rl.episode import Episode, RolloutContext, RolloutSettings, SamplerRef, run_episode, stop_across
+from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
+from polyrl.rl.rollouts import run_group
+from polyrl.rl.train import train
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import train
 
 SEED = 11
 

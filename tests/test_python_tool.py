@@ -23,8 +23,8 @@ from tinker import types
 from polyrl.envs.python_tool import PYTHON_TOOL, tool_reply
 from polyrl.envs.registry import make_env_builder
 from polyrl.envs.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_layers
-from polyrl.episode import Episode, RolloutSettings, run_episode
 from polyrl.renderers import get_renderer
+from polyrl.rl.episode import Episode, RolloutSettings, run_episode
 
 try:
     LAYERS = sandbox_layers()
@@ -215,8 +215,8 @@ def test_malformed_calls_and_the_call_budget():
 
 
 def test_bad_args_are_config_errors():
-    from polyrl.config import ConfigError, TrainConfig
-    from polyrl.config_files import load_config
+    from polyrl.config.files import load_config
+    from polyrl.config.schema import ConfigError, TrainConfig
 
     for args, needle in [({"tasks": ["poetry"]}, "tasks must be a non-empty list"),
                          ({"timeout": 0}, "timeout must be a number of seconds"),
@@ -234,10 +234,10 @@ def test_a_training_run_uses_the_tool(tiny_model_dir, tokenizer, tmp_path, monke
     choice of tokens is scripted (a random tiny model never writes a tool call): on half the
     episodes it runs the task's right program, on the other half a wrong one, then boxes what the
     tool printed."""
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
     from polyrl.local import service
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     builder = make_env_builder("python_tool", {"tasks": ["math"]}, seed=0)
     programs = {builder.task("train", i)[1].question: builder.task("train", i)[1].code for i in range(64)}

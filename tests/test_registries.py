@@ -12,15 +12,15 @@ import pytest
 import torch
 from tinker import types
 
-from polyrl import advantages
-from polyrl.config import ConfigError, TrainConfig
-from polyrl.config_checks import check_config
-from polyrl.config_files import load_config
-from polyrl.config_reference import config_reference
-from polyrl.episode import Episode
+from polyrl.config.checks import check_config
+from polyrl.config.files import load_config
+from polyrl.config.reference import config_reference
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.local import ServiceClient, losses
 from polyrl.renderers import base as renderers_base
 from polyrl.renderers import get_renderer
+from polyrl.rl import advantages
+from polyrl.rl.episode import Episode
 
 CONTRIBUTING = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 BASE = {"model_name": "tiny", "environments": {"arithmetic": {}}}

@@ -387,9 +387,9 @@ def _open_episode(driver, step: int, env: str) -> list[str]:
 
 @pytest.mark.slow
 def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, tmp_path):
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     _ensure_chromium()
 
@@ -557,9 +557,9 @@ def test_the_trajectory_browser_shows_images_in_place(tmp_path, vl_tokenizer):
     from test_vision import ReplySampler
 
     from polyrl.envs.builtin.visual import VisualBuilder
-    from polyrl.episode import Episode, RolloutSettings, run_episode
     from polyrl.renderers import get_renderer
-    from polyrl.step_metrics import episode_row
+    from polyrl.rl.episode import Episode, RolloutSettings, run_episode
+    from polyrl.rl.step_metrics import episode_row
 
     run = write_synthetic_run(tmp_path / "run", steps=2, episodes_per_step=2, think_words=3)
     builder = VisualBuilder({}, seed=0)
@@ -707,7 +707,7 @@ def test_banners_for_runs_that_stopped_learning_and_none_for_a_healthy_one(tmp_p
 
 
 def test_config_diff_lists_exactly_the_changed_settings(tmp_path, monkeypatch):
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
     cfg = TrainConfig(
         model_name="some/model", learning_rate=3e-5, optimizer={"grad_clip_norm": 1.0},

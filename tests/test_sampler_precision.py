@@ -97,7 +97,7 @@ def test_the_cpu_bfloat16_probe_agrees_with_proc_cpuinfo():
 def test_sampler_dtype_is_a_setting_of_the_local_engine_and_of_serve():
     from pydantic import ValidationError
 
-    from polyrl.config import LocalEngineConfig
+    from polyrl.config.schema import LocalEngineConfig
     from polyrl.serve.main import add_arguments, config_from_args
 
     assert LocalEngineConfig().sampler_dtype == "auto"
@@ -410,9 +410,9 @@ def test_polyrl_train_says_what_the_sampler_runs_in_and_logs_the_gap(tiny_model_
 
     import test_train  # noqa: F401 - registers its test_letter environment (reward: an "e" in the reply)
 
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
+    from polyrl.rl.train import train as run_train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train as run_train
 
     config = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=2, max_steps=2, max_tokens=4,
                          save_every=0, learning_rate=3e-3, log_path=str(tmp_path / "run"), seed=3,

@@ -242,7 +242,7 @@ def test_literal_secrets_in_config_args_are_masked_wherever_the_config_is_shown(
     environment variables) are masked in ``--print-config``, ``config.json`` and the report's config;
     settings merely named with tokens or keys (``max_tokens``, ``num_keys``, ``key_column``) are kept, and
     the run itself gets every real value."""
-    from polyrl.config_files import load_config
+    from polyrl.config.files import load_config
     from polyrl.report.data import read_config
     from polyrl.tracking.files import RunFiles
 

@@ -944,8 +944,8 @@ def test_finished_and_abandoned_sessions_are_freed_and_base_sampling_goes_on(tin
     model leaves that base model's own sampling working."""
     import asyncio
 
+    from polyrl.config.schema import LocalEngineConfig
     from polyrl.serve import protocol as P
-    from polyrl.config import LocalEngineConfig
     from polyrl.serve.server import ServeConfig, Server
 
     server = Server(ServeConfig(models=[tiny_model_dir], api_keys=[KEY],
@@ -1129,9 +1129,9 @@ class _LetterBuilder(EnvBuilder):
 
 @pytest.mark.slow
 def test_polyrl_train_through_the_server_matches_in_process(served, tiny_model_dir, tmp_path, monkeypatch):
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     monkeypatch.setenv("TINKER_API_KEY", KEY)
 
@@ -1245,7 +1245,7 @@ def test_engine_settings_on_the_command_line_are_the_train_configs():
     """``polyrl serve``'s engine flags fill the same LocalEngineConfig as ``local:`` in a run config."""
     import argparse
 
-    from polyrl.config import LocalEngineConfig, TrainConfig
+    from polyrl.config.schema import LocalEngineConfig, TrainConfig
     from polyrl.serve.main import add_arguments, config_from_args
     from polyrl.serve.server import ServeConfig
 

@@ -79,7 +79,7 @@ def in_process(tiny_model_dir, tmp_path):
     (so that snapshots are folded into it): (server, url)."""
     import uvicorn
 
-    from polyrl.config import LocalEngineConfig
+    from polyrl.config.schema import LocalEngineConfig
     from polyrl.serve.app import create_app
     from polyrl.serve.server import ServeConfig, Server
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from test_serve import KEY, OTHER_KEY, PROTO, Served, _create_model, _fwdbwd_body, _retrieve, _session
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from polyrl.local import ServiceClient
-from test_serve import KEY, OTHER_KEY, PROTO, Served, _create_model, _fwdbwd_body, _retrieve, _session
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from tinker import types
 from test_serve import KEY, OTHER_KEY, Served, _retrieve, _session
+from tinker import types
 
 from polyrl.local.engine import Engine
 from polyrl.local.model import LoraSpec

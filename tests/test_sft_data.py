@@ -9,15 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
+from test_bad_input import run_all  # noqa: E402 - one error line, exit 2, no traceback
 from tinker import types
 
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
 from polyrl.errors import UserInputError
 from polyrl.images import next_token_inputs
 from polyrl.sft import SFTConfig
 from polyrl.sft_data import parse_line, read_conversations
-
-from test_bad_input import run_all  # noqa: E402 - one error line, exit 2, no traceback
 
 SYSTEM = {"role": "system", "content": "Reply with the last word."}
 CONVERSATIONS = [

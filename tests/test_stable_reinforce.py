@@ -9,13 +9,6 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from tinker import types
-
-from polyrl import images
-from polyrl.advantages import to_datum
-from polyrl.episode import Episode
-from polyrl.local import ServiceClient
-from polyrl.local.stability import SequenceRecords
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     assert_grads_close,
     checkpoint_dir,
@@ -28,6 +21,13 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     take_grads,
     warm,
 )
+from tinker import types
+
+from polyrl import images
+from polyrl.local import ServiceClient
+from polyrl.local.stability import SequenceRecords
+from polyrl.rl.advantages import to_datum
+from polyrl.rl.episode import Episode
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

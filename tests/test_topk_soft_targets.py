@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tinker import types
-
 from test_local_engine import (  # noqa: F401 - store and service are fixtures shared with that module
     adapter_params,
     assert_grads_close,
@@ -19,6 +17,7 @@ from test_local_engine import (  # noqa: F401 - store and service are fixtures s
     take_grads,
     warm,
 )
+from tinker import types
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -18,17 +18,17 @@ import pytest
 import torch
 from scripted import ScriptedSampler
 
-from polyrl import advantages as adv
-from polyrl.config import EnvConfig, TrainConfig
-from polyrl.config_files import load_config
+from polyrl.config.files import load_config
+from polyrl.config.schema import EnvConfig, TrainConfig
 from polyrl.envs.base import Env, EnvBuilder, Observation, StepResult, register_env
-from polyrl.episode import Episode, RolloutSettings, finalize_reward, run_episode
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import allocate_groups, run_group
+from polyrl.rl import advantages as adv
+from polyrl.rl.episode import Episode, RolloutSettings, finalize_reward, run_episode
+from polyrl.rl.rollouts import allocate_groups, run_group
+from polyrl.rl.train import train
+from polyrl.rl.update import filter_groups
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import train
-from polyrl.update import filter_groups
 
 
 # ---------------------------------------------------------------------------- test environments
@@ -165,7 +165,7 @@ def test_a_torn_checkpoint_row_hides_no_later_row(tmp_path):
 
 
 def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
-    from polyrl.episode import SamplerError
+    from polyrl.rl.episode import SamplerError
 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hello"}] * 2,
@@ -176,7 +176,7 @@ def test_missing_sampler_logprobs_are_an_error_not_zeros(tokenizer):
 
 
 def test_rebn_with_normalize_by_std_is_a_config_error(tmp_path):
-    from polyrl.config import ConfigError
+    from polyrl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match="advantages.normalize_by_std"):
         load_config(None, ["model_name=m", "advantages.estimator=rebn", "advantages.normalize_by_std=true",
@@ -330,7 +330,7 @@ def test_multi_turn_episode_with_the_real_engine(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- failure budget
 def test_failing_episodes_are_counted_and_groups_over_budget_dropped(tokenizer):
-    from polyrl.rollouts import EnvRuntime
+    from polyrl.rl.rollouts import EnvRuntime
 
     renderer = get_renderer("qwen3", tokenizer)
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "hi"}] * 20)
@@ -399,13 +399,13 @@ def test_linear_lr_schedule_decays_each_update(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------------------- the loop's phases, alone
 def _opened(model_dir, tmp_path, **over):
-    from polyrl.run import open_run
+    from polyrl.rl.run import open_run
 
     return asyncio.run(open_run(_config(model_dir, tmp_path, **over), RecordingConsole()))
 
 
 def test_plan_phase_is_a_pure_function_of_step_and_cursors(tiny_model_dir, tmp_path):
-    from polyrl.rollouts import EnvRuntime, plan_step
+    from polyrl.rl.rollouts import EnvRuntime, plan_step
 
     envs = {"letter": {"type": "test_letter", "num_rollouts": 2, "weight": 3},
             "other": {"type": "test_letter", "num_rollouts": 2}}
@@ -424,12 +424,12 @@ def test_plan_phase_is_a_pure_function_of_step_and_cursors(tiny_model_dir, tmp_p
 
 
 def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_path):
-    from polyrl.rollout_queue import StepBatch
-    from polyrl.rollouts import plan_step, sample_group
-    from polyrl.run import resume_hint
-    from polyrl.step_metrics import step_row, update_metrics
-    from polyrl.train import checkpoint, log_step, take_groups
-    from polyrl.update import StepUpdate, forward_backward, optim_params, optimizer_step, prepare_minibatch
+    from polyrl.rl.rollout_queue import StepBatch
+    from polyrl.rl.rollouts import plan_step, sample_group
+    from polyrl.rl.run import resume_hint
+    from polyrl.rl.step_metrics import step_row, update_metrics
+    from polyrl.rl.train import checkpoint, log_step, take_groups
+    from polyrl.rl.update import StepUpdate, forward_backward, optim_params, optimizer_step, prepare_minibatch
 
     run = _opened(tiny_model_dir, tmp_path, max_steps=4, save_every=2, batch_size=2)
     state = run.state
@@ -499,9 +499,9 @@ def test_rollouts_update_checkpoint_and_log_phases_alone(tiny_model_dir, tmp_pat
 
 def test_steps_without_update_warn_then_stop(tiny_model_dir, tmp_path):
     from polyrl.errors import RunStoppedError
-    from polyrl.run import RunState
-    from polyrl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
-    from polyrl.update import GroupCounts, StepUpdate
+    from polyrl.rl.run import RunState
+    from polyrl.rl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
+    from polyrl.rl.update import GroupCounts, StepUpdate
 
     config, console, state = _config(tiny_model_dir, tmp_path, max_steps=50,
                                      limits={"max_no_update_frac": 0.5}), \
@@ -525,9 +525,9 @@ def test_steps_without_signal_warn_with_their_share_and_stop_only_when_asked(tin
     """Equal rewards everywhere are normal while a model cannot solve a task yet: a sparse-reward run
     (one prompt a step) goes on, warning with the share of such steps; only max_no_signal_frac stops it."""
     from polyrl.errors import RunStoppedError
-    from polyrl.run import RunState
-    from polyrl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
-    from polyrl.update import GroupCounts, StepUpdate
+    from polyrl.rl.run import RunState
+    from polyrl.rl.train import NO_UPDATE_MIN_STEPS, count_step_without_update
+    from polyrl.rl.update import GroupCounts, StepUpdate
 
     group = [Episode("letter", "train", 0, 0), Episode("letter", "train", 0, 0)]
     equal = StepUpdate([group], {"letter": GroupCounts(failed_rollouts=0.0, dropped_groups=0.0,

@@ -1,6 +1,6 @@
-"""Each phase of a training step on its own, without a model: the free functions of polyrl.train,
-polyrl.update, polyrl.step_metrics, polyrl.run, the plan of polyrl.rollouts and the batch of
-polyrl.rollout_queue.
+"""Each phase of a training step on its own, without a model: the free functions of polyrl.rl.train,
+polyrl.rl.update, polyrl.rl.step_metrics, polyrl.rl.run, the plan of polyrl.rl.rollouts and the batch of
+polyrl.rl.rollout_queue.
 
 The training service is a recording fake here -- and only here -- because these test the phases' own
 logic: a training client that records its calls and answers with canned results. Whole runs on the
@@ -15,26 +15,50 @@ import math
 import pytest
 from tinker import types
 
-from polyrl import advantages as adv
 from polyrl.backend import ServiceGuard
-from polyrl.config import TrainConfig
-from polyrl.config_checks import check_config
+from polyrl.config.checks import check_config
+from polyrl.config.schema import TrainConfig
 from polyrl.envs.base import EnvBuilder, register_env
-from polyrl.episode import Episode, finalize_reward
 from polyrl.errors import NonFiniteUpdateError, RunStoppedError
-from polyrl.rollout_queue import DrawPoint, Group, RolloutQueue, StepBatch
-from polyrl.rollouts import EnvRuntime, plan_step, sample_group, stable_seed
-from polyrl.run import Run, RunState, close_run, resume_hint
-from polyrl.scoring import TokenSignals
-from polyrl.step_metrics import (bound_warnings, episode_metrics, kl_metrics, no_update_reason, step_row,
-                                 token_weighted, update_metrics)
+from polyrl.rl import advantages as adv
+from polyrl.rl.episode import Episode, finalize_reward
+from polyrl.rl.rollout_queue import DrawPoint, Group, RolloutQueue, StepBatch
+from polyrl.rl.rollouts import EnvRuntime, plan_step, sample_group, stable_seed
+from polyrl.rl.run import Run, RunState, close_run, optimizer_choice, resume_hint
+from polyrl.rl.scoring import TokenSignals
+from polyrl.rl.step_metrics import (
+    bound_warnings,
+    episode_metrics,
+    kl_metrics,
+    no_update_reason,
+    step_row,
+    token_weighted,
+    update_metrics,
+)
+from polyrl.rl.train import (
+    NO_UPDATE_MIN_STEPS,
+    checkpoint,
+    count_step_without_update,
+    evaluate,
+    log_step,
+    take_groups,
+)
+from polyrl.rl.update import (
+    GroupCounts,
+    Minibatch,
+    Optimized,
+    StepUpdate,
+    filter_groups,
+    first_problem,
+    forward_backward,
+    nonfinite_inputs,
+    optim_params,
+    optimizer_step,
+    prepare_minibatch,
+    refuse_update,
+)
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.train import (NO_UPDATE_MIN_STEPS, checkpoint, count_step_without_update, evaluate, log_step,
-                          take_groups)
-from polyrl.update import (GroupCounts, Minibatch, Optimized, StepUpdate, filter_groups, first_problem,
-                           forward_backward, nonfinite_inputs, optim_params, optimizer_choice, optimizer_step,
-                           prepare_minibatch, refuse_update)
 
 
 # ---------------------------------------------------------------------------- the smallest honest fakes
@@ -441,7 +465,7 @@ def test_log_step_writes_trajectories_and_metrics_then_the_checkpoint_row(tmp_pa
 
 
 def _saved(row):
-    from polyrl.train import Saved
+    from polyrl.rl.train import Saved
 
     return Saved("a sampler", 1, row, 0.0)
 

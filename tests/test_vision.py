@@ -5,8 +5,8 @@ the adapters that pass images through, the visual environment, and ``polyrl play
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import base64
+import dataclasses
 import io
 import json
 import struct
@@ -21,9 +21,9 @@ from tinker import types
 
 from polyrl import images
 from polyrl.envs.base import Env, Observation, StepResult
-from polyrl.episode import Episode, RolloutSettings, run_episode
 from polyrl.errors import UserInputError
 from polyrl.renderers import get_renderer
+from polyrl.rl.episode import Episode, RolloutSettings, run_episode
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_multi_turn_with_images_is_token_exact_and_never_re_renders_an_image(vl_
     assert rendered.tokens == ep.tokens and [s.data for s in rendered.images] == [s.data for s in ep.images]
     assert [int(w) for w in weights] == ep.action_mask
     # its Datum: the ModelInput holds both images, image positions are targets 0, sampled tokens weigh
-    from polyrl.advantages import to_datum
+    from polyrl.rl.advantages import to_datum
 
     ep.turn_advantages = [1.0, 1.0]
     datum = to_datum(ep)
@@ -379,7 +379,7 @@ class BadPicture(Env):
 
 @pytest.mark.parametrize("name", ["1 GB PNG header", "50,000 x 50,000", "0x0", "truncated JPEG"])
 def test_a_bad_image_fails_its_episode_with_one_line_before_anything_is_sampled(vl_tokenizer, name):
-    from polyrl.rollouts import run_group
+    from polyrl.rl.rollouts import run_group
 
     value, needle = BAD_IMAGES[name]
     sampler = ReplySampler(vl_tokenizer, ["x"])
@@ -400,7 +400,7 @@ def test_a_bad_image_fails_its_episode_with_one_line_before_anything_is_sampled(
 
 
 def test_trajectories_store_each_image_once_and_refer_to_it(vl_tokenizer, tmp_path):
-    from polyrl.step_metrics import episode_row
+    from polyrl.rl.step_metrics import episode_row
     from polyrl.tracking.files import RunFiles
 
     renderer = vl_renderer(vl_tokenizer)
@@ -468,9 +468,10 @@ def test_the_visual_environment_draws_tasks_deterministically_and_holds_out_its_
 
 
 def test_playing_the_visual_environment_shows_the_image_path_and_size(tiny_vl_dir, tmp_path, capsys):
+    from test_export_chat_play import Typed, _play_args
+
     from polyrl.envs.builtin.visual import VisualBuilder
     from polyrl.interactive import Screen, run_play
-    from test_export_chat_play import Typed, _play_args
 
     answer = VisualBuilder({}, seed=0).task("train", 2).answer
     typed = Typed(f"\\boxed{{{answer}}}")
@@ -485,8 +486,9 @@ def test_playing_the_visual_environment_shows_the_image_path_and_size(tiny_vl_di
 
 
 def test_chat_attaches_an_image_with_slash_image(vl_tokenizer, tmp_path):
-    from polyrl.interactive import Screen, chat_loop
     from test_export_chat_play import Typed
+
+    from polyrl.interactive import Screen, chat_loop
 
     Image.new("RGB", (64, 64), (255, 0, 0)).save(tmp_path / "red.png")
     renderer = vl_renderer(vl_tokenizer)

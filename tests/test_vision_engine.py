@@ -16,10 +16,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tinker import types
-
-from polyrl import images
-from polyrl.local import ServiceClient
 from test_local_engine import (
     LOSS_NAMES,
     adam,
@@ -33,6 +29,10 @@ from test_local_engine import (
     take_grads,
     with_inputs,
 )
+from tinker import types
+
+from polyrl import images
+from polyrl.local import ServiceClient
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]

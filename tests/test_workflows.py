@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from tinker import types
 
-from polyrl import advantages as adv
-from polyrl.config import ConfigError, EnvConfig, TrainConfig
-from polyrl.config_files import load_config
-from polyrl.episode import Episode
+from polyrl.config.files import load_config
+from polyrl.config.schema import ConfigError, EnvConfig, TrainConfig
 from polyrl.renderers import get_renderer
-from polyrl.rollouts import EnvRuntime, run_group, split_roles
+from polyrl.rl import advantages as adv
+from polyrl.rl.episode import Episode
+from polyrl.rl.rollouts import EnvRuntime, run_group, split_roles
 
 
 class _Policy:
@@ -136,8 +136,8 @@ def test_workflow_config_errors():
 
 @pytest.mark.slow
 def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
     from polyrl.tracking.console import ConsoleLog
-    from polyrl.train import train
 
     cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=8,
                       save_every=0, log_path=str(tmp_path / "run"),

@@ -29,14 +29,14 @@ def translate_run(config_path: str | None, arguments: list[str]) -> Translation 
     Minds RL config at ``config_path``; None for polyrl's own configs."""
     if arguments:
         from polyrl.compat import gem_cli
-        from polyrl.config import ConfigError
+        from polyrl.config.schema import ConfigError
 
         if config_path:
             raise ConfigError("give either GEM trainer arguments (key=value) or --config_path, not both")
         return gem_cli.translate(arguments)
     if config_path:
         from polyrl.compat import minds_rl
-        from polyrl.config_files import read_config_file
+        from polyrl.config.files import read_config_file
 
         raw = read_config_file(config_path)
         if minds_rl.is_minds_config(raw):

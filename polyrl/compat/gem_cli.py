@@ -42,8 +42,8 @@ import re
 from typing import Any
 
 from polyrl.compat import Translation
-from polyrl.config import ConfigError
-from polyrl.config_files import parse_scalar, set_dotted
+from polyrl.config.files import parse_scalar, set_dotted
+from polyrl.config.schema import ConfigError
 
 DEFAULTS: dict[str, Any] = {  # tinker_train.Config
     "model_name": "Qwen/Qwen3-8B-Base", "batch_size": 128, "learning_rate": 4e-5, "lora_rank": 32,

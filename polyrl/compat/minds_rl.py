@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.compat import Translation
-from polyrl.config import ConfigError
-from polyrl.config_files import set_dotted
+from polyrl.config.files import set_dotted
+from polyrl.config.schema import ConfigError
 
 SECTIONS = ("env", "envs", "trainer", "model", "tinker", "inference")
 _TRAINER_KEYS = {

@@ -32,12 +32,9 @@ import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from polyrl.aio import in_daemon_thread
-
-if TYPE_CHECKING:  # polyrl.episode builds on this module
-    from polyrl.episode import Episode, RolloutContext
 
 Message = dict[str, Any]
 ToolSpec = dict[str, Any]
@@ -60,7 +57,7 @@ class StepResult:
     averaged per environment in the step's metrics row. A final-step ``success`` (0/1) is the
     environment's verdict on the episode; without one, the episode succeeded when its total reward is
     at least 1.0 (full marks). An entry's ``success_threshold`` replaces both: success is then
-    ``total reward >= success_threshold`` (see :func:`polyrl.episode.finalize_reward`).
+    ``total reward >= success_threshold`` (see :func:`polyrl.rl.episode.finalize_reward`).
     """
 
     messages: list[Message] = field(default_factory=list)
@@ -148,11 +145,12 @@ class EnvBuilder(ABC):
         """An expert conversation for task ``index`` (for ``polyrl sft`` warm starts), or ``None``."""
         return None
 
-    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
+    async def rollout(self, ctx: Any) -> list[Any]:
         """Drive the model yourself instead of through ``make``/``step``: multi-agent workflows and
-        frameworks that run their own conversation loop override this. ``ctx`` is a
-        :class:`polyrl.episode.RolloutContext` (sampler, renderer, settings, seed, task). Return the
-        :class:`polyrl.episode.Episode` objects of ONE rollout, one per role (``episode.role``),
+        frameworks that run their own conversation loop override this (typed there: the episode
+        machinery builds on this module, so it is not named here). ``ctx`` is a
+        :class:`polyrl.rl.episode.RolloutContext` (sampler, renderer, settings, seed, task). Return the
+        :class:`polyrl.rl.episode.Episode` objects of ONE rollout, one per role (``episode.role``),
         each with its tokens, logprobs, action mask and final ``reward``; advantages are computed
         per role within the group. Raising counts as one failing rollout."""
         raise NotImplementedError

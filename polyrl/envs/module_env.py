@@ -37,7 +37,7 @@ Reward functions (sync or async) are called with the keyword arguments they acce
 ``split`` and ``sampling_client`` (anything, if they take ``**kwargs``). An optional ``success``
 function on the object, called the same way, gives the environment's verdict on the reply (logged as
 the ``success`` metric); without one, success is judged from the reward (see
-:func:`polyrl.episode.finalize_reward`).
+:func:`polyrl.rl.episode.finalize_reward`).
 
 **Demonstrations** (for ``polyrl sft`` warm starts): a dataset row's ``completion`` (the expert's reply:
 a string, or assistant messages) is its demonstration; either kind of object may define
@@ -76,9 +76,9 @@ from types import ModuleType
 from typing import Any, Callable
 
 from polyrl.envs.base import Env, EnvBuilder, Message, Observation, StepResult, call_env, register_env
-from polyrl.episode import Episode, RolloutContext, run_episode
 from polyrl.errors import UserInputError
 from polyrl.renderers.base import message_text
+from polyrl.rl.episode import Episode, RolloutContext, run_episode
 
 logger = logging.getLogger(__name__)
 

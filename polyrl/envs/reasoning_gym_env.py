@@ -43,8 +43,16 @@ import re
 from typing import Any
 
 from polyrl.envs.answers import boxed_contents
-from polyrl.envs.base import (Env, EnvBuilder, Message, Observation, StepResult, ToolSpec,
-                               parse_prefixed_type, register_env)
+from polyrl.envs.base import (
+    Env,
+    EnvBuilder,
+    Message,
+    Observation,
+    StepResult,
+    ToolSpec,
+    parse_prefixed_type,
+    register_env,
+)
 from polyrl.envs.global_rng import PrivateGlobalRng, as_reward
 
 _ARGS = ("config", "answer_extraction", "answer_tag", "answer_regex", "system_prompt", "train_size",

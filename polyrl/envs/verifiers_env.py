@@ -27,8 +27,8 @@ from typing import Any
 
 from polyrl.envs.base import EnvBuilder, register_env
 from polyrl.envs.module_env import check_load_environment, import_target
-from polyrl.episode import Episode, RolloutContext, SamplerError, finalize_reward
 from polyrl.openai_server import OpenAIServer, incoming_message
+from polyrl.rl.episode import Episode, RolloutContext, SamplerError, finalize_reward
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,13 @@ from polyrl.errors import NonFiniteUpdateError
 from polyrl.local import losses
 from polyrl.local.allocator import heap_for_the_pass, return_large_blocks_to_the_os
 from polyrl.local.checkpoints import (
-    CheckpointPath, CheckpointRequestError, Store, age_recipients, check_name, check_ttl, encrypt_files,
+    CheckpointPath,
+    CheckpointRequestError,
+    Store,
+    age_recipients,
+    check_name,
+    check_ttl,
+    encrypt_files,
 )
 from polyrl.local.compute import packed_logprobs
 from polyrl.local.datums import PreparedDatum, batch_loss, prepare_datum, reduce_metrics

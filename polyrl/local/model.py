@@ -24,14 +24,30 @@ from typing import Iterator
 
 import torch
 
-from polyrl.local.attention import (FLOAT32_ATTENTION, PLAN, TREE_ATTENTION, AttentionPlan,
-                                    register_float32_attention, register_tree_attention,
-                                    supports_tree_attention)
-from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
-from polyrl.local.sampler_copy import (DTYPES, MergeTarget, SamplerCopy, describe, env_dtype, fast_bfloat16,
-                                       float_logits, no_room, select_sampler_dtype, wants_copy)
-from polyrl.local.vision import Vision, is_vision_config
 from polyrl.errors import UserInputError
+from polyrl.local.attention import (
+    FLOAT32_ATTENTION,
+    PLAN,
+    TREE_ATTENTION,
+    AttentionPlan,
+    register_float32_attention,
+    register_tree_attention,
+    supports_tree_attention,
+)
+from polyrl.local.packing import DEFAULT_LINEAR_PER_PAIR
+from polyrl.local.sampler_copy import (
+    DTYPES,
+    MergeTarget,
+    SamplerCopy,
+    describe,
+    env_dtype,
+    fast_bfloat16,
+    float_logits,
+    no_room,
+    select_sampler_dtype,
+    wants_copy,
+)
+from polyrl.local.vision import Vision, is_vision_config
 from polyrl.models import check_hub_model, resolve_model_path
 
 LORA_ALPHA = 32

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
+from polyrl.config.schema import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.local.attention import AttentionPlan, plan
 
 # Cost of a token in the linear layers, in units of one query-key pair of attention, when a model

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from polyrl.config import ConfigProblems, TrainConfig, move_renamed_keys
+from polyrl.config.schema import ConfigProblems, TrainConfig, move_renamed_keys
 
 _NO_DEFAULT = object()  # a required field, or a key the schema does not know: always listed
 

@@ -2,7 +2,7 @@
 held-out scores at the first and the last evaluation, wall time, steps done; per environment) and
 banners for a run that stopped learning (steps that made no update, updates refused as non-finite,
 episodes cut at ``max_tokens``). Pure functions of the metric table (:func:`polyrl.report.data.metric_table`)
-and the run's config; the metric names are those of :mod:`polyrl.step_metrics`.
+and the run's config; the metric names are those of :mod:`polyrl.rl.step_metrics`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import hmac
 import logging
 
 import h11
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from polyrl.config import DEFAULT_MICRO_BATCH_TOKENS
+from polyrl.config.schema import DEFAULT_MICRO_BATCH_TOKENS
 from polyrl.errors import UserInputError
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 
 def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
-    from polyrl.config import LocalEngineConfig
+    from polyrl.config.schema import LocalEngineConfig
     from polyrl.errors import UserInputError
     from polyrl.serve.server import ServeConfig
 

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from polyrl.config import LocalEngineConfig
+from polyrl.config.schema import LocalEngineConfig
 from polyrl.local.engine import Engine
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
 from polyrl.serve import protocol as P

@@ -34,7 +34,7 @@ from typing import Any
 from polyrl.envs.answers import answer_value
 from polyrl.envs.base import EnvBuilder, Message, ToolSpec, register_env
 from polyrl.envs.builtin.countdown import CountdownBuilder, CountdownEnv, countdown_expression
-from polyrl.episode import Episode, RolloutContext
+from polyrl.rl.episode import Episode, RolloutContext
 
 _ARGS = ("num_solvers", "task", "task_args", "judge_sees", "max_candidate_chars", "solver_max_tokens",
          "judge_max_tokens")

@@ -10,8 +10,14 @@ from dataclasses import dataclass
 
 from polyrl.envs.answers import answer_value, same_number
 from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env
-from polyrl.envs.builtin.base import (BuiltinBuilder, Policy, SyncEnv, assistant_message, demonstrate,
-                                      user_message)
+from polyrl.envs.builtin.base import (
+    BuiltinBuilder,
+    Policy,
+    SyncEnv,
+    assistant_message,
+    demonstrate,
+    user_message,
+)
 from polyrl.renderers.base import message_text
 
 

@@ -14,10 +14,15 @@ from typing import Any
 
 from polyrl.envs.answers import ExpressionError, answer_value, evaluate_expression, same_number
 from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env, tool_message
-from polyrl.envs.builtin.base import (BuiltinBuilder, Policy, SyncEnv, assistant_message, demonstrate,
-                                      user_message)
+from polyrl.envs.builtin.base import (
+    BuiltinBuilder,
+    Policy,
+    SyncEnv,
+    assistant_message,
+    demonstrate,
+    user_message,
+)
 from polyrl.renderers.base import message_text
-
 
 CALCULATOR_TOOL: ToolSpec = {
     "type": "function",

@@ -17,10 +17,15 @@ from typing import Union
 
 from polyrl.envs.answers import ExpressionError, boxed_contents, evaluate_expression
 from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env
-from polyrl.envs.builtin.base import (BuiltinBuilder, Policy, SyncEnv, assistant_message, demonstrate,
-                                      user_message)
+from polyrl.envs.builtin.base import (
+    BuiltinBuilder,
+    Policy,
+    SyncEnv,
+    assistant_message,
+    demonstrate,
+    user_message,
+)
 from polyrl.renderers.base import message_text
-
 
 Tree = Union[int, tuple[str, "Tree", "Tree"]]
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from polyrl.envs.answers import answer_value, same_number
 from polyrl.envs.base import Message, Observation, StepResult, ToolSpec, register_env
-from polyrl.envs.builtin.base import (BuiltinBuilder, Policy, SyncEnv, assistant_message, demonstrate,
-                                      user_message)
+from polyrl.envs.builtin.base import (
+    BuiltinBuilder,
+    Policy,
+    SyncEnv,
+    assistant_message,
+    demonstrate,
+    user_message,
+)
 from polyrl.renderers.base import message_text
-
 
 _HIGHER, _LOWER, _UNPARSEABLE = "Higher.", "Lower.", "Reply with one number."
 

@@ -3,7 +3,7 @@ arguments (the environment registry), the names of registered parts (losses, adv
 renderers: the fields :class:`polyrl.config.Registered` marks) and the settings their registrations
 declare, local model directories and optional packages.
 
-:func:`polyrl.config_files.load_config` runs them after validation; anything else that builds a config
+:func:`polyrl.config.files.load_config` runs them after validation; anything else that builds a config
 for a run (the quickstart, tests) calls :func:`check_config` itself.
 """
 
@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from polyrl import registries
-from polyrl.config import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
-from polyrl.config_errors import problems_line
+from polyrl.config.errors import problems_line
+from polyrl.config.schema import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
 from polyrl.envs import registry
 from polyrl.models import resolve_model_path
 from polyrl.optim_ranges import LOSS_CONFIG, range_problems

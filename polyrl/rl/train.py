@@ -1,18 +1,18 @@
 """``polyrl train``: RL fine-tuning on many environments at once.
 
 :func:`train_step` is one step, top to bottom; :func:`train_async` opens the run
-(:func:`polyrl.run.open_run`), runs its steps and closes it. A step:
+(:func:`polyrl.rl.run.open_run`), runs its steps and closes it. A step:
 
-- takes its batch from the rollout queue (:mod:`polyrl.rollout_queue`) as its groups finish; the
+- takes its batch from the rollout queue (:mod:`polyrl.rl.rollout_queue`) as its groups finish; the
   queue samples each planned group with the newest sampler, up to ``max_steps_off_policy`` steps
   ahead of training (0: the synchronous loop);
 - prepares each minibatch of groups as it arrives (failure budgets, advantages, the KL penalty's and
   the distillation teacher's per-token terms, Datums) and sends it to ``forward_backward`` (the whole
   batch is one minibatch unless ``stream_minibatches``), then applies one ``optim_step`` once every
-  loss came back finite (:mod:`polyrl.update`);
+  loss came back finite (:mod:`polyrl.rl.update`);
 - makes the sampler for the next groups, saves a checkpoint when one is due, evaluates on the test
   splits when due, and hands the queue the new sampler with the slots of the groups it trained;
-- logs its metrics row, trajectories and checkpoint row (:mod:`polyrl.step_metrics`), and stops the
+- logs its metrics row, trajectories and checkpoint row (:mod:`polyrl.rl.step_metrics`), and stops the
   run when too many steps made no update because groups failed (or, when asked, for want of a
   learning signal).
 
@@ -29,7 +29,7 @@ Conventions: names on the training path carry their shape as a suffix, as in tin
 ``_G`` one entry per group of the batch (``episodes_G``: ``list[list[Episode]]``, one list of episodes
 per group), ``_D`` one per Datum (``data_D``, ``episodes_D``: the episodes trained, one Datum each),
 ``_T`` one per token of a sequence, ``_P`` one per entry of a step's plan (``plan_P``: ``(environment,
-task)``). ``groups`` without a suffix are :class:`polyrl.rollout_queue.Group` records (episodes plus
+task)``). ``groups`` without a suffix are :class:`polyrl.rl.rollout_queue.Group` records (episodes plus
 where they were drawn and which sampler sampled them).
 """
 
@@ -40,22 +40,30 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from polyrl.config_checks import check_config
+from polyrl.config.checks import check_config
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.report import refresh_for_training
-from polyrl.rollout_queue import StepBatch
-from polyrl.run import Run, RunState, close_run, open_run, reopen_run, resume_hint
-from polyrl.step_metrics import bound_warnings, episode_row, no_update_reason, step_row, update_metrics
-from polyrl.update import (Minibatch, StepUpdate, first_problem, forward_backward, optim_params,
-                           optimizer_step, prepare_minibatch, refuse_update, sampler_options)
+from polyrl.rl.rollout_queue import StepBatch
+from polyrl.rl.run import Run, RunState, close_run, open_run, reopen_run, resume_hint, sampler_options
+from polyrl.rl.step_metrics import bound_warnings, episode_row, no_update_reason, step_row, update_metrics
+from polyrl.rl.update import (
+    Minibatch,
+    StepUpdate,
+    first_problem,
+    forward_backward,
+    optim_params,
+    optimizer_step,
+    prepare_minibatch,
+    refuse_update,
+)
 
 if TYPE_CHECKING:
     from tinker import types
 
     from polyrl.clients import Future, SamplingClient
-    from polyrl.config import TrainConfig
-    from polyrl.episode import Episode
+    from polyrl.config.schema import TrainConfig
+    from polyrl.rl.episode import Episode
     from polyrl.tracking.console import ConsoleLog
 
 NO_UPDATE_MIN_STEPS = 10  # max_no_update_frac is judged once this many steps ran (shorter runs only warn)

@@ -20,10 +20,10 @@ from typing import Callable, Protocol
 
 from tinker import types
 
-from polyrl.episode import Episode
 from polyrl.errors import RunStoppedError
 from polyrl.images import next_token_inputs
 from polyrl.local import losses
+from polyrl.rl.episode import Episode
 
 #: Per group, per episode, one advantage per sampled turn.
 Advantages = list[list[list[float]]]
@@ -146,7 +146,7 @@ def rebn(episodes_G: list[list[Episode]], *, gamma: float, normalize_by_std: boo
 
 def turn_rewards(ep: Episode) -> list[float]:
     """One reward per sampled turn, adding up to ``ep.reward``: the rollout's ``turn_rewards`` (see
-    :func:`polyrl.episode.finalize_reward`), else the step rewards; whatever the episode's reward
+    :func:`polyrl.rl.episode.finalize_reward`), else the step rewards; whatever the episode's reward
     adds beyond them (a workflow that sets the reward itself) lands on the last turn."""
     source = ep.turn_rewards if ep.turn_rewards is not None else ep.step_rewards
     rewards = list(source[: ep.num_turns]) + [0.0] * max(0, ep.num_turns - len(source))

@@ -25,19 +25,19 @@ import torch
 from tinker import types
 from tinker.types.optimizer import OptimParamsBase
 
-from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard, make_rest_client, update_refused
-from polyrl.config import TrainConfig, scheduled_lr
-from polyrl.episode import Episode
+from polyrl.config.schema import TrainConfig, scheduled_lr
 from polyrl.errors import RunStoppedError
 from polyrl.local import losses
 from polyrl.local.datums import reduce_metrics
-from polyrl.rollouts import EnvRuntime, split_roles
-from polyrl.scoring import TokenSignals
+from polyrl.rl import advantages as adv_lib
+from polyrl.rl.episode import Episode
+from polyrl.rl.rollouts import EnvRuntime, split_roles
+from polyrl.rl.scoring import TokenSignals
 
 if TYPE_CHECKING:
     from polyrl.clients import Future, OptimParams, TrainingClient
-    from polyrl.run import Run
+    from polyrl.rl.run import Run
 
 FLOAT32_MAX = 3.4028234663852886e38  # Datum inputs travel as float32: anything larger becomes inf
 
@@ -254,17 +254,6 @@ def optim_params(config: TrainConfig, step: int) -> OptimParams:
     return types.AdamParams(learning_rate=lr, beta1=optimizer.beta1, beta2=optimizer.beta2,
                             eps=optimizer.eps, weight_decay=optimizer.weight_decay,
                             grad_clip_norm=optimizer.grad_clip_norm)
-
-
-def sampler_options(config: TrainConfig) -> dict:
-    """How the run's samplers are made: a loss that trains on what the service recorded of each sampled
-    sequence (stable_reinforce) needs them to record it."""
-    return {"record_stability_info": True} if adv_lib.needs_provenance(config.loss_fn) else {}
-
-
-def optimizer_choice(config: TrainConfig) -> dict:
-    """The ``optimizer=`` a new training client is created with (Tinker fixes it for the client's life)."""
-    return {"optimizer": types.DimuonOptimizerConfig()} if config.optimizer.type == "dimuon" else {}
 
 
 def nonfinite_loss(results: list[types.ForwardBackwardOutput]) -> str | None:

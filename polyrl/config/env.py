@@ -1,7 +1,7 @@
 """The schema of one ``environments`` entry of a run config: an environment type, its task splits and
 its sampling and reward settings (used by ``polyrl train``, ``sft``, ``eval`` and ``play``).
 
-A leaf like :mod:`polyrl.config`, which re-exports these names.
+A leaf like :mod:`polyrl.config.schema`, which re-exports these names.
 """
 
 from __future__ import annotations

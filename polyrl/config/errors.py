@@ -9,7 +9,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from polyrl.config import ConfigProblems
+from polyrl.config.schema import ConfigProblems
 from polyrl.optim_ranges import number
 from polyrl.secrets import redact_text
 

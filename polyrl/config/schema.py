@@ -7,10 +7,10 @@ specific to one backend lives in a sub-model (``local:``, ``kl:``, ``off_policy:
 :class:`RenamedKeys` moves each to its new place and records one warning line per key.
 
 This module is a leaf: it imports nothing of polyrl above :mod:`polyrl.errors`, :mod:`polyrl.secrets` and
-:mod:`polyrl.optim_ranges` (and the environment entry's schema, :mod:`polyrl.config_env`). Reading files
-and overrides is :mod:`polyrl.config_files`, checks that need environments, renderers or model directories are
-:mod:`polyrl.config_checks`, one-line errors :mod:`polyrl.config_errors` and the ``--help-config``
-text :mod:`polyrl.config_reference`.
+:mod:`polyrl.optim_ranges` (and the environment entry's schema, :mod:`polyrl.config.env`). Reading files
+and overrides is :mod:`polyrl.config.files`, checks that need environments, renderers or model directories are
+:mod:`polyrl.config.checks`, one-line errors :mod:`polyrl.config.errors` and the ``--help-config``
+text :mod:`polyrl.config.reference`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from polyrl.config_env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
+from polyrl.config.env import MAX_EPISODES_PER_STEP, EnvConfig, SplitConfig, SplitName  # noqa: F401
 from polyrl.errors import UserInputError
 from polyrl.optim_ranges import LEARNING_RATE, optimizer_problems, range_problems
 from polyrl.secrets import redact_config
@@ -53,7 +53,7 @@ def scheduled_lr(learning_rate: float, schedule: LrSchedule, step: int, max_step
 @dataclass(frozen=True)
 class Registered:
     """Marks a ``str`` field naming a registered part (``kind``: 'loss', 'estimator' or 'renderer'). Its
-    registry, not this schema, holds the choices: :mod:`polyrl.config_checks` checks the name against it
+    registry, not this schema, holds the choices: :mod:`polyrl.config.checks` checks the name against it
     (and the part's settings against what its registration declares), ``--help-config`` lists them."""
 
     kind: str
@@ -546,7 +546,7 @@ class TrainConfig(PolicyConfig):
 
     def _loss_problems(self) -> list[tuple[str, str]]:
         """A learning rate past the engine's range (the loss and its ``loss_fn_config`` are checked against
-        the loss's registration by :mod:`polyrl.config_checks`)."""
+        the loss's registration by :mod:`polyrl.config.checks`)."""
         return range_problems({"learning_rate": self.learning_rate}, {"learning_rate": LEARNING_RATE})
 
     def _batch_problems(self) -> list[tuple[str, str]]:

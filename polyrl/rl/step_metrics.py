@@ -1,7 +1,7 @@
 """What a step reports: its metrics row, its trajectory rows, and the reason it trained nothing.
 
 Pure functions of the step's values (its batch, its update, its checkpoint and evaluation); writing
-them is :func:`polyrl.train.log_step`'s job. Metric names are fixed: ``reward/mean``,
+them is :func:`polyrl.rl.train.log_step`'s job. Metric names are fixed: ``reward/mean``,
 ``optim/kl_sample_train_v1``, ``env/<name>/...`` and so on (docs/guides/runs.md lists them).
 """
 
@@ -11,15 +11,15 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable
 
-from polyrl.episode import Episode, ObservationTooLarge, RewardOutOfBounds
-from polyrl.rollout_queue import Group, StepBatch
-from polyrl.update import GroupCounts, Minibatch, Optimized, StepUpdate
+from polyrl.rl.episode import Episode, ObservationTooLarge, RewardOutOfBounds
+from polyrl.rl.rollout_queue import Group, StepBatch
+from polyrl.rl.update import GroupCounts, Minibatch, Optimized, StepUpdate
 
 if TYPE_CHECKING:
     from tinker import types
 
     from polyrl.clients import OptimParams, Tokenizer
-    from polyrl.config import TrainConfig
+    from polyrl.config.schema import TrainConfig
 
 
 def update_metrics(params: OptimParams, minibatches: list[Minibatch],

@@ -3,7 +3,7 @@
 :class:`Run` holds what a run works with -- its config, console and files, the environments, the
 training service and its clients, the rollout queue, the per-token signals' scorers, the trackers --
 and :class:`RunState`, where the run stands. It holds no step's data: each step's values flow through
-the functions of :mod:`polyrl.train` and :mod:`polyrl.update`.
+the functions of :mod:`polyrl.rl.train` and :mod:`polyrl.rl.update`.
 
 Opening continues the run in ``log_path`` from its last checkpoint row if it has one (a relaunch
 always continues its own run), else warm starts from ``resume_from``, else starts fresh. When a
@@ -17,17 +17,19 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+from tinker import types
+
 from polyrl.backend import ServiceGuard, finish_session, make_rest_client, sampler_precision, service_url
-from polyrl.config import ConfigError, TrainConfig
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
-from polyrl.policy import open_policy
 from polyrl.renderers.base import Renderer
-from polyrl.rollout_queue import DrawPoint, RolloutQueue
-from polyrl.rollouts import EnvRuntime, plan_step, rollout_bounds, sample_group
-from polyrl.scoring import TokenSignals
+from polyrl.rl import advantages as adv_lib
+from polyrl.rl.policy import open_policy
+from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
+from polyrl.rl.rollouts import EnvRuntime, plan_step, rollout_bounds, sample_group
+from polyrl.rl.scoring import TokenSignals
 from polyrl.tracking.console import ConsoleLog
 from polyrl.tracking.files import RunFiles
-from polyrl.update import optimizer_choice, sampler_options
 
 if TYPE_CHECKING:
     from polyrl.clients import ServiceClient, Tokenizer, TrainingClient
@@ -42,7 +44,7 @@ class RunState:
 
     step: int = 0
     cursors: dict[str, int] = field(default_factory=dict)  # data cursors before the plan of draw_step
-    draw_step: int = 0  # the first plan step with a group not trained yet (see polyrl.rollout_queue)
+    draw_step: int = 0  # the first plan step with a group not trained yet (see polyrl.rl.rollout_queue)
     consumed: list[tuple[int, int]] = field(default_factory=list)  # groups from there on trained or dropped
     wandb_run_id: str | None = None
     checkpoint: str | None = None  # state path of the last logged checkpoint
@@ -268,3 +270,14 @@ async def close_environments(runtimes: dict[str, EnvRuntime], console: ConsoleLo
             await rt.builder.aclose()
         except Exception as exc:  # noqa: BLE001
             console.warn(f"closing environment {rt.name} failed: {exc}")
+
+
+def sampler_options(config: TrainConfig) -> dict:
+    """How the run's samplers are made: a loss that trains on what the service recorded of each sampled
+    sequence (stable_reinforce) needs them to record it."""
+    return {"record_stability_info": True} if adv_lib.needs_provenance(config.loss_fn) else {}
+
+
+def optimizer_choice(config: TrainConfig) -> dict:
+    """The ``optimizer=`` a new training client is created with (Tinker fixes it for the client's life)."""
+    return {"optimizer": types.DimuonOptimizerConfig()} if config.optimizer.type == "dimuon" else {}

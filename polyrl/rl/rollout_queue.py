@@ -1,10 +1,10 @@
 """The bounded queue between sampling and training.
 
 Groups are drawn in plan order (plan step by plan step, each step's groups in their planned order,
-see :func:`polyrl.rollouts.plan_step`) and each is started as soon as a slot is free; the trainer takes
+see :func:`polyrl.rl.rollouts.plan_step`) and each is started as soon as a slot is free; the trainer takes
 finished groups into its step's :class:`StepBatch`, the stalest first, and releases their slots together
 with the sampler of the weights they trained. Every episode samples through the queue's
-:class:`~polyrl.episode.SamplerRef`, which the release swaps: each turn (and each ``chunk_tokens`` of a
+:class:`~polyrl.rl.episode.SamplerRef`, which the release swaps: each turn (and each ``chunk_tokens`` of a
 long turn) is sampled by the newest weights, and each token records its sampler step (partial rollouts).
 A group's sampler step is that of the oldest token its episodes sampled. ``capacity`` bounds the groups
 started but not yet trained on:
@@ -29,7 +29,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from polyrl.episode import Episode, SamplerRef
+from polyrl.rl.episode import Episode, SamplerRef
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient

@@ -2,8 +2,8 @@
 
 ``load_config("run.yaml", ["batch_size=64", "environments.arithmetic.num_rollouts=8"])`` reads the
 file (format by extension), applies each ``key.path=value`` override (value parsed as YAML), loads
-``.env``, validates against the schema (:mod:`polyrl.config`) and runs the checks that need
-environments, renderers and models (:mod:`polyrl.config_checks`). Every problem -- unknown key, wrong
+``.env``, validates against the schema (:mod:`polyrl.config.schema`) and runs the checks that need
+environments, renderers and models (:mod:`polyrl.config.checks`). Every problem -- unknown key, wrong
 type, impossible combination -- comes back as one :class:`ConfigError` line naming the dotted key.
 """
 
@@ -20,9 +20,9 @@ import yaml
 from dotenv import load_dotenv
 from pydantic import ValidationError
 
-from polyrl.config import ConfigError, PolicyConfig, TrainConfig
-from polyrl.config_checks import check_config
-from polyrl.config_errors import format_validation_error, one_line
+from polyrl.config.checks import check_config
+from polyrl.config.errors import format_validation_error, one_line
+from polyrl.config.schema import ConfigError, PolicyConfig, TrainConfig
 from polyrl.secrets import redact_text
 
 if sys.version_info >= (3, 11):

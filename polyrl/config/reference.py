@@ -12,9 +12,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from polyrl.config import TrainConfig
-from polyrl.config_checks import registered_kind, registered_names
-from polyrl.config_errors import is_model, strip_optional
+from polyrl.config.checks import registered_kind, registered_names
+from polyrl.config.errors import is_model, strip_optional
+from polyrl.config.schema import TrainConfig
 
 
 def config_reference(model: type[BaseModel] = TrainConfig) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from polyrl.backend import make_service_client
-from polyrl.config import LocalEngineConfig, PolicyConfig
+from polyrl.config.schema import LocalEngineConfig, PolicyConfig
 from polyrl.errors import UserInputError
 from polyrl.local.checkpoints import CheckpointPath, Store
 from polyrl.renderers import Renderer, resolve_renderer

@@ -4,7 +4,7 @@ on-policy distillation teacher.
 Each is a ``SamplingClient`` of the run's own service, asked for ``compute_logprobs`` of every
 episode's whole token sequence -- one Tinker client call, so it works the same on the local engine,
 through ``polyrl serve`` and on hosted Tinker. What the logprobs become (per-token advantage terms)
-is :mod:`polyrl.advantages`' job; this module opens the samplers, checks they read the same token ids
+is :mod:`polyrl.rl.advantages`' job; this module opens the samplers, checks they read the same token ids
 as the policy, and asks them.
 """
 
@@ -14,11 +14,11 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from polyrl import advantages as adv_lib
 from polyrl.backend import ServiceGuard
-from polyrl.config import ConfigError, TrainConfig
+from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.errors import UserInputError
-from polyrl.episode import Episode, SamplerError
+from polyrl.rl import advantages as adv_lib
+from polyrl.rl.episode import Episode, SamplerError
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient, ServiceClient, Tokenizer

@@ -1,9 +1,9 @@
 """Running groups of episodes against a sampling client.
 
-One episode is :mod:`polyrl.episode`'s job (its record, its context and :func:`run_episode`); this
+One episode is :mod:`polyrl.rl.episode`'s job (its record, its context and :func:`run_episode`); this
 module runs them by the group. :class:`EnvRuntime` is one configured environment (builder, settings,
 task order); :func:`collect_group` runs one planned group (training draws them one by one, see
-:mod:`polyrl.rollout_queue`); :func:`collect_groups` runs a whole plan at once (evaluation).
+:mod:`polyrl.rl.rollout_queue`); :func:`collect_groups` runs a whole plan at once (evaluation).
 :func:`plan_step` is which environment and task each group of a training step draws, and
 :func:`sample_group` runs one group of that plan.
 """
@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from polyrl.config import EnvConfig
-from polyrl.config_env import SplitName
+from polyrl.config.env import SplitName
+from polyrl.config.schema import EnvConfig
 from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.episode import (
+from polyrl.errors import ServiceLostError
+from polyrl.renderers.base import Renderer
+from polyrl.rl.episode import (
     Episode,
     RolloutContext,
     RolloutSettings,
@@ -32,8 +34,6 @@ from polyrl.episode import (
     check_rewards,
     run_episode,
 )
-from polyrl.errors import ServiceLostError
-from polyrl.renderers.base import Renderer
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient

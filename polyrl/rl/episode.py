@@ -20,7 +20,7 @@ file the run stores it in once), so nothing downstream holds pixels or base64.
 This module sits just above the environment interface (:mod:`polyrl.envs.base`), so environments
 that drive their own rollouts (``EnvBuilder.rollout``) import what they need from it at the top:
 :class:`Episode`, the :class:`RolloutContext` they are given, :func:`run_episode` and
-:func:`finalize_reward`. Groups of episodes and the training plan are :mod:`polyrl.rollouts`' job.
+:func:`finalize_reward`. Groups of episodes and the training plan are :mod:`polyrl.rl.rollouts`' job.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl import images
 from polyrl.backend import service_lost
-from polyrl.config import (
+from polyrl.config.schema import (
     DEFAULT_MAX_ABS_REWARD,
     DEFAULT_MAX_OBSERVATION_BYTES,
     DEFAULT_MAX_OBSERVATION_TOKENS,
@@ -99,7 +99,7 @@ class Episode:
     duration_s: float = 0.0
     turn_rewards: list[float] | None = None  # per-turn shares of ``reward`` (see finalize_reward)
     # the advantage of each sampled turn this episode was trained with: recorded once by the training
-    # step (polyrl.update) for its Datum and the trajectory log; the estimators return them as values
+    # step (polyrl.rl.update) for its Datum and the trajectory log; the estimators return them as values
     turn_advantages: list[float] = field(default_factory=list)
 
     @property
