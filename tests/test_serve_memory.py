@@ -58,10 +58,12 @@ def test_rss_returns_near_its_start_after_sessions_come_and_go(base_model_dir, t
     try:
         _round(served.url, base_model_dir, RANK)  # warm-up: code paths, the base model's first slot
         start = served.rss_bytes()
-        rounds = 2
+        rounds = 3
         for i in range(1, rounds + 1):
             _round(served.url, base_model_dir, RANK - i)
-        tolerance = 20 << 20
+        # Below one session's ~50 MB (a leak of any one of them fails), above the allocator's own noise:
+        # freed pages kept by glibc's per-thread arenas, up to ~26 MB when the machine is loaded.
+        tolerance = 40 << 20
 
         def grown() -> int:
             return served.rss_bytes() - start
