@@ -35,9 +35,11 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # The documentation site, into site/: the docs extra (mkdocs, Material) is installed into .venv when missing;
+# the reference pages generated from the code (docs/reference/: config fields, CLI flags) are rewritten first;
 # --strict makes every warning (a broken link, a page missing from the nav) an error.
 docs: $(STAMP)
 	@$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -m pip install -q -e ".[docs]"
+	$(PY) docs/hooks.py
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 test-fast: $(STAMP)

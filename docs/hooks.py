@@ -1,7 +1,11 @@
-"""MkDocs hook: the reference pages that are generated from the code at build time, so they cannot go
-stale. ``reference/configuration.md`` comes from the run config's pydantic schema (the text of
-``polyrl train --help-config``, :mod:`polyrl.config.reference`) and ``reference/cli.md`` from the
-command line's own ``--help``. ``tests/test_docs.py`` checks both against the code."""
+"""The reference pages generated from the code, and the MkDocs hook that keeps the site honest about them.
+
+``reference/configuration.md`` and ``reference/sft-configuration.md`` come from the configs' pydantic
+schemas (the text of ``polyrl train --help-config`` and ``polyrl sft --help-config``,
+:mod:`polyrl.config.reference`), and ``reference/cli.md`` from the command line's own ``--help``. They are
+committed, so they read on GitHub and in an editor too. ``python docs/hooks.py`` (run by ``make docs``)
+rewrites them; ``python docs/hooks.py --check`` and ``mkdocs build`` fail when one differs from what the
+code says now, and ``tests/test_docs.py`` checks the same."""
 
 from __future__ import annotations
 
@@ -9,6 +13,11 @@ import contextlib
 import io
 import os
 import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+REGENERATE = "python docs/hooks.py"
 
 GENERATED = {
     "reference/configuration.md": "configuration_page",
@@ -16,8 +25,7 @@ GENERATED = {
     "reference/cli.md": "cli_page",
 }
 
-COMMANDS = ["train", "distill", "sft", "eval", "serve", "report", "export", "chat", "play", "tiny-model",
-            "import-gguf", "init-env"]
+NOTICE = "<!-- Generated from the code by docs/hooks.py: edit the code, then run `{}`. -->"
 
 
 def config_fields(text: str) -> list[tuple[str, str, list[str]]]:
@@ -38,12 +46,14 @@ def configuration_page() -> str:
     from polyrl.config.schema import TrainConfig
 
     return _config_page(TrainConfig, [
+        NOTICE.format(REGENERATE),
+        "",
         "# Configuration reference",
         "",
         "Every field of a run config (`polyrl train`, `polyrl distill`, `polyrl eval`), generated from the",
-        "config's schema when the site is built: the same text as `polyrl train --help-config`. Set a field",
-        "in the YAML or TOML file, or on the command line with `--overrides dotted.name=value`; a `<name>`",
-        "in a path stands for the key you choose. Unknown keys are errors.",
+        "config's schema: the same text as `polyrl train --help-config`. Set a field in the YAML or TOML",
+        "file, or on the command line with `--overrides dotted.name=value`; a `<name>` in a path stands for",
+        "the key you choose. Unknown keys are errors.",
         "",
         "See [A first config](../getting-started/first-config.md) for a config to start from, and the",
         "[`polyrl sft` reference](sft-configuration.md) for the supervised warm start's config.",
@@ -54,11 +64,13 @@ def sft_configuration_page() -> str:
     from polyrl.sft import SFTConfig
 
     return _config_page(SFTConfig, [
+        NOTICE.format(REGENERATE),
+        "",
         "# `polyrl sft` configuration reference",
         "",
-        "Every field of a supervised warm start's config (`polyrl sft`), generated from its schema when the",
-        "site is built: the same text as `polyrl sft --help-config`. It trains on the demonstrations of the",
-        "configured environments; the run config's fields are in the",
+        "Every field of a supervised warm start's config (`polyrl sft`), generated from its schema: the",
+        "same text as `polyrl sft --help-config`. It trains on conversations (`--data`) and on the",
+        "demonstrations of the configured environments; the run config's fields are in the",
         "[configuration reference](configuration.md).",
     ])
 
@@ -86,8 +98,8 @@ def _escape(text: str) -> str:
     return text.replace("<", "&lt;").replace("*", r"\*")
 
 
-def command_help(command: str) -> str:
-    """``polyrl COMMAND --help`` as the terminal prints it (100 columns)."""
+def _help(argv: list[str]) -> str:
+    """What ``polyrl ARGV`` prints (``--help``), as a terminal 100 columns wide shows it."""
     from polyrl import cli
 
     out = io.StringIO()
@@ -95,7 +107,7 @@ def command_help(command: str) -> str:
     os.environ["COLUMNS"] = "100"
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            cli.main([command, "--help"])
+            cli.main(argv)
     finally:
         if old is None:
             del os.environ["COLUMNS"]
@@ -104,22 +116,71 @@ def command_help(command: str) -> str:
     return out.getvalue().rstrip()
 
 
+def commands() -> list[str]:
+    """The subcommands, in the order ``polyrl --help`` lists them."""
+    match = re.search(r"\{([a-z0-9,-]+)\}", _help(["--help"]))
+    if match is None:
+        raise ValueError("polyrl --help lists no {command,...} choice")
+    return match.group(1).split(",")
+
+
+def command_help(command: str) -> str:
+    """``polyrl COMMAND --help`` as the terminal prints it (100 columns)."""
+    return _help([command, "--help"])
+
+
 def cli_page() -> str:
     out = [
+        NOTICE.format(REGENERATE),
+        "",
         "# Command-line reference",
         "",
-        "Every `polyrl` command and its flags, generated from the command line's own `--help` when the",
-        "site is built. A bad argument is one `error:` line and exit code 2.",
+        "Every `polyrl` command and its flags, generated from the command line's own `--help`. A bad",
+        "argument is one `error:` line and exit code 2.",
         "",
     ]
-    for command in COMMANDS:
+    for command in commands():
         out += [f"## `polyrl {command}`", "", "```text", command_help(command), "```", ""]
     return "\n".join(out)
 
 
-def on_files(files, config):
-    from mkdocs.structure.files import File
+def stale_pages() -> list[str]:
+    """The generated pages whose committed text differs from what the code gives now."""
+    return [path for path, function in GENERATED.items()
+            if not (DOCS / path).is_file()
+            or (DOCS / path).read_text(encoding="utf-8") != globals()[function]()]
 
-    for path, function in GENERATED.items():
-        files.append(File.generated(config, path, content=globals()[function]()))
-    return files
+
+def write_pages() -> list[str]:
+    """Rewrite the generated pages that are stale; the paths rewritten."""
+    stale = stale_pages()
+    for path in stale:
+        (DOCS / path).write_text(globals()[GENERATED[path]](), encoding="utf-8")
+    return stale
+
+
+def on_pre_build(config) -> None:
+    """MkDocs hook: refuse to build a site whose generated pages disagree with the code."""
+    from mkdocs.exceptions import PluginError
+
+    stale = stale_pages()
+    if stale:
+        raise PluginError(f"{', '.join(stale)} differ from the code: run `{REGENERATE}` (or `make docs`)")
+
+
+def main(argv: list[str]) -> int:
+    if argv not in ([], ["--check"]):
+        print("usage: python docs/hooks.py [--check]", file=sys.stderr)
+        return 2
+    if argv == ["--check"]:
+        stale = stale_pages()
+        for path in stale:
+            print(f"docs/{path} differs from the code: run `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in write_pages():
+        print(f"wrote docs/{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

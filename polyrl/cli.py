@@ -1,4 +1,4 @@
-"""polyrl: train | distill | sft | eval | tiny-model | import-gguf | serve | report | export | chat | play.
+"""The ``polyrl`` command line: one subcommand per job, each with its own ``--help``.
 
 Problems with what was asked (config, model directory, checkpoint path) print one ``error: ...`` line
 and exit with code 2 (no traceback); a run that had to stop (a service gone, no learning signal) prints
@@ -180,7 +180,7 @@ def cmd_init_env(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     redact_tracebacks()
-    parser = argparse.ArgumentParser(prog="polyrl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="polyrl")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="RL training on the configured environments")
@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                         "builds a tiny one) or a Hugging Face id")
     p.set_defaults(fn=cmd_init_env)
 
+    parser.description = "polyrl: " + " | ".join(sub.choices) + "."
     args = parser.parse_args(argv)
     from polyrl.errors import RunStoppedError, UserInputError
 
