@@ -33,6 +33,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check polyrl tests benchmarks examples
 	$(PY) -m mypy
+	$(PY) docs/hooks.py --check
 
 # The documentation site, into site/: the docs extra (mkdocs, Material) is installed into .venv when missing;
 # the reference pages generated from the code (docs/reference/: config fields, CLI flags) are rewritten first;
