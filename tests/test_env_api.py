@@ -299,13 +299,14 @@ def test_module_environments_give_demonstrations(tmp_path, monkeypatch):
         def load_environment():  # TRL-style rows: prompt and completion messages
             row = {"prompt": [{"role": "user", "content": "q"}],
                    "completion": [{"role": "assistant", "content": "a"}]}
-            return SingleTurnEnv(dataset=[row], rubric=len)
+            return SingleTurnEnv(dataset=[row], rubric=lambda completion: 0.0)
     ''')
     assert make_env_builder(f"module:{tmp_path / 'trl.py'}", {}, seed=0).demonstration("train", 0) == (
         [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], [])
     write(tmp_path / "nodemo.py", "from polyrl.envs.base import SingleTurnEnv\n"
                                   "def load_environment():\n"
-                                  "    return SingleTurnEnv(dataset=[{'question': 'q'}], rubric=len)\n")
+                                  "    return SingleTurnEnv(dataset=[{'question': 'q'}],\n"
+                                  "                         rubric=lambda completion: 0.0)\n")
     assert make_env_builder(f"module:{tmp_path / 'nodemo.py'}", {}, seed=0).demonstration("train", 0) is None
 
 

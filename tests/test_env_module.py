@@ -8,12 +8,14 @@ import asyncio
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scripted import ScriptedSampler
 
+from polyrl.cli import main as cli_main
 from polyrl.config.files import load_config
 from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.envs.base import StepResult
@@ -45,7 +47,7 @@ def _settings(**kw):
     ({"type": "module:json"}, "type", "json has neither a load_environment() function nor an EnvBuilder"),
     ({"type": "module:tests/fixtures/missing_env.py"}, "type", "environment file not found"),
     ({"type": f"module:{STEP_FILE}:no_such_name"}, "type", "has no 'no_such_name'"),
-    ({"type": f"module:{STEP_FILE}", "args": {"max_turns": 3}}, "args", "does not take these args"),
+    ({"type": f"module:{STEP_FILE}", "args": {"max_turns": 3}}, "args", "unknown arg 'max_turns'"),
 ])
 def test_module_problems_fail_at_config_load(in_repo, tmp_path, entry, field, needle):
     """A module that cannot be found is the entry's type's fault; args its loader refuses, the args'."""
@@ -69,6 +71,120 @@ def test_objects_of_the_wrong_shape_fail_before_the_run(tmp_path):
         "def load_environment():\n    return E()\n")
     with pytest.raises(ValueError, match="need a 'prompt' or a 'question'"):
         make_env_builder(f"module:{tmp_path / 'norows.py'}", {}, seed=0)
+
+
+USER_ENV = """
+import random
+from polyrl.envs.base import SingleTurnEnv
+
+WORDS = ["cat", "dog", "sun", "map", "pen"]
+
+
+def upper_match(completion, answer):
+    return float(completion.strip() == answer)
+
+
+def score(response, answer):
+    return float(response == answer)
+
+
+def verdict(completion, expected):
+    return completion == expected
+
+
+def load_environment(num_test: int = 2, seed: int = 0, reward: str = "upper_match", rubric: bool = True,
+                     success: bool = False):
+    if num_test < 1 or num_test >= len(WORDS):
+        raise ValueError(f"num_test must be in 1..{len(WORDS) - 1}, got {num_test}")
+    rows = [{"question": w, "answer": w.upper()} for w in WORDS]
+    random.Random(seed).shuffle(rows)
+    kwargs = {"rubric": globals()[reward]} if rubric else {}
+    if success:
+        kwargs["success"] = verdict
+    return SingleTurnEnv(dataset=rows[num_test:], eval_dataset=rows[:num_test], **kwargs)
+"""
+
+STEP_ENV = """
+class Task:
+    def initial_observation(self):
+        return "say hi"
+
+    def step(self, text):
+        return float(text == "hi")
+
+
+def load_environment(turns: int = 1):
+    if turns != 1:
+        raise ValueError(f"only one turn, not {turns}")
+    return Task()
+"""
+
+
+@pytest.mark.parametrize("entry,expected", [
+    ({"args": {"num_test": 40}},
+     "environments.upper.args: num_test must be in 1..4, got 40 (user_env.py.load_environment() raised "
+     "ValueError)"),
+    ({"args": {"num_test": "x"}}, "environments.upper.args: '<' not supported between instances of 'str' and "
+                                  "'int' (user_env.py.load_environment() raised TypeError)"),
+    ({"args": {"rubric": False}}, "environments.upper.args: SingleTurnEnv.__init__() missing 1 required "
+                                  "positional argument: 'rubric' (user_env.py.load_environment() raised "
+                                  "TypeError)"),
+    ({"args": {"nm_test": 3}}, "environments.upper.args: user_env.py.load_environment does not take these "
+                               "args: unknown arg 'nm_test' (did you mean num_test?) (known: num_test, seed, "
+                               "reward, rubric, success)"),
+    ({"args": {"reward": "score"}},
+     "environments.upper.type: module:user_env.py: reward function 'score' has a parameter 'response', which "
+     "polyrl does not pass: it is called with those it names among completion, prompt, messages, answer, "
+     "row, info, index, split, sampling_client (or all, given **kwargs)"),
+    ({"args": {"success": True}}, "environments.upper.type: module:user_env.py: function 'success' has a "
+                                  "parameter 'expected', which polyrl does not pass"),
+    ({"type": "module:user_env.py:upper_match"},
+     "environments.upper.type: module:user_env.py:upper_match: upper_match(completion, answer) looks like a "
+     "reward function, not an environment: a module: type names a load_environment(**args)-like function"),
+    ({"type": "module:step_env.py", "args": {"turns": 2}},
+     "environments.upper.args: only one turn, not 2 (step_env.py.load_environment() raised ValueError)"),
+])
+def test_what_the_users_load_environment_raises_is_one_line_at_config_load(tmp_path, monkeypatch, capsys,
+                                                                           entry, expected):
+    """load_environment runs when the config loads (dataset and step-based alike): what its code raises
+    names the args, an object or a function that is no environment names the type; `polyrl train` stops
+    there with one line and exit 2, before a run file is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "user_env.py").write_text(USER_ENV)
+    (tmp_path / "step_env.py").write_text(STEP_ENV)
+    config = {"model_name": "m", "log_path": "runs/x",
+              "environments": {"upper": {"type": "module:user_env.py", **entry}}}
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+    for extra in (["--print-config"], []):
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(["train", "--config_path", "run.yaml", *extra])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith(f"error: {expected}"), err
+    assert not (tmp_path / "runs").exists()
+    good = {**config, "environments": {"upper": {"type": "module:user_env.py", "args": {"num_test": 3}}}}
+    assert load_config(None, base=good).environments["upper"].args == {"num_test": 3}
+
+
+def test_a_mistyped_entry_name_in_an_override_is_suggested(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "user_env.py").write_text(USER_ENV)
+    (tmp_path / "run.yaml").write_text(json.dumps({"model_name": "m", "environments": {
+        "upper": {"type": "module:user_env.py"}}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "run.yaml", ["environments.uper.num_rollouts=4"])
+    assert str(err.value) == ("environments.uper.type: unknown environment type 'uper' (did you mean upper? "
+                              "An entry without a type takes its name as the type)")
+
+
+def test_dotted_module_names_are_found_under_the_working_directory(tmp_path, monkeypatch):
+    """As `python -m` finds them: `module:envs.user_env` is envs/user_env.py of the working directory."""
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "user_env_dotted.py").write_text(USER_ENV)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    config = load_config(None, base={"model_name": "m", "environments": {
+        "upper": {"type": "module:envs.user_env_dotted", "args": {"num_test": 3}}}})
+    assert make_env_builder(config.environments["upper"].type, {"num_test": 3}).num_tasks("test") == 3
 
 
 # ---------------------------------------------------------------------------- shapes

@@ -9,6 +9,7 @@ for a run (the quickstart, tests) calls :func:`check_config` itself.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import types
 from typing import Annotated, Any, Callable, TypeVar, Union, get_args, get_origin
@@ -20,6 +21,7 @@ from polyrl import registries
 from polyrl.config.errors import problems_line
 from polyrl.config.schema import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
 from polyrl.envs import registry
+from polyrl.envs.module_env import EnvironmentShapeError
 from polyrl.models import resolve_model_path
 from polyrl.optim_ranges import LOSS_CONFIG, range_problems
 
@@ -177,17 +179,26 @@ def installed(package: str) -> bool:
 
 
 def environment_problems(envs: dict[str, EnvConfig]) -> list[tuple[str, str]]:
-    """Unknown environment types, and arguments an adapter cannot support, before the run starts."""
+    """Unknown environment types, and arguments an adapter cannot support, before the run starts. A
+    ``module:`` environment is loaded here (``load_environment`` runs once): what its code raises is
+    the args' problem, an object that is no environment the type's."""
     problems = []
     # Entries that load a user's module go first: a name its @register_env declares may name another entry.
     for name, env in sorted(envs.items(), key=lambda item: not (item[1].type or "").startswith("module:")):
         try:
             builder = registry.get_env_builder(env.type or name)
         except KeyError as exc:
-            problems.append((f"environments.{name}.type", str(exc.args[0] if exc.args else exc)))
+            reason = str(exc.args[0] if exc.args else exc)
+            others = [n for n in envs if n != name]
+            if (env.type or name) == name and (close := difflib.get_close_matches(name, others, n=1)):
+                reason = (f"unknown environment type {name!r} (did you mean {close[0]}? An entry without a "
+                          "type takes its name as the type)")
+            problems.append((f"environments.{name}.type", reason))
             continue
         try:
             getattr(builder, "validate_args", lambda *_: None)(env.type or name, env.args)
+        except EnvironmentShapeError as exc:
+            problems.append((f"environments.{name}.type", str(exc)))
         except ValueError as exc:
             problems.append((f"environments.{name}.args", str(exc)))
     return problems

@@ -54,14 +54,20 @@ Sync functions run on a thread of their own (see :func:`polyrl.envs.base.call_en
 stalls only its episode, and the episode ``timeout`` still applies.
 
 Rewards that are not numbers (or are NaN) count as 0, with a logged warning and the episode metric
-``non_numeric_reward`` (how many there were). Problems with the module or the object's shape are
-errors when the config is loaded or, for the object itself, when the run starts.
+``non_numeric_reward`` (how many there were).
+
+Loading the config calls ``load_environment(**args)`` once and discards the object (so it should be
+cheap, or cache what is costly): an exception its code raises is an error of the entry's ``args``; an
+object of neither shape, reward functions with parameters outside the names above (and no
+``**kwargs``), or a named function that is a reward function rather than an environment loader are
+errors of its ``type``. Each is one line, before the run starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import difflib
 import functools
 import hashlib
 import importlib
@@ -114,15 +120,34 @@ def environment_loader(target: str, what: str = "environment") -> tuple[Callable
 def check_load_environment(target: str, args: dict[str, Any], what: str = "environment") -> None:
     """``target`` defines ``load_environment`` and it accepts ``args`` (checked at config load)."""
     loader, where = environment_loader(target, what)
+    check_loader_args(loader, where, args)
+
+
+def check_loader_args(loader: Callable, where: str, args: dict[str, Any]) -> None:
+    """``args`` are keyword arguments ``loader`` takes: a one-line ``ValueError`` naming an unknown one
+    (with the closest known name) or a missing one."""
+    params = _params(loader)
+    if params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        known = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for arg in args:
+            if arg not in known:
+                close = difflib.get_close_matches(arg, known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"{where} does not take these args: unknown arg {arg!r}{hint} "
+                                 f"(known: {', '.join(known) or 'none'})")
     try:
         inspect.signature(loader).bind(**args)
     except TypeError as exc:
         raise ValueError(f"{where} does not take these args: {exc}") from exc
+    except ValueError:  # no signature to check (a builtin): calling it will tell
+        pass
 
 
 def load_module(target: str, what: str = "environment") -> ModuleType:
     """A module by dotted name, by ``.py`` file path (``.py`` may be left out), or a package directory
-    (see :func:`package_init`); one-line ``ValueError`` when it cannot be imported."""
+    (see :func:`package_init`); one-line ``ValueError`` when it cannot be imported. Dotted names are
+    found among the installed modules and, as ``python -m`` finds them, under the working directory
+    (added to the end of ``sys.path``)."""
     if _looks_like_path(target):
         path = Path(target).expanduser()
         if path.is_dir():
@@ -136,11 +161,15 @@ def load_module(target: str, what: str = "environment") -> ModuleType:
         if name in sys.modules:
             return sys.modules[name]
         return _exec_module(importlib.util.spec_from_file_location(name, path), target, what)
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:  # as `python -m` does: modules of the working directory
+        sys.path.append(cwd)
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as exc:
         if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
-            raise ValueError(f"{what} module {target!r} not found (is it installed or on sys.path?)") from exc
+            raise ValueError(f"{what} module {target!r} not found (neither installed nor under the working "
+                             f"directory {cwd})") from exc
         raise ValueError(f"importing {what} module {target!r} failed: {exc}") from exc
     except Exception as exc:
         raise ValueError(f"importing {what} module {target!r} failed: {type(exc).__name__}: {exc}") from exc
@@ -346,6 +375,33 @@ def _params(fn: Callable) -> dict:
 # ----------------------------------------------------------------------------- dataset + rubric
 
 
+#: The keyword arguments reward functions (and ``success``) are called with, those they name.
+REWARD_KWARGS = ("completion", "prompt", "messages", "answer", "row", "info", "index", "split",
+                 "sampling_client")
+
+
+class EnvironmentShapeError(UserInputError):
+    """What a ``module:`` type names is not an environment: a function that is no ``load_environment``
+    (a reward function named by mistake), or an object that is neither step-based nor a dataset and a
+    rubric, or whose reward functions take parameters polyrl does not pass. The config names the
+    entry's ``type``."""
+
+
+def reward_problem(fn: Callable, name: str, what: str = "reward function") -> str | None:
+    """Why ``fn`` cannot be called with the reward keyword arguments: a required parameter that is not
+    among :data:`REWARD_KWARGS` (or a positional-only one), unless it takes ``**kwargs``; or None."""
+    params = _params(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    for param in params.values():
+        if param.kind is param.VAR_POSITIONAL or param.default is not param.empty:
+            continue
+        if param.name not in REWARD_KWARGS or param.kind is param.POSITIONAL_ONLY:
+            return (f"{what} {name!r} has a parameter {param.name!r}, which polyrl does not pass: it is "
+                    f"called with those it names among {', '.join(REWARD_KWARGS)} (or all, given **kwargs)")
+    return None
+
+
 def parse_rubric(rubric: Any, where: str) -> list[tuple[str, Callable, float]]:
     """(name, function, weight) triples from any of the accepted rubric shapes."""
     def named(fn: Callable, i: int) -> str:
@@ -458,28 +514,50 @@ class ModuleBuilder(EnvBuilder):
     def target_of(cls, type_name: str) -> str:
         return cls.fixed_target or type_name.partition(":")[2].strip()
 
-    @classmethod
-    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
-        target = cls.target_of(type_name)
-        if not target:
-            raise ValueError("module environments are named 'module:<dotted.module or path/file.py>'")
-        check_load_environment(target, args)
-
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
         super().__init__(args, seed, type_name)
-        self.validate_args(type_name, self.args)
         self.target = self.target_of(type_name)
+        if not self.target:
+            raise ValueError("module environments are named 'module:<dotted.module or path/file.py>'")
         self.where = f"module:{self.target}"
-        self._load = environment_loader(self.target)[0]
-        self.obj = self._load(**self.args)
+        self._load, loader_name = environment_loader(self.target)
+        self._check_loader(loader_name)
+        try:
+            self.obj = self._load(**self.args)
+        except Exception as exc:  # the user's code refused its args (a ValueError, a TypeError, ...)
+            raise UserInputError(" ".join(f"{exc} ({loader_name}() raised {type(exc).__name__})".split())) \
+                from None
         self.coerce = RewardCoercion(self.where)
         try:
             self._inspect(self.obj)
         except ValueError as exc:  # the object load_environment() returned has the wrong shape
-            raise UserInputError(" ".join(str(exc).split())) from None
+            raise EnvironmentShapeError(" ".join(str(exc).split())) from None
         self.uses_sampler = callable(getattr(self.obj, "build", None))
         self._built_for: Any = None
         self._build_lock = asyncio.Lock()
+
+    @classmethod
+    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
+        """Builds the builder once, so ``load_environment(**args)`` runs when the config loads: the
+        errors its code raises are the args' (a ``ValueError``), a wrong-shaped object or a function
+        that is no environment loader the type's (:class:`EnvironmentShapeError`). The object is
+        discarded; the run calls ``load_environment`` again (and, step-based, once per episode)."""
+        cls(args, seed=0, type_name=type_name)
+
+    def _check_loader(self, loader_name: str) -> None:
+        """The loader takes the entry's args; a function named by the type whose required parameters
+        are a reward function's is refused as no environment loader."""
+        name = split_target(self.target)[1]
+        required = [p.name for p in _params(self._load).values()
+                    if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [p for p in required if p not in self.args]
+        if name is not None and missing and all(p in REWARD_KWARGS for p in missing):
+            raise EnvironmentShapeError(
+                f"{self.where}: {name}({', '.join(required)}) looks like a reward function, not an "
+                f"environment: a module: type names a load_environment(**args)-like function that returns "
+                f"the environment (a SingleTurnEnv, or an object with initial_observation() and step(text)), "
+                f"or an EnvBuilder subclass")
+        check_loader_args(self._load, loader_name, self.args)
 
     def _inspect(self, obj: Any) -> None:
         """Which kind of environment ``obj`` is (step-based or dataset + rubric); a ``ValueError``
@@ -494,6 +572,11 @@ class ModuleBuilder(EnvBuilder):
             if self.num_tasks("train") == 0:
                 raise ValueError(f"{self.where}: the dataset is empty")
             row_messages(self.rows("train")[0], self.system_prompt, self.where)
+            verdict = getattr(obj, "success", None)
+            checks = [(fn, name, "reward function") for name, fn, _ in self.rubric]
+            for fn, name, what in checks + ([(verdict, "success", "function")] if callable(verdict) else []):
+                if problem := reward_problem(fn, name, what):
+                    raise ValueError(f"{self.where}: {problem}")
         else:
             raise ValueError(f"{self.where}: load_environment() returned {_shown(obj)} with neither "
                              f"initial_observation() and step(text) nor a dataset and a rubric")
