@@ -8,6 +8,8 @@ It writes, into a new (or empty) directory:
 - ``pyproject.toml``: the package, declaring the environment under ``NAME`` in the
   ``polyrl.environments`` entry-point group, so ``type: NAME`` finds it once it is installed;
 - ``train.yaml``: a run config that trains on it as written, loading it from its file;
+- ``sft.yaml``: a ``polyrl sft`` config that warm-starts the model on its demonstrations, for
+  ``train.yaml``'s ``resume_from``;
 - ``README.md``: what to change and how to run it.
 """
 
@@ -106,7 +108,9 @@ py-modules = ["{module}"]
 '''
 
 CONFIG = '''# Train on {name}, from this directory: polyrl train --config_path train.yaml
-# (polyrl sft --config_path train.yaml first warm-starts the model on the rows' completions.)
+# To start from a warm start on the rows' completions instead (sft.yaml says more):
+#   START=$(polyrl sft --config_path sft.yaml)
+#   polyrl train --config_path train.yaml --overrides resume_from=$START
 # model_name: a local model directory (polyrl tiny-model DIR builds a tiny one for a first try) or a
 # Hugging Face id. Expect a console row per step (reward, success, ...), runs/{name}/metrics.jsonl,
 # and held-out pass@1 (test/{name}/pass@1) every 10 steps.
@@ -125,12 +129,33 @@ environments:
     args: {{num_test: 4}}         # load_environment(num_test=4)
 '''
 
+SFT_CONFIG = '''# Warm-start the model on {name}'s demonstrations (the rows' completions), from this
+# directory:
+#   START=$(polyrl sft --config_path sft.yaml)
+#   polyrl train --config_path train.yaml --overrides resume_from=$START
+# polyrl sft prints the checkpoint it saves (also in runs/{name}-sft/sft.json); resume_from starts RL
+# from it. Keep model_name and lora_rank the same as train.yaml's.
+model_name: {model}
+lora_rank: 16
+batch_size: 8
+learning_rate: 1e-3
+max_steps: 50
+log_path: runs/{name}-sft
+environments:
+  {name}:
+    type: module:{module}.py
+    args: {{num_test: 4}}
+'''
+
 README = '''# {name}
 
 An environment for polyrl: a dataset of prompts and a reward function, in `{module}.py`.
 
 - `pytest` runs its checks (`test_{module}.py`), without a model.
 - `polyrl train --config_path train.yaml` trains on it (set `model_name` there first).
+- `START=$(polyrl sft --config_path sft.yaml)` warm-starts the model on the rows' completions (set
+  `model_name` there too) and prints the checkpoint; then
+  `polyrl train --config_path train.yaml --overrides resume_from=$START` trains from it.
 - `pip install -e .` makes it `type: {name}` in any polyrl config (the `polyrl.environments` entry point
   in `pyproject.toml`).
 '''
@@ -152,7 +177,7 @@ def init_env(name: str, directory: str | Path | None = None, model: str = DEFAUL
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(f"{out} already exists and is not an empty directory; give a new one")
     files = {f"{module}.py": ENVIRONMENT, f"test_{module}.py": TEST, "pyproject.toml": PYPROJECT,
-             "train.yaml": CONFIG, "README.md": README}
+             "train.yaml": CONFIG, "sft.yaml": SFT_CONFIG, "README.md": README}
     out.mkdir(parents=True, exist_ok=True)
     for filename, template in files.items():
         (out / filename).write_text(template.format(name=name, module=module, model=model), encoding="utf-8")

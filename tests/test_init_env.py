@@ -1,5 +1,6 @@
 """``polyrl init-env``: the package it writes passes its own test, declares its entry point, and its
-config trains as written on a tiny model; it refuses a bad name or a directory in use."""
+configs (a warm start, then RL from it) run as their headers say on a tiny model; it refuses a bad name
+or a directory in use."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import yaml
 from polyrl.cli import main
 from polyrl.config.files import load_config
 from polyrl.envs.registry import make_env_builder
+from polyrl.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +38,8 @@ def scaffold(tmp_path: Path, model: str, capsys) -> Path:
 def test_the_package_declares_its_entry_point_and_its_config_loads(tmp_path, tiny_model_dir, capsys,
                                                                    monkeypatch):
     out = scaffold(tmp_path, tiny_model_dir, capsys)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "pyproject.toml", "test_word_case.py",
-                                                     "train.yaml", "word_case.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "pyproject.toml", "sft.yaml",
+                                                     "test_word_case.py", "train.yaml", "word_case.py"]
     project = tomllib.loads((out / "pyproject.toml").read_text())
     points = project["project"]["entry-points"]["polyrl.environments"]
     assert points == {"word-case": "word_case:load_environment"}
@@ -45,6 +47,9 @@ def test_the_package_declares_its_entry_point_and_its_config_loads(tmp_path, tin
     monkeypatch.chdir(out)
     config = load_config("train.yaml")
     assert config.model_name == tiny_model_dir and list(config.environments) == ["word-case"]
+    sft = load_config("sft.yaml", model=SFTConfig)  # SFT's keys only, the same environment entry
+    assert sft.model_name == tiny_model_dir and sft.environments == config.environments
+    assert sft.lora_rank == config.lora_rank
     # installed (a dist-info with the pyproject's entry points, as pip writes it), the name is the type
     dist = out / "word_case-0.1.0.dist-info"
     dist.mkdir()
@@ -64,17 +69,29 @@ def test_the_packages_test_passes_and_its_config_trains(tmp_path, tiny_model_dir
                             env=environ(), capture_output=True, text=True, timeout=300)
     assert tested.returncode == 0 and "2 passed" in tested.stdout, tested.stdout + tested.stderr
 
-    config = yaml.safe_load((out / "train.yaml").read_text())
-    overrides = ["max_steps=2", "batch_size=2", "max_tokens=8", "lora_rank=4", "eval_num_samples=1",
-                 "outputs.report=false", "save_every=0", f"local.store_dir={tmp_path / 'store'}",
-                 "environments.word-case.num_rollouts=2", "environments.word-case.splits.test.num_samples=2"]
-    assert config["model_name"] == tiny_model_dir
-    run = subprocess.run([sys.executable, "-m", "polyrl.cli", "train", "--config_path", "train.yaml",
-                          "--overrides", *overrides], cwd=out, env=environ(), capture_output=True, text=True,
-                         timeout=600)
+    # the warm start, then RL from it, as the configs' headers and the README say (the configs made small)
+    commands = ["START=$(polyrl sft --config_path sft.yaml)",
+                "polyrl train --config_path train.yaml --overrides resume_from=$START"]
+    for name in ("sft.yaml", "train.yaml", "README.md"):
+        assert all(command in (out / name).read_text() for command in commands), name
+    small = {"sft.yaml": {"max_steps": 2, "batch_size": 2, "lora_rank": 4},
+             "train.yaml": {"max_steps": 2, "batch_size": 2, "max_tokens": 8, "lora_rank": 4,
+                            "eval_num_samples": 1, "outputs": {"report": False}, "save_every": 0}}
+    for name, values in small.items():
+        config = yaml.safe_load((out / name).read_text())
+        assert config["model_name"] == tiny_model_dir
+        config.update(values, local={"store_dir": str(tmp_path / "store")})
+        if name == "train.yaml":
+            config["environments"]["word-case"].update(num_rollouts=2, splits={"test": {"num_samples": 2}})
+        (out / name).write_text(yaml.safe_dump(config))
+    script = "polyrl() { \"$PYTHON\" -m polyrl.cli \"$@\"; }\nset -e\n" + "\n".join(commands) + "\n"
+    run = subprocess.run(["bash", "-c", script], cwd=out, env={**environ(), "PYTHON": sys.executable},
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "initialized weights from tinker://" in run.stdout + run.stderr and "/weights/sft" in run.stderr
     metrics = out / config["log_path"] / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r for r in rows if r["step"] >= 0]  # not the evaluation before training (step -1)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["episodes/count"] > 0 and r["rollouts/failed"] == 0 for r in rows), rows
     assert "test/word-case/pass@1" in rows[-1]
