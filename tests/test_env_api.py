@@ -312,12 +312,20 @@ def test_module_environments_give_demonstrations(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- the guide
 def guide_blocks() -> list[tuple[str, str]]:
-    """The guide's fenced blocks as (language, text), with ``--8<-- "FILE"`` lines replaced by the
-    file (as MkDocs' snippets extension includes it)."""
+    """The guide's fenced blocks as (language, text)."""
+    return re.findall(r"^```(\w+)\n(.*?)^```", GUIDE.read_text(encoding="utf-8"), re.DOTALL | re.MULTILINE)
+
+
+def test_the_guide_shows_the_example_files_as_they_are():
+    """The guide reads whole raw (no include directives): each block after "`examples/...`:" is that
+    file, so the two cannot drift; it sends the reader to no source file of polyrl's."""
     text = GUIDE.read_text(encoding="utf-8")
-    blocks = re.findall(r"^```(\w+)\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
-    return [(lang, re.sub(r'^--8<-- "([^"]+)"\n', lambda m: (REPO / m.group(1)).read_text(encoding="utf-8"),
-                          code, flags=re.MULTILINE)) for lang, code in blocks]
+    assert "--8<--" not in text and "polyrl/" not in text
+    shown = re.findall(r"`(examples/[^`]+)`:\n\n```\w+\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+    assert sorted(name for name, _ in shown) == ["examples/envs/guess.py", "examples/envs/guess.yaml",
+                                                 "examples/envs/reverse.py"]
+    for name, code in shown:
+        assert code == (REPO / name).read_text(encoding="utf-8"), f"{GUIDE.name} shows {name} as it was"
 
 
 def run_polyrl(line: str, cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
