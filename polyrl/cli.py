@@ -81,8 +81,19 @@ def cmd_train(args) -> None:
     config = _load(args, TrainConfig)  # a mistake in it is said before the heavy imports below
     from polyrl.rl.train import train
 
-    row = train(config)
-    print(json.dumps(redact({k: v for k, v in row.items() if "reward" in k or "success" in k}, False)))
+    print(_final_line(train(config), config))
+
+
+def _final_line(row: dict, config, also: tuple[str, ...] = ()) -> str:
+    """The last step's rewards, successes and held-out scores (and ``also``'s keys) as one JSON line; with
+    the held-out scores before training beside them as ``before/test/...``."""
+    from polyrl.rl.train import held_out_before
+
+    kept = ("reward", "success", "pass@", *also)
+    shown = {k: v for k, v in row.items() if any(part in k for part in kept)}
+    shown.update({f"before/{k}": v for k, v in held_out_before(config.log_path).items()
+                  if "reward" in k or "pass@" in k})
+    return json.dumps(redact(shown, False))
 
 
 def cmd_distill(args) -> None:
@@ -98,9 +109,7 @@ def cmd_distill(args) -> None:
                              "checkpoint or a base model) or a teacher: block in the config")
     from polyrl.rl.train import train
 
-    row = train(config)
-    shown = {k: v for k, v in row.items() if "reward" in k or "success" in k or "kl/" in k}
-    print(json.dumps(redact(shown, False)))
+    print(_final_line(train(config), config, also=("kl/",)))
 
 
 def cmd_sft(args) -> None:

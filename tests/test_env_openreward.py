@@ -326,7 +326,8 @@ def test_train_against_an_ors_server_uploads_every_episode(ors, openreward_env, 
     train(cfg, ConsoleLog(enabled=False))
 
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    before, *rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert before["step"] == -1 and "test/letters/pass@1" in before  # evaluated before training too
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["rollouts/failed"] == 0 for r in rows)
     assert "test/letters/pass@1" in rows[-1]

@@ -278,13 +278,17 @@ def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatc
 
     run = checkout / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    if config["eval_every"]:  # evaluated before the first step: the row of step -1
+        before, *rows = rows
+        assert before["step"] == -1 and any(k.endswith("/pass@1") for k in before), before
     assert [r["step"] for r in rows] == list(range(ex.steps))
     for row in rows:
         assert row["episodes/count"] > 0 and row["rollouts/failed"] == 0, row
         assert set(ex.logs) <= set(row), f"{name}: {sorted(set(ex.logs) - set(row))} not logged"
-    if config["eval_every"]:  # evaluated at the end of the run, on every test split
+    if config["eval_every"]:  # evaluated before the run and at its end, on every test split
         tested = [n for n, env in config["environments"].items() if "test" in env["splits"]]
-        assert all(f"test/{n}/pass@1" in rows[-1] for n in tested), sorted(rows[-1])
+        assert all(f"test/{n}/pass@1" in before and f"test/{n}/pass@1" in rows[-1] for n in tested), \
+            sorted(rows[-1])
     if "distill" in ex.command:
         assert all(r["kl/teacher"] != 0 for r in rows)  # the teacher is another policy
     if config["outputs"]["metrics_json"]:  # Minds RL's metrics.json beside polyrl's files

@@ -78,7 +78,8 @@ def test_the_guides_commands_train_a_model_on_the_own_task(tmp_path):
     assert f"initialized weights from {start}" in out.stderr  # RL started from the warm start
     assert json.loads((runs / "last-word-rl" / "config.json").read_text())["resume_from"] == start
 
-    rl_rows = metrics(runs / "last-word-rl")
+    before, *rl_rows = metrics(runs / "last-word-rl")  # evaluated before the first step and after the last
+    assert before["step"] == -1 and "test/last_word/pass@1" in before
     assert [r["step"] for r in rl_rows] == [0, 1]
     assert all(r["episodes/count"] > 0 and r["rollouts/failed"] == 0 for r in rl_rows)
     assert "test/last_word/pass@1" in rl_rows[-1]

@@ -71,7 +71,8 @@ def test_mixed_ecosystems_train_evaluate_and_repeat_exactly(tiny_model_dir, tmp_
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
 
-    rows = _rows(tmp_path / "a")
+    before, *rows = _rows(tmp_path / "a")  # the evaluation before training, then the steps
+    assert before["step"] == -1 and {f"test/{name}/pass@1" for name in ENVS} <= set(before)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["rollouts/failed"] == 0 and r["rollouts/dropped_groups"] == 0

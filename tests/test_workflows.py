@@ -148,7 +148,8 @@ def test_solver_judge_trains_and_evaluates(tiny_model_dir, tmp_path):
                                            "args": {"num_solvers": 3},
                                            "splits": {"test": {"num_samples": 2}}}})
     train(cfg, ConsoleLog(enabled=False))
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    before, *rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert before["step"] == -1 and {"test/sj/pass@1", "test/sj/judge/pass@1"} <= set(before)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert r["episodes/count"] == 2 * 2 * 4 and r["rollouts/failed"] == 0

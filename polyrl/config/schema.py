@@ -492,7 +492,8 @@ class TrainConfig(PolicyConfig):
     # checkpoints, evaluation, logging
     save_every: int = Field(20, ge=0, description="Save a checkpoint every N steps; 0 = only at the end.")
     eval_every: int = Field(
-        0, ge=0, description="Evaluate on the test splits every N steps; 0 = never during training."
+        0, ge=0, description="Evaluate on the test splits every N steps and after the last step, and once "
+        "before the first step of a run that starts at step 0 (logged as step -1); 0 = never."
     )
     eval_num_samples: int = Field(1, ge=1, le=MAX_EPISODES_PER_STEP,
                                   description="Samples per test task during evaluation (for pass@k).")

@@ -128,7 +128,7 @@ def banners(table: dict, config: dict, envs: list[str]) -> list[dict]:
     """What the first screen warns about, worst first: ``{level: "bad"|"warn", kind, title, what, try}``.
     ``bad`` means the run did not learn at all (every step made no update)."""
     steps, series = table["steps"], table["series"]
-    n = len(steps)
+    n = sum(1 for s in steps if s >= 0)  # steps trained; step -1 is the evaluation before training
     if not n:
         return []
     out: list[dict] = []

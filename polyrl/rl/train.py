@@ -11,10 +11,15 @@
   batch is one minibatch unless ``stream_minibatches``), then applies one ``optim_step`` once every
   loss came back finite (:mod:`polyrl.rl.update`);
 - makes the sampler for the next groups, saves a checkpoint when one is due, evaluates on the test
-  splits when due, and hands the queue the new sampler with the slots of the groups it trained;
+  splits every ``eval_every`` steps and after the last one, and hands the queue the new sampler with the
+  slots of the groups it trained;
 - logs its metrics row, trajectories and checkpoint row (:mod:`polyrl.rl.step_metrics`), and stops the
   run when too many steps made no update because groups failed (or, when asked, for want of a
   learning signal).
+
+With ``eval_every`` set, a run that starts at step 0 first evaluates the weights it starts from (the
+base model, or ``resume_from``): its row in ``metrics.jsonl`` has step -1, "after step -1", so the
+held-out scores have a point before training and one after the last step.
 
 A step whose update is not finite applies nothing: the run stops naming its last checkpoint, or skips
 the step (``nonfinite_steps``). When a remote service lost the run's session or pending requests (a
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from polyrl.config.checks import check_config
@@ -57,6 +63,7 @@ from polyrl.rl.update import (
     prepare_minibatch,
     refuse_update,
 )
+from polyrl.tracking.files import read_jsonl
 
 if TYPE_CHECKING:
     from tinker import types
@@ -66,6 +73,7 @@ if TYPE_CHECKING:
     from polyrl.rl.episode import Episode
     from polyrl.tracking.console import ConsoleLog
 
+BEFORE_TRAINING = -1  # the step of the evaluation before the first step in metrics.jsonl ("after step -1")
 NO_UPDATE_MIN_STEPS = 10  # max_no_update_frac is judged once this many steps ran (shorter runs only warn)
 
 
@@ -84,6 +92,8 @@ async def train_async(config: TrainConfig, console: ConsoleLog | None = None) ->
         recoveries = 0
         while run.state.step < config.max_steps:
             try:
+                if run.state.step == 0:  # a fresh start, or a relaunch with no checkpoint: it starts over
+                    await evaluate_before_training(run)
                 row = await train_step(run)
             except ServiceLostError as lost:
                 most = config.limits.max_service_recoveries
@@ -206,12 +216,38 @@ async def checkpoint(run: Run, state: RunState) -> Saved:
 
 
 async def evaluate(run: Run, sampler: SamplingClient, done: int) -> dict[str, float]:
-    """The test splits with ``sampler`` after ``done`` steps, every ``eval_every`` steps and at the end."""
+    """The test splits with ``sampler`` after ``done`` steps, every ``eval_every`` steps and after the last
+    step ({} when none is due)."""
     config = run.config
     if not config.eval_every or (done % config.eval_every and done != config.max_steps):
         return {}
     return await run.guard.watch(f"evaluating after step {done - 1}", evaluate_sampler(
         sampler, run.renderer, run.runtimes, config.eval_num_samples, config.seed))
+
+
+async def evaluate_before_training(run: Run) -> dict[str, float]:
+    """When ``eval_every`` is set: the test splits with the sampler of the weights the run starts from,
+    before its first step; logged as the row of step -1 of ``metrics.jsonl`` (the report's "before" of
+    the held-out scores) and on the console. Returns that row's evaluation ({} when not evaluated)."""
+    if not run.config.eval_every:
+        return {}
+    config = run.config
+    evaluation = await run.guard.watch("evaluating before training", evaluate_sampler(
+        run.queue.samplers.sampler, run.renderer, run.runtimes, config.eval_num_samples, config.seed))
+    run.files.log_metrics({"step": BEFORE_TRAINING, **evaluation})
+    if run.wandb:  # W&B's steps start at 0: the evaluation shares step 0 with the first step's row
+        run.wandb.log(evaluation, 0)
+    scores = [f"{k} {v:.3f}" for name in ("pass@1", "reward") for k, v in evaluation.items()
+              if k.count("/") == 2 and k.endswith(f"/{name}")]  # per environment
+    run.console.info("evaluation before training: " + (", ".join(scores) or "no test task"))
+    return evaluation
+
+
+def held_out_before(log_path: str) -> dict[str, float]:
+    """The evaluation before training that the run in ``log_path`` logged ({} when it has none)."""
+    rows = [r for r in read_jsonl(Path(log_path) / "metrics.jsonl")
+            if isinstance(r, dict) and r.get("step") == BEFORE_TRAINING]
+    return {k: v for k, v in rows[-1].items() if k.startswith("test/")} if rows else {}
 
 
 def log_step(run: Run, state: RunState, row: dict[str, float], batch: StepBatch, update: StepUpdate,

@@ -147,9 +147,10 @@ class RunFiles:
         return rows[-1] if rows else None
 
     def truncate_from(self, step: int) -> None:
-        """Forget everything logged for steps >= ``step`` (they are about to be re-run)."""
+        """Forget everything logged for steps >= ``step`` (they are about to be re-run); from step 0, the
+        evaluation before training (step -1) too, as a run that starts over evaluates again."""
         rows = read_jsonl(self.metrics_path)
-        kept = [r for r in rows if r.get("step", -1) < step]
+        kept = [r for r in rows if r.get("step", -1) < step] if step > 0 else []
         if len(kept) != len(rows) or self.metrics_path.exists():
             atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         if self.metrics_json is not None:

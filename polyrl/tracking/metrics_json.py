@@ -29,6 +29,9 @@ class MetricsJson:
             self.rows = [r for r in rows if isinstance(r, dict) and "step" in r]
 
     def log(self, row: dict[str, Any]) -> None:
+        """A step's row; the evaluation before training (step -1) is no step of the harness's file."""
+        if int(row["step"]) < 0:
+            return
         self.rows.append({"reward": _number(row.get("reward/mean")), "loss": _number(row.get("optim/loss")),
                           "step": int(row["step"])})
         self._write()

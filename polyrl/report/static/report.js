@@ -169,8 +169,9 @@
   function firstLast(v, percent, note) {
     if (!v) return el("span", { class: "muted" }, note);
     const f = (x) => (percent ? `${Math.round(x * 100)}%` : fmt(x));
-    const title = `evaluation after step ${v.first_step} → after step ${v.last_step}`;
-    if (v.points < 2) return el("span", { title }, f(v.last), el("span", { class: "muted" }, ` (one evaluation, after step ${v.last_step})`));
+    const when = (s) => (s < 0 ? "before training" : `after step ${s}`);  // step -1: before the first step
+    const title = `evaluation ${when(v.first_step)} → ${when(v.last_step)}`;
+    if (v.points < 2) return el("span", { title }, f(v.last), el("span", { class: "muted" }, ` (one evaluation, ${when(v.last_step)})`));
     const d = v.last - v.first;
     const cls = Math.abs(d) < 1e-9 ? "delta" : d > 0 ? "delta up" : "delta down";
     return el("span", { title }, `${f(v.first)} → ${f(v.last)} `, el("span", { class: cls }, delta(d, f)));
