@@ -61,7 +61,10 @@ class SFTConfig(PolicyConfig):
         return self
 
 
-def demonstration_datums(config: SFTConfig, renderer, context: int | None = None) -> list[types.Datum]:
+def demonstration_datums(config: SFTConfig, renderer, context: int | None = None,
+                         sources: list[dict] | None = None) -> list[types.Datum]:
+    """Each environment's demonstrations as Datums; ``sources`` gets ``{environment, demonstrations}``
+    for each."""
     from polyrl.rl.rollouts import EnvRuntime
 
     datums = []
@@ -82,6 +85,8 @@ def demonstration_datums(config: SFTConfig, renderer, context: int | None = None
             messages, tools = demo
             where = f"environment {name!r}, demonstration {i}"
             datums.append(supervised_datum(renderer, messages, tools, context, where))
+        if sources is not None:
+            sources.append({"environment": name, "demonstrations": n})
     return datums
 
 
@@ -153,7 +158,9 @@ async def _train(config: SFTConfig, policy: OpenPolicy, conversations: list[Conv
     training = policy.client
     context = await context_length(policy.service, config.model_name)
     datums_D = data_datums(conversations, policy.renderer, context)
-    datums_D += demonstration_datums(config, policy.renderer, context)  # both given: mixed
+    sources = [{"data": path, "conversations": sum(c.where.rsplit(":", 1)[0] == path for c in conversations)}
+               for path in dict.fromkeys(config.data)]  # what the report lists as learned from
+    datums_D += demonstration_datums(config, policy.renderer, context, sources)  # both given: mixed
     rng = random.Random(config.seed)
     order: list[int] = []
     log_every = max(1, config.max_steps // 10)  # plain lines when stderr is not a terminal
@@ -180,7 +187,8 @@ async def _train(config: SFTConfig, policy: OpenPolicy, conversations: list[Conv
     state = await training.save_state(config.save_name)
     sampler = await training.save_weights_for_sampler(config.save_name)
     atomic_write_text(files.root / "sft.json",
-                      json.dumps({"state_path": state.path, "sampler_path": sampler.path}))
+                      json.dumps({"state_path": state.path, "sampler_path": sampler.path,
+                                  "steps": config.max_steps, "sources": sources}))
     console.info(f"sft checkpoint: {state.path}")
     return state.path
 

@@ -437,9 +437,13 @@ def test_report_from_a_real_training_run_in_headless_chromium(small_model_dir, t
         "environments.calculator.max_turns", "environments.guess_number.num_rollouts",
         "environments.guess_number.max_turns"}
     headline = index["headline"]
-    assert headline["steps_done"] == 4 and headline["wall_s"] > 0
+    assert headline["steps_done"] == 4 and headline["wall_kind"] == "elapsed"  # real time, not the steps
+    assert headline["wall_s"] >= 0.999 * sum(t or 0 for t in index["metrics"]["series"]["time/total"])
+    defs = {r["env"]: r["success_def"] for r in headline["rows"]}
+    assert defs["arithmetic"] == defs["calculator"] == "success = the environment's verdict"  # `success`
     assert [r["env"] for r in headline["rows"]] == [None, "arithmetic", "calculator", "guess_number"]
-    assert all((r["held_out"]["first_step"], r["held_out"]["last_step"]) == (1, 3) for r in headline["rows"])
+    # evaluated before training (the row of step -1) and after steps 1 and 3
+    assert all((r["held_out"]["first_step"], r["held_out"]["last_step"]) == (-1, 3) for r in headline["rows"])
 
     # a copy of the run with a synthetic multi-turn tool episode (tiny random models rarely call tools)
     tools_run = tmp_path / "tools_run"
@@ -616,16 +620,18 @@ def test_headline_start_end_means_held_out_first_last_and_wall_time_by_hand():
     rows = []
     for step, r in enumerate(rewards):
         row = {"step": step, "reward/mean": r, "success/mean": float(r >= 0.5), "time/total": 10.0 + step,
-               "env/a/reward/mean": r, "env/b/reward/mean": 1 - r, "env/a/stop/length_frac": 0.25}
+               "env/a/reward/mean": r, "env/b/reward/mean": 1 - r, "env/a/stop/length_frac": 0.25,
+               "env/c/reward/mean": r, "env/c/success": float(r > 0.5)}  # c's episodes give a verdict
         if step in (3, 7, 11):  # evaluations after steps 3, 7 and 11 (env a only has a test split)
             row.update({"test/a/pass@1": step / 20, "test/a/reward": step / 10, "test/pass@1": step / 20})
         rows.append(row)
     config = {"max_steps": 20, "eval_every": 4,
-              "environments": {"a": {"success_threshold": 0.5}, "b": {}}}
-    h = S.headline(_table(rows), config, ["a", "b"])
-    assert (h["steps_done"], h["max_steps"], h["wall_s"], h["eval_note"]) == (12, 20, 186, None)
-    overall, a, b = h["rows"]
-    assert [r["env"] for r in h["rows"]] == [None, "a", "b"]
+              "environments": {"a": {"success_threshold": 0.5}, "b": {}, "c": {}}}
+    h = S.headline(_table(rows), config, ["a", "b", "c"])
+    assert (h["steps_done"], h["max_steps"], h["wall_s"], h["wall_kind"], h["eval_note"]) == \
+        (12, 20, 186, "steps", None)
+    overall, a, b, c = h["rows"]
+    assert [r["env"] for r in h["rows"]] == [None, "a", "b", "c"]
     # the first five steps (0-4) and the last five (7-11)
     assert overall["reward"] == {"start": 0.2, "start_steps": [0, 4], "end": 0.86, "end_steps": [7, 11],
                                  "points": 12}
@@ -636,9 +642,16 @@ def test_headline_start_end_means_held_out_first_last_and_wall_time_by_hand():
     assert a["held_out_reward"] == {"first": 0.3, "first_step": 3, "last": 1.1, "last_step": 11, "points": 3}
     assert b["held_out"] is None and b["held_out_reward"] is None  # missing, not 0
     assert b["success"] is None and a["truncated"]["end"] == 0.25
-    assert a["success_def"] == "success = reward ≥ 0.5"
-    assert b["success_def"] == "success = the environment's verdict (else reward ≥ 1)"
-    assert S.success_definition(None) == b["success_def"]  # an older run: no success_threshold key
+    # what decided success: the threshold, else the environment's verdict where its episodes gave one
+    assert a["success_def"] == "success = reward ≥ 0.5 (success_threshold)"
+    assert b["success_def"] == "success = reward ≥ 1 (full marks)"  # b's episodes never gave a verdict
+    assert c["success_def"] == "success = the environment's verdict"
+    assert S.success_definition(None, None) == "success = the environment's verdict (else reward ≥ 1)"
+    assert S.headline(_table([]), config, ["b"])["rows"][0]["success_def"] == S.success_definition(None)
+    # the run's real time when the files tell it (never less than the time in steps)
+    assert S.headline(_table(rows), config, ["a"], elapsed_s=250.0)["wall_s"] == 250
+    assert S.wall_time(_table(rows), 250.0) == {"wall_s": 250, "wall_kind": "elapsed"}
+    assert S.wall_time(_table(rows), 100.0) == {"wall_s": 186, "wall_kind": "steps"}  # copied files
 
     # a short run without evaluation: one step averaged at each end, and the missing eval said plainly
     h = S.headline(_table(rows[:3]), {"eval_every": 0, "environments": {"a": {}}}, ["a"])
@@ -664,6 +677,107 @@ def test_headline_of_a_synthetic_run_matches_its_trajectories(tmp_path):
     assert overall["reward"]["end"] == pytest.approx(sum(per_step[4:]) / 4, abs=1e-4)
     assert overall["held_out"]["first_step"] == 3 and overall["held_out"]["last_step"] == 7
     assert index["headline"]["steps_done"] == 8 and index["banners"] == []  # a healthy run: no banner
+
+
+def test_wall_time_is_the_real_time_from_the_run_files(tmp_path):
+    rows = [{"step": s, "time/total": 2.0} for s in range(6)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "checkpoints.jsonl").write_text('{"name": "final", "final": true}\n')
+    table = D.metric_table(D.read_metrics(run))
+    os.utime(run / "config.json", (1000, 1000))  # the launch: start-up, then six steps of 2 s
+    os.utime(run / "metrics.jsonl", (1030, 1030))
+    os.utime(run / "checkpoints.jsonl", (1035, 1035))  # the final checkpoint, saved after the last step
+    assert D.elapsed_seconds(run, table) == 35
+    # resumed at step 4: the earlier launch counts its steps' time (4 × 2 s), not the pause between
+    (run / "attempts.jsonl").write_text('{"step": 0}\n{"step": 4}\n')
+    assert D.elapsed_seconds(run, table) == 35 + 8
+    # a relaunch that has logged nothing yet (config.json newer than everything): the times cannot tell
+    os.utime(run / "config.json", (2000, 2000))
+    assert D.elapsed_seconds(run, table) is None
+    assert S.headline(table, {}, ["a"], D.elapsed_seconds(run, table))["wall_kind"] == "steps"
+    # through the report
+    os.utime(run / "config.json", (1000, 1000))
+    build_report(run)
+    assert (_index(run)["headline"]["wall_s"], _index(run)["headline"]["wall_kind"]) == (43, "elapsed")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_report_of_an_sft_run(tmp_path, tiny_model_dir):
+    from polyrl.config.files import load_config
+    from polyrl.sft import SFTConfig, sft
+    from polyrl.tracking.console import ConsoleLog
+
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"say {w}"},
+                                                     {"role": "assistant", "content": w.upper()}]}) + "\n"
+                            for w in ("one", "two", "three")))
+    run = tmp_path / "sft"
+    config = load_config(None, [
+        f"model_name={tiny_model_dir}", f"data={data}", "lora_rank=4", "max_steps=6", "batch_size=4",
+        "learning_rate=1e-2", f"log_path={run}", f"local.store_dir={tmp_path / 'store'}",
+        "environments.arithmetic.splits.train.num_samples=2"], model=SFTConfig)
+    state_path = sft(config, ConsoleLog(enabled=False))
+    assert json.loads((run / "sft.json").read_text())["sources"] == [
+        {"data": str(data), "conversations": 3}, {"environment": "arithmetic", "demonstrations": 2}]
+    page = build_report(run)
+    index = _index(run)
+    losses = [json.loads(x)["optim/loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    head = index["headline"]
+    assert index["run"]["kind"] == "sft" and index["run"]["finished"] is True
+    assert head["kind"] == "sft" and (head["steps_done"], head["max_steps"]) == (6, 6)
+    assert head["loss"]["start"] == pytest.approx(sum(losses[:3]) / 3, rel=1e-3)
+    assert head["loss"]["end"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-3)
+    assert head["wall_kind"] == "elapsed"
+    assert index["banners"] == [] and index["envs"] == [] and "rows" not in head
+    sampler_path = json.loads((run / "sft.json").read_text())["sampler_path"]
+    assert index["checkpoints"] == [{"name": "sft", "batch": 6, "final": True, "state_path": state_path,
+                                     "sampler_path": sampler_path}]
+    # the difference from SFT's own defaults (its learning_rate default is not train's)
+    assert {d["path"] for d in index["config_diff"]} == {
+        "model_name", "data", "lora_rank", "max_steps", "batch_size", "learning_rate", "log_path",
+        "local.store_dir", "environments.arithmetic.splits.train.num_samples"}
+
+    _ensure_chromium()
+    with _browser() as driver:
+        driver.set_window_size(1280, 900)
+        driver.get(page.as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        assert driver.find_element("css selector", "#run-badge").text == "finished"
+        text = driver.find_element("css selector", "#headline").text
+        assert "supervised fine-tuning" in text and "loss per token" in text and "wall time" in text
+        assert f"data file {data} · 3 conversations" in text
+        assert "environment arithmetic · 2 demonstrations" in text
+        assert "no data" not in text and "not evaluated" not in text
+        shown = driver.execute_script(
+            "return [document.getElementById('trajectories').offsetHeight, "
+            "document.querySelector('nav a[href=\"#trajectories\"]').offsetHeight, "
+            "[...document.querySelectorAll('.chart')].map(c => c.dataset.chart)]")
+        assert shown[:2] == [0, 0] and "loss" in shown[2]  # no episodes to browse; the loss curve drawn
+        errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not errors, errors
+
+
+def test_first_screen_fits_1280_px_in_headless_chromium(tmp_path):
+    from polyrl.report.screenshot import readme_run
+
+    page = build_report(readme_run(tmp_path / "demo"))  # three environments, held-out scores, a banner
+    _ensure_chromium()
+    with _browser() as driver:
+        driver.set_window_size(1280, 900)
+        driver.get(page.as_uri())
+        _wait(driver, "return document.body.dataset.ready === 'charts'")
+        box = driver.execute_script("""
+            const t = document.querySelector('#headline table').getBoundingClientRect();
+            const h = document.getElementById('headline'), c = document.querySelector('#headline thead tr');
+            return {right: t.right, bottom: t.bottom, width: document.documentElement.clientWidth,
+                    height: innerHeight, box: h.getBoundingClientRect().right,
+                    scroll: h.scrollWidth - h.clientWidth,
+                    last: c.lastElementChild.getBoundingClientRect().right};""")
+        assert box["right"] <= box["width"] and box["last"] <= box["box"], box  # the last column in view
+        assert box["scroll"] <= 0 and box["bottom"] <= box["height"], box  # no sideways scrolling
 
 
 def _kinds(banners: list[dict]) -> list[tuple[str, str]]:
@@ -771,7 +885,7 @@ def test_first_screen_of_a_run_that_made_no_update_in_headless_chromium(tmp_path
             ".textContent, r.cells[0].textContent])")
         assert [c[0] for c in cells] == ["all", "arithmetic", "calculator", "guess_number"]
         assert all("→" in c[1] and c[2] == "not evaluated" for c in cells), cells
-        assert cells[2][3] == "calculatorsuccess = reward ≥ 0.5"
+        assert cells[2][3] == "calculatorsuccess = reward ≥ 0.5 (success_threshold)"
         assert "eval_every is 0" in driver.find_element("css selector", "#headline .foot").text
         assert not driver.find_element("css selector", "#config-full").get_attribute("open")
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]

@@ -92,8 +92,9 @@ def build_report(log_path: str | Path, force: bool = False) -> Path:
     manifest["steps"] = steps
 
     static = {name: _static(name) for name in (*STATIC_FILES, "index.html")}
-    inputs = {name: _stat_key(root / name)
-              for name in ("metrics.jsonl", "checkpoints.jsonl", "config.json", "wandb.json")}
+    inputs: dict[str, object] = {name: _stat_key(root / name)
+              for name in ("metrics.jsonl", "checkpoints.jsonl", "config.json", "wandb.json", "sft.json",
+                         "attempts.jsonl")}
     inputs["steps"] = _digest(sorted((name, s["v"]) for name, s in steps.items()))
     inputs["static"] = _digest(static)
     missing = not (data_dir / "index.js").exists() or not (out / "index.html").exists()
@@ -146,14 +147,30 @@ def build_index(root: Path, steps: dict[str, dict]) -> dict:
     config = D.read_config(root)
     rows = D.read_metrics(root)
     table = D.metric_table(rows)
+    elapsed = D.elapsed_seconds(root, table)
     step_list = sorted(
         ({"step": s["step"], "v": s["v"], "envs": s["envs"]} for s in steps.values()), key=lambda s: s["step"]
     )
-    envs = D.env_names(config, table["series"], (e for s in step_list for e in s["envs"]))
+    sft = D.read_sft(root)
+    kind = "sft" if D.is_sft_run(root, config) else "rl"
+    if kind == "sft":
+        envs: list[str] = []  # SFT's environments gave demonstrations, not episodes: no per-env curves
+        head = summary.sft_headline(table, config, sft, elapsed)
+        banners: list[dict] = []
+        checkpoints = [{"name": config.get("save_name"), "batch": head["steps_done"], "final": True,
+                        "state_path": sft.get("state_path"), "sampler_path": sft.get("sampler_path")}
+                       ] if sft and sft.get("state_path") else []
+    else:
+        envs = D.env_names(config, table["series"], (e for s in step_list for e in s["envs"]))
+        head = summary.headline(table, config, envs, elapsed)
+        banners = summary.banners(table, config, envs)
+        checkpoints = D.read_checkpoints(root)
     return {
         "run": {
             "name": root.resolve().name,
             "path": str(root.resolve()),
+            "kind": kind,
+            "finished": any(c.get("final") for c in checkpoints),
             "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
             "model": config.get("model_name"),
             "max_steps": config.get("max_steps"),
@@ -161,12 +178,18 @@ def build_index(root: Path, steps: dict[str, dict]) -> dict:
             "wandb": D.read_wandb(root),
         },
         "envs": envs,
-        "headline": summary.headline(table, config, envs),
-        "banners": summary.banners(table, config, envs),
+        "headline": head,
+        "banners": banners,
         "charts": D.chart_specs(table["series"], envs),
         "metrics": table,
         "steps": step_list,
-        "checkpoints": D.read_checkpoints(root),
+        "checkpoints": checkpoints,
         "config": config,
-        "config_diff": config_diff(config),
+        "config_diff": config_diff(config, _sft_schema() if kind == "sft" else None),
     }
+
+
+def _sft_schema():
+    from polyrl.sft import SFTConfig  # only for SFT runs: it brings the training client's imports
+
+    return SFTConfig

@@ -94,10 +94,11 @@ def _diff(value: Any, default: Any, annotation: Any, path: str, out: list[dict])
         out.append(_entry(path, value, default))
 
 
-def config_diff(config: dict) -> list[dict]:
+def config_diff(config: dict, schema: type[BaseModel] | None = None) -> list[dict]:
     """``[{path, value, default}]`` for each setting of ``config`` (a ``config.json``) that is not the
-    schema's default, in the config's order; ``default`` is absent where the schema has none (a
-    required field, an entry the user added, a key the schema does not know)."""
+    ``schema``'s default (:class:`TrainConfig`'s unless given: ``polyrl sft``'s runs pass ``SFTConfig``),
+    in the config's order; ``default`` is absent where the schema has none (a required field, an entry
+    the user added, a key the schema does not know)."""
     if not config:
         return []
     if any(old in config for old in TrainConfig.RENAMED):
@@ -106,5 +107,5 @@ def config_diff(config: dict) -> list[dict]:
         except ConfigProblems:
             pass
     out: list[dict] = []
-    _diff(config, None, TrainConfig, "", out)
+    _diff(config, None, schema or TrainConfig, "", out)
     return out

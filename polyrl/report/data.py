@@ -66,6 +66,47 @@ def read_wandb(root: Path) -> dict | None:
             "offline": bool(record.get("offline")), "dir": record.get("dir")}
 
 
+def read_sft(root: Path) -> dict | None:
+    """``sft.json``, written by ``polyrl sft`` when it finished: its checkpoint paths, steps and the
+    conversations it learned from (``sources``); None when there is none (an RL run, or SFT still going)."""
+    try:
+        record = json.loads((root / "sft.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def is_sft_run(root: Path, config: dict) -> bool:
+    """Whether ``root`` holds a ``polyrl sft`` run: its ``sft.json``, or a config with SFT's own fields
+    (``data`` and ``save_name``; a run still going has no ``sft.json`` yet)."""
+    return (root / "sft.json").exists() or ("data" in config and "save_name" in config)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def elapsed_seconds(root: Path, table: dict) -> float | None:
+    """The run's real time: from ``config.json`` (written as a launch starts) to the last write of
+    ``metrics.jsonl``, ``checkpoints.jsonl`` or ``sft.json``, plus the step times of the steps before
+    that launch (a resumed run: ``attempts.jsonl``'s last row says where it resumed), so pauses between
+    launches are not counted. None when the files' times cannot tell (nothing logged since the launch)."""
+    start = _mtime(root / "config.json")
+    ends = [t for t in (_mtime(root / n) for n in ("metrics.jsonl", "checkpoints.jsonl", "sft.json")) if t]
+    if start is None or not ends or max(ends) <= start:
+        return None
+    attempts = [r for r in read_jsonl(root / "attempts.jsonl") if isinstance(r, dict)]
+    resumed_at = attempts[-1].get("step") if attempts else None
+    before = 0.0
+    if isinstance(resumed_at, int):
+        times = table["series"].get("time/total") or []
+        before = sum(t for s, t in zip(table["steps"], times) if s < resumed_at and t is not None)
+    return max(ends) - start + before
+
+
 def read_checkpoints(root: Path) -> list[dict]:
     keep = ("name", "batch", "final", "state_path", "sampler_path")
     return [

@@ -47,13 +47,17 @@ def first_last(steps: list[int], values: list | None) -> dict | None:
             "points": len(pts)}
 
 
-def success_definition(env_config: Any) -> str:
-    """How an environment's episodes count as successes, from its config entry (``success_threshold``,
-    absent in older runs)."""
+def success_definition(env_config: Any, verdict: bool | None = None) -> str:
+    """What decided an environment's successes: its entry's ``success_threshold`` when set, else the
+    environment's own verdict when its episodes gave one (``verdict``: an ``env/<name>/success`` series,
+    the mean of the episodes' ``success`` metric, is in the run's metrics), else full marks. ``verdict``
+    None: not known yet (no step logged)."""
     threshold = env_config.get("success_threshold") if isinstance(env_config, dict) else None
     if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
-        return f"success = reward ≥ {threshold:g}"
-    return "success = the environment's verdict (else reward ≥ 1)"
+        return f"success = reward ≥ {threshold:g} (success_threshold)"
+    if verdict is None:
+        return "success = the environment's verdict (else reward ≥ 1)"
+    return "success = the environment's verdict" if verdict else "success = reward ≥ 1 (full marks)"
 
 
 def _eval_key(series: dict, prefix: str) -> str | None:
@@ -65,11 +69,23 @@ def _eval_key(series: dict, prefix: str) -> str | None:
     return f"{prefix}/pass@{ks[0]}" if ks else None
 
 
-def headline(table: dict, config: dict, envs: list[str]) -> dict:
+def wall_time(table: dict, elapsed_s: float | None) -> dict:
+    """The run's time: ``elapsed_s`` (real time, from the run files' times) when known and not shorter
+    than the time spent in steps, else the sum of the steps' ``time/total`` (``kind`` says which)."""
+    times = [t for t in table["series"].get("time/total") or [] if t is not None]
+    in_steps = sum(times) if times else None
+    if elapsed_s is not None and (in_steps is None or elapsed_s >= in_steps):
+        return {"wall_s": clean_number(elapsed_s, 4), "wall_kind": "elapsed"}
+    return {"wall_s": clean_number(in_steps, 4) if in_steps is not None else None, "wall_kind": "steps"}
+
+
+def headline(table: dict, config: dict, envs: list[str], elapsed_s: float | None = None) -> dict:
     """The numbers of the first screen: one row for all environments (when there are several) and one
-    per environment, each with reward and success start/end and held-out score and reward first/last."""
+    per environment, each with reward and success start/end and held-out score and reward first/last;
+    ``elapsed_s``: the run's real time (see :func:`wall_time`)."""
     steps, series = table["steps"], table["series"]
     env_configs = config.get("environments") or {}
+    trained = any(s >= 0 for s in steps)  # step -1: the evaluation before training, no episodes
     rows = []
     for env in ([None] if len(envs) != 1 else []) + list(envs):
         own = f"env/{env}/" if env else ""
@@ -84,7 +100,8 @@ def headline(table: dict, config: dict, envs: list[str]) -> dict:
             "env": env,
             "reward": start_end(steps, series.get(key("reward/mean"))),
             "success": start_end(steps, series.get(key("success/mean"))),
-            "success_def": success_definition(env_configs.get(env)) if env else None,
+            "success_def": success_definition(env_configs.get(env), f"env/{env}/success" in series
+                                              if trained else None) if env else None,
             "held_out": first_last(steps, series.get(score)) if score else None,
             "held_out_metric": score.rsplit("/", 1)[1] if score else None,
             "held_out_reward": first_last(steps, series.get(f"{test}/reward")),
@@ -98,14 +115,36 @@ def headline(table: dict, config: dict, envs: list[str]) -> dict:
         eval_note = "no held-out evaluation: eval_every is 0 (set it to evaluate on the test splits)"
     else:
         eval_note = "no held-out evaluation logged yet"
-    times = [t for t in series.get("time/total") or [] if t is not None]
     return {
         "steps_done": steps[-1] + 1 if steps else 0,
         "max_steps": config.get("max_steps"),
-        "wall_s": clean_number(sum(times), 4) if times else None,
+        **wall_time(table, elapsed_s),
         "window": WINDOW,
         "rows": rows,
         "eval_note": eval_note,
+    }
+
+
+def sft_headline(table: dict, config: dict, sft: dict | None, elapsed_s: float | None = None) -> dict:
+    """The first screen of a ``polyrl sft`` run: steps, time, the loss per token at the start and the
+    end, and what it learned from (``sft.json``'s sources when it finished; else the config's, with
+    the environments' demonstration counts and the data files' counts unknown)."""
+    steps, series = table["steps"], table["series"]
+    sources = (sft or {}).get("sources")
+    if not isinstance(sources, list):
+        sources = [{"data": path, "conversations": None} for path in config.get("data") or []]
+        for name, entry in (config.get("environments") or {}).items():
+            train = ((entry or {}).get("splits") or {}).get("train") if isinstance(entry, dict) else None
+            sources.append({"environment": name,
+                            "demonstrations": train.get("num_samples") if isinstance(train, dict) else None})
+    return {
+        "kind": "sft",
+        "steps_done": steps[-1] + 1 if steps else 0,
+        "max_steps": config.get("max_steps"),
+        **wall_time(table, elapsed_s),
+        "window": WINDOW,
+        "loss": start_end(steps, series.get("optim/loss")),
+        "sources": sources,
     }
 
 

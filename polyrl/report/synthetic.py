@@ -90,7 +90,9 @@ def synthetic_episode(
     messages.append({"role": "assistant", "content": final, "tool_calls": [], "tool_call_errors": []})
     pieces.append((final + "<|im_end|>", True))
 
-    token_text, mask, spans = [], [], []
+    token_text: list[str] = []
+    mask: list[int] = []
+    spans: list[list[int]] = []
     for text, sampled in pieces:
         toks = _tokenize(text)
         if sampled:

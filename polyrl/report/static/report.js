@@ -96,15 +96,21 @@
     document.title = `${run.name} · polyrl report`;
     $("run-name").textContent = run.name;
     const done = run.last_step == null ? 0 : run.last_step + 1;
-    const finished = INDEX.checkpoints.some((c) => c.final);
+    const finished = run.finished != null ? run.finished : INDEX.checkpoints.some((c) => c.final);
+    const sft = run.kind === "sft";
+    document.body.dataset.kind = run.kind || "rl";
     const stalled = (INDEX.banners || []).some((b) => b.level === "bad");
     const badge = (finished ? "finished" : "in progress") + (stalled ? " · no update" : "");
     $("run-meta").replaceChildren(
+      ...(sft ? [el("span", { class: "badge kind" }, "SFT")] : []),
       el("span", {}, run.model || ""),
       el("span", {}, `step ${done}${run.max_steps ? " / " + run.max_steps : ""}`),
       el("span", { id: "run-badge", class: stalled ? "badge bad" : finished ? "badge ok" : "badge" }, badge),
       el("span", { class: "muted", title: run.path }, `updated ${run.generated}`),
       ...wandbLink(run.wandb));
+    $("trajectories").hidden = sft;  // SFT learns from given conversations: no episodes to browse
+    document.querySelector('nav a[href="#trajectories"]').hidden = sft;
+    $("env-legend").hidden = sft;
     for (const a of document.querySelectorAll("nav a")) {
       a.addEventListener("click", (ev) => {
         ev.preventDefault();
@@ -153,14 +159,14 @@
   const span = (a, b) => (a === b ? `step ${a}` : `steps ${a}–${b}`);
 
   // "start → end (+delta)" of a series averaged over the first and last steps
-  function startEnd(v, percent) {
+  function startEnd(v, percent, lowerIsBetter) {
     if (!v) return el("span", { class: "muted" }, "no data");
     const f = (x) => (percent ? `${Math.round(x * 100)}%` : fmt(x));
     const title = `mean of ${span(...v.start_steps)} → mean of ${span(...v.end_steps)}`;
     if (v.points < 2) return el("span", { title }, f(v.end), el("span", { class: "muted" }, " (one step)"));
     const d = v.end - v.start;
-    const cls = Math.abs(d) < 1e-9 ? "delta" : d > 0 ? "delta up" : "delta down";
-    return el("span", { title }, `${f(v.start)} → ${f(v.end)} `,
+    const cls = Math.abs(d) < 1e-9 ? "delta" : (d > 0) !== !!lowerIsBetter ? "delta up" : "delta down";
+    return el("span", { title }, `${f(v.start)}\u00a0→\u00a0${f(v.end)} `,
       el("span", { class: cls }, delta(d, f)));
   }
 
@@ -174,17 +180,24 @@
     if (v.points < 2) return el("span", { title }, f(v.last), el("span", { class: "muted" }, ` (one evaluation, ${when(v.last_step)})`));
     const d = v.last - v.first;
     const cls = Math.abs(d) < 1e-9 ? "delta" : d > 0 ? "delta up" : "delta down";
-    return el("span", { title }, `${f(v.first)} → ${f(v.last)} `, el("span", { class: cls }, delta(d, f)));
+    return el("span", { title }, `${f(v.first)}\u00a0→\u00a0${f(v.last)} `, el("span", { class: cls }, delta(d, f)));
+  }
+
+  function statsLine(h) {
+    const wall = h.wall_kind === "elapsed"
+      ? ["wall time ", "real time from the run's start to its last logged step (pauses between relaunches not counted)"]
+      : ["time in steps ", "the sum of every step's time/total (start-up and saving the last checkpoint not counted)"];
+    return el("div", { class: "stats" },
+      el("div", {}, el("span", { class: "muted" }, "steps done "), el("b", {}, `${h.steps_done}`), h.max_steps ? ` of ${h.max_steps}` : ""),
+      el("div", { id: "wall-time", title: wall[1] }, el("span", { class: "muted" }, wall[0]), el("b", {}, duration(h.wall_s))));
   }
 
   function renderHeadline() {
     const h = INDEX.headline;
     if (!h) return;
+    if (h.kind === "sft") return renderSftHeadline(h);
     const box = $("headline");
-    const stats = el("div", { class: "stats" },
-      el("div", {}, el("span", { class: "muted" }, "steps done "), el("b", {}, `${h.steps_done}`), h.max_steps ? ` of ${h.max_steps}` : ""),
-      el("div", { title: "the sum of every step's time/total (start-up and pauses between relaunches not counted)" },
-        el("span", { class: "muted" }, "wall time "), el("b", {}, duration(h.wall_s))));
+    const stats = statsLine(h);
     if (!h.steps_done) {
       box.replaceChildren(el("h2", {}, "Summary"), stats, el("p", { class: "muted" }, "No step logged yet."));
       return;
@@ -210,6 +223,26 @@
       el("table", { class: "headline-table" }, el("thead", {}, head), el("tbody", {}, rows)),
       el("p", { class: "muted foot" }, [how, evals, "cut at max_tokens: share of episodes in the last steps"]
         .filter(Boolean).join(" · ")));
+  }
+
+  // a polyrl sft run: the loss per token at the start and the end, and what it learned from
+  function renderSftHeadline(h) {
+    const box = $("headline");
+    const count = (n, what) => (n == null ? `${what}: count not recorded` : `${n} ${what}${n === 1 ? "" : "s"}`);
+    const sources = (h.sources || []).map((s) => el("li", { "data-source": s.data != null ? "data" : "environment" },
+      s.data != null
+        ? [el("span", { class: "muted" }, "data file "), el("b", {}, s.data), ` · ${count(s.conversations, "conversation")}`]
+        : [el("span", { class: "muted" }, "environment "), el("b", {}, s.environment),
+          ` · ${count(s.demonstrations, "demonstration")}`]));
+    const loss = h.loss;
+    const how = loss ? `mean of ${span(...loss.start_steps)} → mean of ${span(...loss.end_steps)}` : "";
+    box.replaceChildren(el("h2", {}, "Summary: supervised fine-tuning (polyrl sft)"), statsLine(h),
+      h.steps_done
+        ? el("div", { class: "sft-loss" }, el("span", { class: "muted" }, "loss per token "),
+          el("b", { "data-metric": "loss" }, startEnd(loss, false, true)), how ? el("span", { class: "muted" }, ` (${how})`) : null)
+        : el("p", { class: "muted" }, "No step logged yet."),
+      el("h3", {}, "Learned from"),
+      sources.length ? el("ul", { class: "sources" }, sources) : el("p", { class: "muted" }, "no sources recorded"));
   }
 
   function renderConfigDiff() {
