@@ -247,7 +247,10 @@ def test_literal_secrets_in_config_args_are_masked_wherever_the_config_is_shown(
     from polyrl.tracking.files import RunFiles
 
     # a user's own environment, which takes a service's credentials among its args
-    (tmp_path / "secret_env.py").write_text("def load_environment(**args):\n    raise RuntimeError\n")
+    (tmp_path / "secret_env.py").write_text("class Game:\n"
+                                            "    def initial_observation(self):\n        return 'q'\n\n"
+                                            "    def step(self, text):\n        return 0.0\n\n\n"
+                                            "def load_environment(**args):\n    return Game()\n")
     base = {"model_name": tiny_model_dir, "environments": {"password_game": {
         "type": f"module:{tmp_path / 'secret_env.py'}", "args": {**LITERALS, **KEPT}}}}
     config = load_config(None, [], base=base)

@@ -525,8 +525,8 @@ class ModuleBuilder(EnvBuilder):
         try:
             self.obj = self._load(**self.args)
         except Exception as exc:  # the user's code refused its args (a ValueError, a TypeError, ...)
-            raise UserInputError(" ".join(f"{exc} ({loader_name}() raised {type(exc).__name__})".split())) \
-                from None
+            raised = f"{loader_name}() raised {type(exc).__name__}"
+            raise UserInputError(" ".join(f"{exc} ({raised})".split()) if str(exc) else raised) from None
         self.coerce = RewardCoercion(self.where)
         try:
             self._inspect(self.obj)
