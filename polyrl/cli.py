@@ -273,11 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(fn=cmd_play)
 
     p = sub.add_parser("init-env", help="write a new environment package: its module, test, pyproject.toml "
-                                        "(a polyrl.environments entry point) and a config that trains on it")
+                                        "(a polyrl.environments entry point), a config that trains on it "
+                                        "and one that warm-starts the model for it (polyrl sft)")
     p.add_argument("name", help="the environment's name (its config type and, with '-' as '_', its module)")
     p.add_argument("dir", nargs="?", help="a new or empty directory (default: ./NAME)")
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
-                   help="model_name of the config it writes: a local model directory (polyrl tiny-model DIR "
+                   help="model_name of the configs it writes: a local model directory (polyrl tiny-model DIR "
                         "builds a tiny one) or a Hugging Face id")
     p.set_defaults(fn=cmd_init_env)
 
