@@ -778,6 +778,11 @@ def test_first_screen_fits_1280_px_in_headless_chromium(tmp_path):
                     last: c.lastElementChild.getBoundingClientRect().right};""")
         assert box["right"] <= box["width"] and box["last"] <= box["box"], box  # the last column in view
         assert box["scroll"] <= 0 and box["bottom"] <= box["height"], box  # no sideways scrolling
+        defs = driver.execute_script(
+            "return [...document.querySelectorAll('#headline .def')].map(d => d.textContent)")
+        assert defs == ["success = the environment's verdict", "success = reward ≥ 0.5 (success_threshold)",
+                        "success = reward ≥ 1 (full marks)"]  # arithmetic, calculator, guess_number
+        assert driver.find_element("css selector", "#wall-time").text.startswith("wall time ")
 
 
 def _kinds(banners: list[dict]) -> list[tuple[str, str]]:

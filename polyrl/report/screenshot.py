@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,11 @@ def readme_run(root: Path) -> Path:
                               save_every=20, seed=3, think_words=12, truncated={"guess_number": 0.7}, pace=25,
                               env_config={"guess_number": {"max_tokens": 128},
                                           "calculator": {"success_threshold": 0.5}})
-    config = json.loads((run / "config.json").read_text())
-    (run / "config.json").write_text(json.dumps({**config, "log_path": "runs/polyrl-demo"}, indent=2))
+    config_path = run / "config.json"
+    started = config_path.stat().st_mtime  # when the run started, as the report reads it
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "log_path": "runs/polyrl-demo"},
+                                      indent=2))
+    os.utime(config_path, (started, started))
     return run
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ from polyrl.envs.builtin.calculator import CALCULATOR_TOOL
 from polyrl.tracking.files import step_file
 
 ENVS = ("calculator", "guess_number", "arithmetic")
+JUDGING_ENVS = ("arithmetic",)  # episodes with their own verdict (a `success` metric); the others: full marks
 _WORDS = ("the sum of first we add then so answer is let me check number result compute step carry "
           "value total because which gives now").split()
 
@@ -116,7 +118,8 @@ def synthetic_episode(
         "done_by_env": True,
         "error": None,
         "dropped": False,
-        "metrics": {"tool_calls": float(tool_turns)},
+        "metrics": {"tool_calls": float(tool_turns),
+                    **({"success": float(reward > 0)} if env in JUDGING_ENVS else {})},
         "duration_s": round(rng.uniform(0.5, 5.0), 4),
         "messages": messages,
         "tools": tools,
@@ -178,6 +181,8 @@ def metrics_row(step: int, rows: list[dict], rng: random.Random) -> dict:
             row[f"{prefix}dropped_groups"] = 0.0
             row[f"{prefix}constant_groups"] = float(sum(len(rs) == 1 for rs in groups.values()))
             row[f"{prefix}tool_calls"] = sum(r["metrics"]["tool_calls"] for r in sel) / len(sel)
+            if any("success" in r["metrics"] for r in sel):
+                row[f"{prefix}success"] = sum(r["metrics"].get("success", 0.0) for r in sel) / len(sel)
     trained = [r for r in rows if any(r["advantages"])]  # what train.py makes Datums of
     row.update(
         {
@@ -239,6 +244,7 @@ def write_synthetic_run(
         "environments": {e: {"num_rollouts": group_size, **(env_config or {}).get(e, {})} for e in ENVS},
     }
     (root / "config.json").write_text(json.dumps(config, indent=2))
+    spent = 60.0  # seconds of start-up, then each step's time/total
     with open(root / "metrics.jsonl", "w") as metrics, open(root / "checkpoints.jsonl", "w") as cps:
         for step in range(steps):
             rows = synthetic_step(step, episodes_per_step, group_size, rng, think_words=think_words,
@@ -254,6 +260,7 @@ def write_synthetic_run(
                     )
                 row["test/pass@1"] = sum(row[f"test/{e}/pass@1"] for e in ENVS) / len(ENVS)
             metrics.write(json.dumps(row) + "\n")
+            spent += row["time/total"]
             done = step + 1
             if done == steps or (save_every and done % save_every == 0):
                 name = "final" if done == steps else f"{done:06d}"
@@ -271,6 +278,8 @@ def write_synthetic_run(
                     )
                     + "\n"
                 )
+    started = (root / "metrics.jsonl").stat().st_mtime - spent  # the times a run of that length leaves
+    os.utime(root / "config.json", (started, started))
     return root
 
 
