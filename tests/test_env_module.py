@@ -92,6 +92,10 @@ def verdict(completion, expected):
     return completion == expected
 
 
+def lenient(completion="", answer=""):
+    return 1.0
+
+
 def load_environment(num_test: int = 2, seed: int = 0, reward: str = "upper_match", rubric: bool = True,
                      success: bool = False):
     if num_test < 1 or num_test >= len(WORDS):
@@ -141,6 +145,9 @@ def load_environment(turns: int = 1):
     ({"type": "module:user_env.py:upper_match"},
      "environments.upper.type: module:user_env.py:upper_match: upper_match(completion, answer) looks like a "
      "reward function, not an environment: a module: type names a load_environment(**args)-like function"),
+    ({"type": "module:user_env.py:lenient"},
+     "environments.upper.type: module:user_env.py:lenient: lenient() returned 1.0 (type float) with neither "
+     "initial_observation() and step(text) nor a dataset and a rubric"),
     ({"type": "module:step_env.py", "args": {"turns": 2}},
      "environments.upper.args: only one turn, not 2 (step_env.py.load_environment() raised ValueError)"),
 ])

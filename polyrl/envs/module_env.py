@@ -578,7 +578,8 @@ class ModuleBuilder(EnvBuilder):
                 if problem := reward_problem(fn, name, what):
                     raise ValueError(f"{self.where}: {problem}")
         else:
-            raise ValueError(f"{self.where}: load_environment() returned {_shown(obj)} with neither "
+            loader = split_target(self.target)[1] or "load_environment"
+            raise ValueError(f"{self.where}: {loader}() returned {_shown(obj)} with neither "
                              f"initial_observation() and step(text) nor a dataset and a rubric")
 
     @property

@@ -15,7 +15,8 @@ top, the adapters for third-party ecosystems on first use. A type name resolves,
 
 A type that cannot be found or loaded is a ``KeyError`` with a one-line reason (the config names
 ``environments.NAME.type``); bad args are the builder's ``validate_args`` ``ValueError``
-(``environments.NAME.args``).
+(``environments.NAME.args``), except a ``module:`` object that is no environment
+(:class:`~polyrl.envs.module_env.EnvironmentShapeError`, the type's).
 """
 
 from __future__ import annotations
