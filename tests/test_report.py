@@ -740,6 +740,14 @@ def test_report_of_an_sft_run(tmp_path, tiny_model_dir):
         "model_name", "data", "lora_rank", "max_steps", "batch_size", "learning_rate", "log_path",
         "local.store_dir", "environments.arithmetic.splits.train.num_samples"}
 
+    # the same run before it finished (no sft.json yet): an SFT run in progress, its sources from the config
+    going = tmp_path / "going"
+    shutil.copytree(run, going, ignore=shutil.ignore_patterns("report", "sft.json"))
+    build_report(going)
+    assert (_index(going)["run"]["kind"], _index(going)["run"]["finished"]) == ("sft", False)
+    assert _index(going)["headline"]["sources"] == [
+        {"data": str(data), "conversations": None}, {"environment": "arithmetic", "demonstrations": 2}]
+
     _ensure_chromium()
     with _browser() as driver:
         driver.set_window_size(1280, 900)
