@@ -53,7 +53,6 @@ import shutil
 import subprocess
 import sys
 import time
-import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +61,7 @@ from polyrl.config.checks import check_config
 from polyrl.config.schema import EnvConfig, TrainConfig
 from polyrl.evaluate import evaluate_checkpoint
 from polyrl.fileio import atomic_write_text
+from polyrl.local import losses
 from polyrl.models.gguf import cached_import, packaged_gguf
 from polyrl.models.tiny import SIZES, build_tiny_model
 from polyrl.rl.train import train_async
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps-off-policy", type=int, default=0,
                    help="RL sampling this many steps ahead of training (default: 0, the synchronous loop)")
     p.add_argument("--loss-fn", default="importance_sampling",
-                   choices=typing.get_args(TrainConfig.model_fields["loss_fn"].annotation),
+                   choices=losses.policy_gradient_losses(),
                    help="the RL loss (default: importance_sampling)")
     p.add_argument("--serve", action="store_true",
                    help="run the RL phase through `polyrl serve` on 127.0.0.1 (backend tinker) instead of "
