@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from polyrl.config.schema import ConfigProblems, TrainConfig, move_renamed_keys
 
@@ -31,20 +32,10 @@ def _models(annotation: Any) -> tuple[type[BaseModel] | None, type[BaseModel] | 
     return None, None
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _field_default(field: FieldInfo) -> Any:
     if field.is_required():
         return _NO_DEFAULT
-    return _jsonable(field.get_default(call_default_factory=True))
+    return to_jsonable_python(field.get_default(call_default_factory=True))
 
 
 def _entry(path: str, value: Any, default: Any) -> dict:
