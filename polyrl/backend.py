@@ -32,10 +32,21 @@ def make_service_client(config: Any) -> Any:
         return ServiceClient(store_dir=local.store_dir, device=local.device, dtype=local.dtype,
                              micro_batch_tokens=local.micro_batch_tokens,
                              gradient_checkpointing=local.gradient_checkpointing,
-                             max_store_bytes=local.max_store_bytes, sampler_dtype=local.sampler_dtype)
+                             max_store_bytes=local.max_store_bytes, sampler_dtype=local.sampler_dtype,
+                             sampler=local.sampler, vllm=vllm_settings(local.vllm, config.lora_rank))
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))
+
+
+def vllm_settings(vllm: Any, max_lora_rank: int) -> Any:
+    """``local.vllm`` (a :class:`polyrl.config.schema.VllmConfig`) as the engine's settings."""
+    from polyrl.local.vllm import VllmSettings
+
+    return VllmSettings(python=vllm.python, urls=tuple(vllm.urls),
+                        gpu_memory_utilization=vllm.gpu_memory_utilization, max_model_len=vllm.max_model_len,
+                        max_lora_rank=max_lora_rank, restarts=vllm.restarts,
+                        start_timeout_s=vllm.start_timeout_s)
 
 
 FINISH_WAIT_S = 10.0  # ending a session must not hold up a command

@@ -79,6 +79,29 @@ class ConfigProblems(ValueError):
 # ------------------------------------------------------------------------------------ sub-models
 
 
+class VllmConfig(BaseModel):
+    """Where the vLLM sampler runs (``local.sampler: vllm``): servers polyrl starts, or servers that run."""
+
+    model_config = _STRICT
+
+    python: str = Field(".venv-vllm/bin/python", description="Interpreter of an environment with vLLM "
+                        "(`make vllm` builds .venv-vllm); polyrl starts one vLLM server per base model from "
+                        "it, on 127.0.0.1, and stops it with the run.")
+    urls: list[str] = Field(default_factory=list, description="vLLM servers that already run the base model "
+                            "(started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; adapters "
+                            "are loaded from paths on this machine, so they must share its filesystem); "
+                            "requests spread over them, and one that stops answering is dropped. Empty: "
+                            "polyrl starts its own.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of the GPU's memory (on a CPU: of the host's) a started vLLM "
+        "reserves; null = 0.4 on a GPU (the learner shares it), 0.1 on a CPU.")
+    max_model_len: int | None = Field(None, ge=1, description="Context a started vLLM serves; null = the "
+                                      "model's.")
+    restarts: int = Field(3, ge=0, description="How often a started vLLM that died is started again (given "
+                          "back the adapters in use) before the run stops with an error.")
+    start_timeout_s: float = Field(600.0, gt=0, description="How long a started vLLM may take to answer.")
+
+
 class LocalEngineConfig(BaseModel):
     """The built-in engine's settings (backend ``local``), shared by train, sft, eval and serve."""
 
@@ -105,6 +128,12 @@ class LocalEngineConfig(BaseModel):
         None, ge=1, description="Cap on the bytes the checkpoint store holds; a save that would pass it is "
         "refused (nothing of it kept) until checkpoints are deleted or expire. null = no cap.",
     )
+    sampler: Literal["auto", "polyrl", "vllm"] = Field(
+        "auto", description="What samples rollouts: 'polyrl' (the engine's own sampler), 'vllm' (vLLM, as "
+        "local.vllm says; only the LoRA adapter crosses over, versioned per optimizer step) or 'auto': vLLM "
+        "when local.vllm.urls are given or on a CUDA device with local.vllm.python present, else polyrl's "
+        "own (the faster on a CPU). Requests vLLM cannot answer (prompt logprobs, images) use polyrl's own.")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="Where the vLLM sampler runs.")
 
 
 class KLConfig(BaseModel):

@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ from polyrl.local.sampler import SampleJob, SamplingStopped, generate_steps
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
 from polyrl.local.vision import keyed
+from polyrl.local.vllm import ADAPTER_FILES, VllmSampler, VllmSettings, check_python
 
 log = logging.getLogger("polyrl.local")
 
@@ -92,6 +94,7 @@ class SamplerState:
     weights: list[torch.Tensor] | None
     model_path: str | None = None
     sampler_id: str = field(default_factory=lambda: f"sampler-{uuid.uuid4().hex[:12]}")
+    adapter_name: str | None = None  # under which vLLM holds this adapter (the vLLM sampler only)
 
 
 _STOP = object()  # queued by Engine.stop: the worker ends once it takes it
@@ -133,19 +136,20 @@ class Engine:
     def shared(cls, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                micro_batch_tokens: int | str = "auto",
                gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-               sampler_dtype: str = "auto") -> "Engine":
+               sampler_dtype: str = "auto", sampler: str = "polyrl",
+               vllm: VllmSettings | None = None) -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
-               max_store_bytes, sampler_dtype)
+               max_store_bytes, sampler_dtype, sampler, vllm)
         with cls._shared_lock:
             if key not in cls._shared:
                 cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                       max_store_bytes, sampler_dtype)
+                                       max_store_bytes, sampler_dtype, sampler, vllm)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-                 sampler_dtype: str = "auto"):
+                 sampler_dtype: str = "auto", sampler: str = "polyrl", vllm: VllmSettings | None = None):
         if micro_batch_tokens != "auto" and (type(micro_batch_tokens) is not int or micro_batch_tokens < 1):
             raise ValueError(f"micro_batch_tokens must be a positive integer or 'auto', got "
                              f"{micro_batch_tokens!r}")
@@ -157,6 +161,12 @@ class Engine:
         if sampler_dtype != "auto" and sampler_dtype not in DTYPES:
             raise ValueError(f"sampler_dtype must be 'auto' or one of {sorted(DTYPES)}, "
                              f"got {sampler_dtype!r}")
+        if sampler not in ("polyrl", "vllm"):
+            raise ValueError(f"sampler must be 'polyrl' or 'vllm' (resolve 'auto' first), got {sampler!r}")
+        self.vllm_settings = (vllm or VllmSettings()) if sampler == "vllm" else None
+        if self.vllm_settings is not None and not self.vllm_settings.urls:
+            check_python(self.vllm_settings.python)
+        self._vllm: dict[str, VllmSampler] = {}  # base model name -> its vLLM sampler
         return_large_blocks_to_the_os()
         self.store = Store(store_dir, max_store_bytes)
         self.store.reclaim()  # what a killed process left in the store (abandoned saves, half-removed ones)
@@ -187,6 +197,11 @@ class Engine:
         return self._put(_Op(fn, Future(), owner))
 
     def submit_sample(self, sampler: SamplerState, job: SampleJob, owner: str = "") -> Future:
+        """Sample ``job`` from ``sampler``'s weights: on vLLM when the engine samples there and vLLM answers
+        such a job (:meth:`VllmSampler.answers`), else on the worker with polyrl's own sampler."""
+        vllm = self._vllm.get(sampler.base.name)
+        if vllm is not None and vllm.answers(job) and (sampler.weights is None or sampler.adapter_name):
+            return vllm.submit(sampler, job)
         return self._put(_SampleOp(sampler, job, Future(), owner))
 
     def _put(self, op: "_Op | _SampleOp") -> Future:
@@ -385,6 +400,9 @@ class Engine:
                              self.sampler_dtype_name)
             log.info("%s: %s", name, base.sampler_note)
             self._bases[name] = base
+            if self.vllm_settings is not None:  # starts in the background while the caller goes on
+                dtype = str(base.sampler_dtype).removeprefix("torch.")
+                self._vllm[name] = VllmSampler(base.path, str(base.device), dtype, self.vllm_settings)
         return self._bases[name]
 
     def loaded_models(self) -> list[BaseModel]:
@@ -512,7 +530,11 @@ class Engine:
         st.steps += 1
         return types.OptimStepResponse(metrics={"grad_norm:mean": norm,
                                                 "learning_rate:mean": params.learning_rate,
-                                                **sampler_metrics(st.base)})
+                                                **sampler_metrics(st.base), **self._vllm_metrics(st.base)})
+
+    def _vllm_metrics(self, base: BaseModel) -> dict[str, float]:
+        vllm = self._vllm.get(base.name)
+        return vllm.metrics() if vllm is not None else {}
 
     # ---- checkpoints (worker thread only) ---------------------------------------------------
     def _meta(self, st: TrainerState, user_metadata: dict | None = None) -> dict:
@@ -559,7 +581,10 @@ class Engine:
         return self.store.write(cp, write, {**self._meta(st), "encrypted": bool(parsed)}, False, ttl_seconds)
 
     def snapshot_sampler(self, st: TrainerState, model_path: str | None = None) -> SamplerState:
-        return SamplerState(st.base, st.spec, st.base.snapshot(st.adapter), model_path)
+        state = SamplerState(st.base, st.spec, st.base.snapshot(st.adapter), model_path)
+        if (vllm := self._vllm.get(st.base.name)) is not None:
+            vllm.export(state, lambda d: st.base.save_adapter(st.adapter, d))
+        return state
 
     def _loadable(self, path: str) -> Path:
         cp, directory = self.store.resolve(path)
@@ -597,7 +622,10 @@ class Engine:
             weights = base.snapshot(tmp)
         finally:
             base.delete_adapter(tmp)
-        return SamplerState(base, spec, weights, path)
+        state = SamplerState(base, spec, weights, path)
+        if (vllm := self._vllm.get(base.name)) is not None:
+            vllm.export(state, lambda d: [shutil.copy(directory / f, d / f) for f in ADAPTER_FILES])
+        return state
 
 
 atexit.register(Engine.stop_all)  # runs before the interpreter stops its threads

@@ -31,6 +31,7 @@ from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import MAX_LOGPROBS_K, SampleJob, resolve_stops
 from polyrl.local.stability import SequenceRecords, input_positions
+from polyrl.local.vllm import VllmSettings, resolve_sampler
 
 LOCAL_OWNER = "local"  # in-process, the ServiceClient is both the owner and the session of its records
 
@@ -178,7 +179,9 @@ class ServiceClient:
     the store (a save past it is refused); ``project_id`` (or ``$TINKER_PROJECT_ID``) is where
     ``copy_weights`` puts copies, as in the SDK. ``sampler_dtype`` is the dtype sampling computes in
     (``auto``: bfloat16 where the device runs it fast; see
-    :func:`polyrl.local.sampler_copy.select_sampler_dtype`).
+    :func:`polyrl.local.sampler_copy.select_sampler_dtype`). ``sampler`` is what samples: ``polyrl`` (the
+    engine's own sampler), ``vllm`` (vLLM, reached as ``vllm`` says: :mod:`polyrl.local.vllm`) or ``auto``
+    (:func:`polyrl.local.vllm.resolve_sampler`).
 
     The client is the session: the sequences its samplers record (``record_stability_info=True``) are
     what its training clients' ``stable_reinforce`` datums may name (:mod:`polyrl.local.stability`).
@@ -187,9 +190,13 @@ class ServiceClient:
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  models: Sequence[str] = (), micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-                 project_id: str | None = None, sampler_dtype: str = "auto", **_ignored: Any):
+                 project_id: str | None = None, sampler_dtype: str = "auto", sampler: str = "polyrl",
+                 vllm: VllmSettings | None = None, **_ignored: Any):
+        vllm = vllm or VllmSettings()
+        self.sampler = resolve_sampler(sampler, device, vllm)
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                    max_store_bytes, sampler_dtype)
+                                    max_store_bytes, sampler_dtype, self.sampler,
+                                    vllm if self.sampler == "vllm" else None)
         self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self.records = SequenceRecords()

@@ -82,7 +82,9 @@ def token_weighted(parts: list[tuple[list[Episode], dict[str, float]]]) -> dict[
 
 def kl_metrics(data_D: list[types.Datum], masks_D: list[list[int]],
                outputs_D: list[dict]) -> dict[str, float]:
-    """Sampler vs learner logprobs on the sampled tokens (``masks_D``): KL estimators and entropy."""
+    """Sampler vs learner logprobs on the sampled tokens (``masks_D``): KL estimators, the largest
+    |sampler - learner| logprob of a token (what a second engine's numerics, or staleness, change most), and
+    entropy."""
     diffs, sampler_lps = [], []
     for d, mask, out in zip(data_D, masks_D, outputs_D):
         for s, lr, m in zip(d.loss_fn_inputs["logprobs"].tolist(), out["logprobs"].tolist(), mask):
@@ -94,6 +96,7 @@ def kl_metrics(data_D: list[types.Datum], masks_D: list[list[int]],
     return {
         "optim/kl_sample_train_v1": _mean(diffs),
         "optim/kl_sample_train_v2": _mean(0.5 * x * x for x in diffs),
+        "optim/logprob_diff_max": max(abs(x) for x in diffs),
         "optim/entropy": -_mean(sampler_lps),
     }
 

@@ -73,6 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype sampling computes in, apart from training (a copy of the weights); auto: "
                         "bfloat16 on GPUs and on CPUs with native bfloat16 arithmetic, else --dtype's")
+    p.add_argument("--sampler", default="auto", choices=["auto", "polyrl", "vllm"],
+                   help="what samples: polyrl's own sampler, vLLM (started from --vllm-python, or the "
+                        "servers of --vllm-url; only LoRA adapters cross over), or auto: vLLM with "
+                        "--vllm-url or on a CUDA device with --vllm-python present, else polyrl's own")
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", metavar="PATH",
+                   help="interpreter of an environment with vLLM (`make vllm` builds .venv-vllm)")
+    p.add_argument("--vllm-url", action="append", default=[], metavar="URL",
+                   help="a vLLM server that already runs the base model (repeatable; requests spread over "
+                        "them, one that stops answering is dropped)")
     p.add_argument("--micro-batch-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per forward/backward pass (default: {DEFAULT_MICRO_BATCH_TOKENS} on a CPU, "
                         "4096 per 20 GiB of a GPU's memory up to 16384); lower it if training runs out of "
@@ -129,7 +138,7 @@ def api_keys(args: argparse.Namespace) -> tuple[list[str], bool]:
 
 
 def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig":
-    from polyrl.config.schema import LocalEngineConfig
+    from polyrl.config.schema import LocalEngineConfig, VllmConfig
     from polyrl.errors import UserInputError
     from polyrl.serve.server import ServeConfig
 
@@ -140,7 +149,9 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
     local = LocalEngineConfig(store_dir=args.store_dir, device=args.device, dtype=args.dtype,
                               sampler_dtype=args.sampler_dtype,
                               micro_batch_tokens=args.micro_batch_tokens or "auto",
-                              gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes)
+                              gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes,
+                              sampler=args.sampler,
+                              vllm=VllmConfig(python=args.vllm_python, urls=args.vllm_url))
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,
                        max_body_bytes=int(args.max_body_mb * (1 << 20)),
                        long_poll_s=args.long_poll, gap_timeout_s=args.seq_gap_timeout,

@@ -21,9 +21,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from polyrl.backend import vllm_settings
 from polyrl.config.schema import LocalEngineConfig
 from polyrl.local.engine import Engine
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
+from polyrl.local.vllm import resolve_sampler
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import Checkpoints
 from polyrl.serve.quotas import Quotas
@@ -88,9 +90,13 @@ class Server:
     def __init__(self, config: ServeConfig, engine: Engine | None = None):
         self.config = config
         local = config.local
-        self.engine = engine or Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
-                                       local.gradient_checkpointing, local.max_store_bytes,
-                                       local.sampler_dtype)
+        if engine is None:
+            vllm = vllm_settings(local.vllm, config.max_lora_rank)
+            sampler = resolve_sampler(local.sampler, local.device, vllm)
+            engine = Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
+                            local.gradient_checkpointing, local.max_store_bytes, local.sampler_dtype, sampler,
+                            vllm if sampler == "vllm" else None)
+        self.engine = engine
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
                                       config.max_target_k, config.max_request_images, config.max_image_bytes,
                                       config.max_image_pixels)
