@@ -27,8 +27,14 @@ interleaved with the others; the table shows the median and the best wall-clock 
 median CPU time (all threads). Ratios use the best run, the estimate least disturbed by other
 load; on a shared machine ``--threads 1`` gives the steadiest figures.
 
+With ``--vllm`` (a model vLLM runs: head_dim 32 or more, e.g. SmolLM2), the same requests also go through
+polyrl's vLLM sampler (``local.sampler: vllm``: a vLLM server started from ``.venv-vllm``, the LoRA loaded
+into it as the trainer's snapshots are), and the last line is vLLM's rate against polyrl's own sampler:
+``vllm_vs_polyrl_sampler: X.XXx`` (above 1: vLLM is faster). vLLM runs in its own processes, so on a CPU
+the two compete for the same cores only while one of them is measured.
+
 Run: ``.venv/bin/python benchmarks/sampler.py [--model DIR] [--repeats 5] [--threads 1]
-[--prompts 8 --group 8 --new-tokens 64]``.
+[--prompts 8 --group 8 --new-tokens 64] [--vllm]``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ def main() -> None:
     add_model_arg(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--vllm", action="store_true", help="also sample through vLLM (local.sampler: vllm)")
     args = ap.parse_args()
 
     import torch
@@ -116,7 +123,20 @@ def main() -> None:
 
         return engine.call(run)  # on the engine's thread, like polyrl's sampling (see the module docstring)
 
+    vllm_cases = {}
+    if args.vllm:  # the same store, so the same checkpoint; an engine of its own that samples on vLLM
+        from polyrl.local import ServiceClient
+
+        vservice = ServiceClient(store_dir=root / "store", sampler="vllm")
+        vllm_lora = vservice.create_sampling_client(model_path=ckpt).result()
+        vllm_base = vservice.create_sampling_client(base_model=model_dir).result()
+        vservice.engine._vllm[model_dir].wait_ready()
+        vllm_cases = {"vllm n=1 x group, base": lambda: polyrl_n1(vllm_base),
+                      "vllm n=group, base": lambda: polyrl_group(vllm_base),
+                      "vllm n=1 x group, LoRA": lambda: polyrl_n1(vllm_lora),
+                      "vllm n=group, LoRA": lambda: polyrl_group(vllm_lora)}
     cases = {
+        **vllm_cases,
         "polyrl n=1 x group, base": lambda: polyrl_n1(base_sampler),
         "polyrl n=group, base": lambda: polyrl_group(base_sampler),
         "hf generate, base": lambda: hf_generate(hf),
@@ -124,9 +144,12 @@ def main() -> None:
         "polyrl n=group, LoRA": lambda: polyrl_group(lora_sampler),
         "hf generate, LoRA (PEFT)": lambda: hf_generate(hf_lora),
     }
-    for fn in cases.values():  # warm-up (and check that every side makes the same number of tokens)
-        n = fn()
-        assert n == total_new, f"expected {total_new} new tokens, got {n}"
+    made = {}
+    for key, fn in cases.items():  # warm-up (and check that every side makes the same number of tokens)
+        made[key] = n = fn()
+        # vLLM also stops at the tokenizer's end-of-sequence id: its rate is of the tokens it made
+        assert n == total_new or (key.startswith("vllm") and n > total_new // 2), \
+            f"{key}: expected {total_new} new tokens, got {n}"
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.repeats):  # interleaved, so machine noise hits every case alike
@@ -146,13 +169,22 @@ def main() -> None:
     rate = {}
     for key, ts in times.items():
         t = statistics.median(ts)
-        rate[key] = total_new / min(ts)
-        print(f"{key:<28} {t:9.3f} {total_new / t:9.0f} {min(ts):8.3f} {rate[key]:9.0f} "
+        rate[key] = made[key] / min(ts)
+        print(f"{key:<28} {t:9.3f} {made[key] / t:9.0f} {min(ts):8.3f} {rate[key]:9.0f} "
               f"{statistics.median(cpu[key]):7.3f}")
     for weights, hf_key in (("base", "hf generate, base"), ("LoRA", "hf generate, LoRA (PEFT)")):
         print(f"{weights} weights: polyrl / hf generate = "
               f"{rate[f'polyrl n=1 x group, {weights}'] / rate[hf_key]:.2f}x (n=1 x group), "
               f"{rate[f'polyrl n=group, {weights}'] / rate[hf_key]:.2f}x (n=group)")
+    if args.vllm:
+        for weights in ("base", "LoRA"):
+            print(f"{weights} weights: vllm / polyrl = "
+                  f"{rate[f'vllm n=1 x group, {weights}'] / rate[f'polyrl n=1 x group, {weights}']:.2f}x "
+                  f"(n=1 x group), {rate[f'vllm n=group, {weights}'] / rate[f'polyrl n=group, {weights}']:.2f}x "
+                  "(n=group)")
+        sys.stdout.flush()
+        print(f"vllm_vs_polyrl_sampler: {rate['vllm n=1 x group, LoRA'] / rate['polyrl n=1 x group, LoRA']:.2f}x")
+        return
     sys.stdout.flush()
     print(f"sampler_vs_hf_generate: {rate['polyrl n=1 x group, base'] / rate['hf generate, base']:.2f}x")
 

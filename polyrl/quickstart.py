@@ -215,10 +215,10 @@ def served(model_dir: Path, store: Path, threads: int) -> Iterator[dict]:
 async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", sft_steps: int | None = None,
               rl_steps: int | None = None, seed: int = 0, quiet: bool = False, max_steps_off_policy: int = 0,
               loss_fn: str = "importance_sampling", serve: bool = False, threads: int | None = None,
-              reuse_warm_start: bool = False) -> dict:
+              reuse_warm_start: bool = False, sampler: str = "auto") -> dict:
     """One quickstart run in ``workdir``; its summary. ``reuse_warm_start``: keep a warm start that an
     earlier run with the same model, seed and steps left in ``workdir`` (it is deterministic) instead of
-    training it again."""
+    training it again. ``sampler`` is ``local.sampler`` (of the in-process engine)."""
     recipe = RECIPES[model]
     sft_steps = recipe.sft_steps if sft_steps is None else sft_steps
     rl_steps = recipe.rl_steps if rl_steps is None else rl_steps
@@ -246,7 +246,7 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
     for sub in ("rl",) if reuse else ("sft", "rl", "store"):  # else a fresh warm start and RL run
         shutil.rmtree(workdir / sub, ignore_errors=True)
     common = {"model_name": str(model_dir), "lora_rank": recipe.lora_rank, "seed": seed,
-              "local": {"store_dir": str(workdir / "store")}}
+              "local": {"store_dir": str(workdir / "store"), "sampler": sampler}}
     eval_config = check_config(TrainConfig(**common, eval_num_samples=recipe.eval_samples,
                                            environments=env_configs(recipe, "test")))
     lap("setup")
@@ -298,7 +298,8 @@ async def run(workdir: Path, model: str = "tiny", size: str = "quickstart-cpu", 
     summary = {"model": model, "before": pass_at_1(recipe, before), "after": pass_at_1(recipe, after),
                "seconds": times, "cpu_seconds": cpu, "sft_steps": sft_steps, "rl_steps": rl_steps,
                "seed": seed, "threads": threads,
-               "max_steps_off_policy": max_steps_off_policy, "loss_fn": loss_fn, "serve": serve}
+               "max_steps_off_policy": max_steps_off_policy, "loss_fn": loss_fn, "serve": serve,
+               "sampler": sampler}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -332,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--serve", action="store_true",
                    help="run the RL phase through `polyrl serve` on 127.0.0.1 (backend tinker) instead of "
                         "the in-process engine")
+    p.add_argument("--sampler", default="auto", choices=["auto", "polyrl", "vllm"],
+                   help="what samples rollouts and evaluations (local.sampler; default auto: polyrl's own on "
+                        "a CPU, vLLM on a CUDA device once `make vllm` built .venv-vllm)")
     p.add_argument("--reuse-warm-start", action="store_true",
                    help="keep the warm start an earlier run with the same --model, --size, --seed and "
                         "--sft-steps left in --workdir instead of training it again (default: a fresh one)")
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads or recipe.threads)
     s = asyncio.run(run(Path(args.workdir), args.model, args.size, args.sft_steps, args.rl_steps, args.seed,
                         args.quiet, args.max_steps_off_policy, args.loss_fn, args.serve, args.threads,
-                        args.reuse_warm_start))
+                        args.reuse_warm_start, args.sampler))
     b, a, t = s["before"], s["after"], s["seconds"]
     for env in recipe.environments:
         print(f"  {env:<13} before {b[env]:.2f} -> after {a[env]:.2f}")

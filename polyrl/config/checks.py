@@ -63,10 +63,43 @@ def config_problems(config: PolicyConfig) -> list[tuple[str, str]]:
     problems += environment_problems(environments) if environments else []
     if problems:
         return problems
-    problems = registered_problems(config)
+    problems = registered_problems(config) + sampler_problems(config)
     if isinstance(config, TrainConfig):
+        if not problems:
+            correct_vllm_by_default(config)
         problems += loss_problems(config) + estimator_problems(config)
     return problems
+
+
+def sampler_problems(config: PolicyConfig) -> list[tuple[str, str]]:
+    """``local.sampler: vllm`` with neither servers to reach nor vLLM's interpreter."""
+    local = config.local
+    if config.backend != "local" or local.sampler != "vllm" or local.vllm.urls:
+        return []
+    from polyrl.local.vllm import VllmStartError, check_python
+
+    try:
+        check_python(local.vllm.python)
+    except VllmStartError as e:
+        return [("local.vllm.python", str(e))]
+    return []
+
+
+def correct_vllm_by_default(config: TrainConfig) -> None:
+    """With vLLM sampling (``local.sampler`` resolved), ``off_policy.correction`` left unset becomes
+    ``icepop`` for a loss that takes a correction: two engines give the same token different logprobs, and
+    IcePop weights each token by p_learner / p_sampler inside [0.5, 5] and masks it outside, so a token the
+    engines disagree on wildly is dropped instead of weighted (docs: the vLLM guide)."""
+    from polyrl.backend import vllm_settings
+    from polyrl.local.vllm import resolve_sampler
+
+    if config.backend != "local" or "correction" in config.off_policy.model_fields_set:
+        return
+    local = config.local
+    if resolve_sampler(local.sampler, local.device, vllm_settings(local.vllm, config.lora_rank)) != "vllm":
+        return
+    if registries.losses().get_loss(config.loss_fn).correction is not None:
+        config.off_policy.correction = "icepop"
 
 
 def local_model_problems(backend: str, model_name: str, key: str = "model_name") -> list[tuple[str, str]]:

@@ -101,6 +101,14 @@ class VllmConfig(BaseModel):
                           "back the adapters in use) before the run stops with an error.")
     start_timeout_s: float = Field(600.0, gt=0, description="How long a started vLLM may take to answer.")
 
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"not an http(s) URL: {bad[0]!r}")
+        return [u.rstrip("/") for u in urls]
+
 
 class LocalEngineConfig(BaseModel):
     """The built-in engine's settings (backend ``local``), shared by train, sft, eval and serve."""

@@ -405,6 +405,10 @@ class Engine:
                 self._vllm[name] = VllmSampler(base.path, str(base.device), dtype, self.vllm_settings)
         return self._bases[name]
 
+    def vllm_sampler(self, name: str) -> VllmSampler | None:
+        """The vLLM sampler of base model ``name``, when the engine samples on vLLM and has loaded it."""
+        return self._vllm.get(name)
+
     def loaded_models(self) -> list[BaseModel]:
         return list(self._bases.values())
 

@@ -31,7 +31,7 @@ from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import MAX_LOGPROBS_K, SampleJob, resolve_stops
 from polyrl.local.stability import SequenceRecords, input_positions
-from polyrl.local.vllm import VllmSettings, resolve_sampler
+from polyrl.local.vllm import VllmSettings, resolve_sampler, stop_on_sigterm
 
 LOCAL_OWNER = "local"  # in-process, the ServiceClient is both the owner and the session of its records
 
@@ -194,6 +194,8 @@ class ServiceClient:
                  vllm: VllmSettings | None = None, **_ignored: Any):
         vllm = vllm or VllmSettings()
         self.sampler = resolve_sampler(sampler, device, vllm)
+        if self.sampler == "vllm" and not vllm.urls:
+            stop_on_sigterm()  # the vLLM servers this engine starts end with it
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
                                     max_store_bytes, sampler_dtype, self.sampler,
                                     vllm if self.sampler == "vllm" else None)
@@ -283,7 +285,12 @@ class ServiceClient:
                      "learner_dtype": str(b.dtype).removeprefix("torch."), "copy_bytes": b.sampler_bytes,
                      "note": b.sampler_note} for b in self.engine.loaded_models()]
 
-        return self.engine.call(read)
+        entries = self.engine.call(read)
+        for entry in entries:  # vLLM samples instead: once its servers answer (or why they cannot)
+            if (vllm := self.engine.vllm_sampler(entry["model"])) is not None:
+                vllm.wait_ready()
+                entry.update(vllm.describe(entry["learner_dtype"]))
+        return entries
 
     def supported_losses(self) -> list[str]:
         return sorted(losses.LOSSES)

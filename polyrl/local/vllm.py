@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from tinker import types
 
-from polyrl.errors import UserInputError
+from polyrl.errors import RunStoppedError, UserInputError
 
 if TYPE_CHECKING:
     from polyrl.local.sampler import SampleJob
@@ -61,8 +61,9 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT a
 URL_FAILURES = 3  # a URL that fails this many requests in a row is dropped from the set
 
 
-class VllmError(RuntimeError):
-    """vLLM could not answer: every server is gone, or a started one died more often than allowed."""
+class VllmError(RunStoppedError):
+    """vLLM could not answer: every server is gone, or a started one died more often than allowed. The run
+    stops with this one line (it is not an environment's failure, to be counted against a budget)."""
 
 
 class VllmStartError(UserInputError):
@@ -147,7 +148,26 @@ def _on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: atexit stops the servers
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM end this process through its exit handlers (which stop the vLLM servers it started)
+    rather than at once, where nothing else handles it. Call from the main thread (signals are set there),
+    before servers start."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 atexit.register(_stop_all)
+
+
+def _context(model_dir: str) -> int:
+    """The model's context length from its config (8192 when it does not say)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 8192
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings") or 8192)
 
 
 def _free_port() -> int:
@@ -165,6 +185,7 @@ class VllmProcess:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.log_path = Path(tempfile.gettempdir()) / f"polyrl-vllm-{uuid.uuid4().hex[:8]}.log"
+        self._log_start = 0  # where this start's lines begin in the log (restarts append)
 
     def command(self, port: int) -> list[str]:
         s = self.settings
@@ -175,8 +196,15 @@ class VllmProcess:
                "--dtype", self.dtype, "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "4",
                "--gpu-memory-utilization", f"{share:g}", "--max-logprobs", str(MAX_TOPK),
                "--disable-uvicorn-access-log"]
-        if s.max_model_len:
-            cmd += ["--max-model-len", str(s.max_model_len)]
+        length = s.max_model_len
+        if not self.device.startswith("cuda"):
+            # vLLM's CPU build: no torch.compile (minutes per new shape on a fresh machine, no faster here),
+            # and whole prefills only: a seeded request whose prefill is split over steps kills its engine
+            # ("CPU Generator does not use offset"), and RL rollouts are all seeded
+            length = length or min(_context(self.model_dir), 32768)
+            cmd += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(length)]
+        if length:
+            cmd += ["--max-model-len", str(length)]
         return cmd
 
     def start(self) -> str:
@@ -184,9 +212,6 @@ class VllmProcess:
         import httpx
 
         check_python(self.settings.python)
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
         port = _free_port()
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1",
                "PYTHONUNBUFFERED": "1"}
@@ -195,6 +220,7 @@ class VllmProcess:
         if ":" in self.device:
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
         with open(self.log_path, "ab") as out:
+            self._log_start = out.tell()
             self.proc = _launcher.submit(
                 subprocess.Popen, self.command(port), stdout=out, stderr=subprocess.STDOUT, env=env,
                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -208,26 +234,48 @@ class VllmProcess:
                     raise VllmStartError(f"vLLM could not start for {self.model_dir}: {self.why()} "
                                          f"(its log: {self.log_path})")
                 try:
-                    if http.get(f"{self.url}/health").status_code == 200:
-                        return self.url
+                    healthy = http.get(f"{self.url}/health").status_code == 200
                 except httpx.TransportError:
-                    pass
+                    healthy = False
+                if healthy:
+                    self._first_token(http)
+                    return self.url
                 time.sleep(0.5)
         self.stop()
         raise VllmStartError(f"vLLM did not start for {self.model_dir} within "
                              f"{self.settings.start_timeout_s:g}s (local.vllm.start_timeout_s; its log: "
                              f"{self.log_path})")
 
-    def why(self) -> str:
-        """The last error line of the server's log (what made it exit)."""
+    def _first_token(self, http: Any) -> None:
+        """A server is up once it has sampled: some failures (an attention kernel the model's shapes lack)
+        only show on the first request. One line naming vLLM's reason when it cannot."""
+        import httpx
+
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            r = http.post(f"{self.url}/v1/completions", timeout=self.settings.start_timeout_s,
+                          json={"model": BASE_NAME, "prompt": [0], "max_tokens": 1, "temperature": 0.0})
+            ok = r.status_code == 200
+        except httpx.TransportError:
+            ok = False
+        if not ok:
+            self.stop()
+            raise VllmStartError(f"vLLM could not start for {self.model_dir}: {self.why()} "
+                                 f"(its log: {self.log_path})")
+
+    def why(self) -> str:
+        """The first error of this start in the server's log (what made it fail)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                lines = f.read().decode(errors="replace").splitlines()
         except OSError:
             return "no log"
-        errors = [ln for ln in lines if re.search(r"\w+(Error|Exception): ", ln)]
+        lines = [ln for ln in lines if " WARNING " not in ln]
+        errors = [ln for ln in lines if re.search(r"\w+(Error|Exception): ", ln)
+                  and "EngineDead" not in ln and "stack trace" not in ln]
         marked = [ln for ln in lines if "ERROR" in ln]
-        text = (errors or marked or lines or ["exited with no output"])[-1]
-        return " ".join(text.split())[-300:]
+        text = errors[0] if errors else (marked or lines or ["exited with no output"])[-1]
+        return " ".join(re.sub(r"^.*?\] ", "", text).split())[-300:]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -466,7 +514,12 @@ class VllmSampler:
                 log.warning("the vLLM server for %s stopped working (%s); restarting it (%d of %d)",
                             self.model_dir, server.process.why(), self._restarts, self.settings.restarts)
                 server.process.stop()
-                server.url = server.process.start()
+                try:
+                    server.url = server.process.start()
+                except VllmStartError as e:
+                    self._servers.remove(server)
+                    raise VllmError(f"the vLLM server for {self.model_dir} died and could not be started "
+                                    f"again: {e}") from None
                 server.loaded.clear()
                 server.failures = 0
             return
@@ -480,6 +533,16 @@ class VllmSampler:
                                 "the %d left", server.url, type(exc).__name__, exc, len(self._servers))
         else:
             time.sleep(0.2 * server.failures)
+
+    def describe(self, learner_dtype: str) -> dict[str, Any]:
+        """What samples (for the run's attempt log and its console), once the servers answer."""
+        urls = [s.url for s in self._servers]
+        where = (f"a vLLM server polyrl started at {urls[0]}" if not self.settings.urls
+                 else f"{len(urls)} vLLM server(s) at {', '.join(urls)}")
+        dtype = "the server's" if self.settings.urls else self.dtype
+        return {"sampler": "vllm", "sampler_dtype": dtype, "copy_bytes": 0, "vllm_urls": urls,
+                "note": f"{self.model_dir}: sampling on {where} ({dtype} weights; the learner computes in "
+                        f"{learner_dtype}); only the LoRA adapter crosses over"}
 
     def metrics(self) -> dict[str, float]:
         """Counts since the sampler started, as ``sampler/vllm_<count>:sum`` (each optimizer step reports

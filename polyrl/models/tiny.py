@@ -22,6 +22,8 @@ SIZES: dict[str, TinySize] = {
     "unit": TinySize(32, 2, 2, 1, 64, 768),
     # ~0.3M parameters: fast end-to-end tests.
     "small": TinySize(64, 2, 4, 2, 192, 1024),
+    # ~0.2M parameters with head_dim 32, the narrowest heads vLLM's CPU attention takes: the vLLM tests.
+    "small-hd32": TinySize(64, 2, 2, 1, 192, 1024),
     # ~1.5M parameters: a bigger demo model.
     "quickstart": TinySize(128, 4, 4, 2, 384, 1536),
     # ~0.16M parameters: ``make quickstart`` (python -m polyrl.quickstart). Learns to copy numbers into and

@@ -23,13 +23,12 @@ from polyrl.config.env import SplitName
 from polyrl.config.schema import EnvConfig
 from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
-from polyrl.errors import ServiceLostError
+from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Renderer
 from polyrl.rl.episode import (
     Episode,
     RolloutContext,
     RolloutSettings,
-    SamplerError,
     SamplerRef,
     check_rewards,
     run_episode,
@@ -64,7 +63,7 @@ async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Rend
             return done
         except asyncio.TimeoutError:
             ep.error = f"timeout after {settings.timeout:g}s"
-        except (SamplerError, ServiceLostError):
+        except RunStoppedError:  # the service or its sampler is gone: not this episode's failure
             raise
         except Exception as e:  # noqa: BLE001 - an environment or sampler failure is counted, not fatal
             ep.error = f"{type(e).__name__}: {e}"
