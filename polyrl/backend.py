@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from polyrl.aio import in_daemon_thread
 from polyrl.errors import NonFiniteUpdateError, RunStoppedError, ServiceLostError
+from polyrl.samplers import VllmSettings
 
 T = TypeVar("T")
 
@@ -41,8 +42,6 @@ def make_service_client(config: Any) -> Any:
 
 def vllm_settings(vllm: Any, max_lora_rank: int) -> Any:
     """``local.vllm`` (a :class:`polyrl.config.schema.VllmConfig`) as the engine's settings."""
-    from polyrl.local.vllm import VllmSettings
-
     return VllmSettings(python=vllm.python, urls=tuple(vllm.urls),
                         gpu_memory_utilization=vllm.gpu_memory_utilization, max_model_len=vllm.max_model_len,
                         max_lora_rank=max_lora_rank, restarts=vllm.restarts,

@@ -180,6 +180,11 @@ def test_apply_overrides_copies_and_creates_mappings():
          "environments.arithmetic.splits: at least one split"),
         (["model_name=null"], "model_name: Input should be a valid string"),
         (["model_name=./no-such-model"], "model_name: model './no-such-model': no such model directory"),
+        (["local.sampler=vllm", "local.vllm.python=./no/python"],
+         "local.vllm.python: vLLM's interpreter ./no/python does not exist, set local.vllm.python"),
+        (["local.sampler=vllm", "local.vllm.urls=[localhost:8000]"],
+         "local.vllm.urls: not an http(s) URL: 'localhost:8000'"),
+        (["local.sampler=fast"], "local.sampler: Input should be 'auto', 'polyrl' or 'vllm'"),
     ],
 )
 def test_errors_are_one_line_naming_the_key(overrides, expected):

@@ -23,7 +23,8 @@ import pytest
 from tinker import types
 
 from polyrl.local import ServiceClient
-from polyrl.local.vllm import VllmError, VllmProcess, VllmSettings
+from polyrl.local.vllm import VllmError, VllmProcess
+from polyrl.samplers import VllmSettings
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = str(REPO / ".venv-vllm" / "bin" / "python")
@@ -185,11 +186,8 @@ def test_two_servers_share_the_requests_and_losing_one_loses_nothing(hd32_dir, s
         params = types.SamplingParams(max_tokens=4, temperature=1.0)
         futures = [sampler.sample(prompt, 2, params) for _ in range(8)]
         assert all(len(f.result().sequences) == 2 for f in futures)
-        for url in (server.url, second.url):  # each served some (vLLM's own request counter)
-            text = httpx.get(f"{url}/metrics", timeout=30).text
-            done = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("vllm:request_success_total"))
-            assert done >= 1, url
+        assert _requests_done(second.url) >= 1  # each served some (vLLM's own request counter)
+        assert _requests_done(server.url) >= 1
         second.stop()  # killed while requests keep coming
         futures = [sampler.sample(prompt, 2, params) for _ in range(8)]
         assert all(len(f.result().sequences) == 2 for f in futures)
@@ -298,10 +296,53 @@ def test_train_with_vllm_logs_the_divergence_and_sigterm_leaves_no_process(hd32_
 
 
 def test_auto_samples_with_polyrl_on_a_cpu_and_with_vllm_given_urls(hd32_dir, server, tmp_path):
-    from polyrl.local.vllm import resolve_sampler
+    from polyrl.samplers import resolve_sampler
 
     assert resolve_sampler("auto", "cpu", SETTINGS) == "polyrl"
     assert resolve_sampler("auto", "cpu", VllmSettings(urls=(server.url,))) == "vllm"
     assert resolve_sampler("auto", "cuda", VllmSettings(python=str(tmp_path / "nothing"))) == "polyrl"
     assert resolve_sampler("auto", "cuda", SETTINGS) == "vllm"
 
+
+
+def _requests_done(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def test_polyrl_serve_samples_on_vllm_for_the_sdk_and_the_cookbook(hd32_dir, server, tmp_path):
+    """``polyrl serve --sampler vllm``: the official SDK trains and samples (seeded samples repeat, their
+    logprobs are the learner's), and tinker-cookbook's math_rl at its default loss (stable_reinforce, which
+    trains against the sampler's recorded logprobs) runs, each sample drawn by vLLM."""
+    from test_serve import Served, _cookbook
+
+    served = Served(hd32_dir, tmp_path / "store", "--sampler", "vllm", "--vllm-url", server.url)
+    try:
+        before = _requests_done(server.url)
+        training = served.sdk().create_lora_training_client(hd32_dir, rank=4, seed=0)
+        tokens = training.get_tokenizer().encode("the answer is 42")
+        _train_towards(training, tokens, 7)
+        sampler = training.save_weights_and_get_sampling_client()
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+        prompt = types.ModelInput.from_ints(tokens)
+        res = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+        again = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+        assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]
+        seq = res.sequences[0]
+        lp = sampler.compute_logprobs(types.ModelInput.from_ints(tokens + list(seq.tokens))).result()
+        np.testing.assert_allclose(lp[len(tokens):], seq.logprobs, atol=2e-3)
+        assert _requests_done(server.url) >= before + 2
+        common = [f"model_name={hd32_dir}", "renderer_name=qwen3", "env=arithmetic", "groups_per_batch=4",
+                  "group_size=2", "lora_rank=4", "max_tokens=8", "eval_every=0", "save_every=1",
+                  "max_steps=2"]
+        before = _requests_done(server.url)
+        done = _cookbook("tinker_cookbook.recipes.math_rl.train", served, tmp_path, *common)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+        trained = [r for r in rows if "env/all/reward/total" in r]
+        assert [r["step"] for r in trained] == [0, 1]
+        assert all(np.isfinite(r["optim/kl_sample_train_v1"]) for r in trained)
+        assert _requests_done(server.url) >= before + 8  # every group's samples, on vLLM
+    finally:
+        served.stop()

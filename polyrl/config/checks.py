@@ -18,12 +18,14 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from polyrl import registries
+from polyrl.backend import vllm_settings
 from polyrl.config.errors import problems_line
 from polyrl.config.schema import ConfigError, EnvConfig, PolicyConfig, Registered, TrainConfig
 from polyrl.envs import registry
 from polyrl.envs.module_env import EnvironmentShapeError
 from polyrl.models import resolve_model_path
 from polyrl.optim_ranges import LOSS_CONFIG, range_problems
+from polyrl.samplers import VllmStartError, check_python, resolve_sampler
 
 C = TypeVar("C", bound=PolicyConfig)
 
@@ -76,8 +78,6 @@ def sampler_problems(config: PolicyConfig) -> list[tuple[str, str]]:
     local = config.local
     if config.backend != "local" or local.sampler != "vllm" or local.vllm.urls:
         return []
-    from polyrl.local.vllm import VllmStartError, check_python
-
     try:
         check_python(local.vllm.python)
     except VllmStartError as e:
@@ -90,8 +90,6 @@ def correct_vllm_by_default(config: TrainConfig) -> None:
     ``icepop`` for a loss that takes a correction: two engines give the same token different logprobs, and
     IcePop weights each token by p_learner / p_sampler inside [0.5, 5] and masks it outside, so a token the
     engines disagree on wildly is dropped instead of weighted (docs: the vLLM guide)."""
-    from polyrl.backend import vllm_settings
-    from polyrl.local.vllm import resolve_sampler
 
     if config.backend != "local" or "correction" in config.off_policy.model_fields_set:
         return

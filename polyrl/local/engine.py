@@ -52,7 +52,8 @@ from polyrl.local.sampler import SampleJob, SamplingStopped, generate_steps
 from polyrl.local.sampler_copy import DTYPES
 from polyrl.local.stability import SampledInputs
 from polyrl.local.vision import keyed
-from polyrl.local.vllm import ADAPTER_FILES, VllmSampler, VllmSettings, check_python
+from polyrl.local.vllm import ADAPTER_FILES, VllmSampler
+from polyrl.samplers import VllmSettings, check_python
 
 log = logging.getLogger("polyrl.local")
 

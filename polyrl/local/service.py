@@ -31,7 +31,8 @@ from polyrl.local.optim import DimuonSettings, optimizer_type
 from polyrl.local.rest import RestClient
 from polyrl.local.sampler import MAX_LOGPROBS_K, SampleJob, resolve_stops
 from polyrl.local.stability import SequenceRecords, input_positions
-from polyrl.local.vllm import VllmSettings, resolve_sampler, stop_on_sigterm
+from polyrl.local.vllm import stop_on_sigterm
+from polyrl.samplers import VllmSettings, resolve_sampler
 
 LOCAL_OWNER = "local"  # in-process, the ServiceClient is both the owner and the session of its records
 

@@ -37,14 +37,14 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from tinker import types
 
-from polyrl.errors import RunStoppedError, UserInputError
+from polyrl.errors import RunStoppedError
+from polyrl.samplers import VllmSettings, VllmStartError, check_python, find_python
 
 if TYPE_CHECKING:
     from polyrl.local.sampler import SampleJob
@@ -53,7 +53,6 @@ SamplerState = Any  # polyrl.local.engine.SamplerState (which imports this modul
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PYTHON = ".venv-vllm/bin/python"  # where `make vllm` builds vLLM's environment
 BASE_NAME = "base"  # the served name of the base model in a server polyrl starts
 MAX_TOPK = 20  # vLLM's default --max-logprobs: the widest top-K of sample logprobs it returns
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM accepts
@@ -64,61 +63,6 @@ URL_FAILURES = 3  # a URL that fails this many requests in a row is dropped from
 class VllmError(RunStoppedError):
     """vLLM could not answer: every server is gone, or a started one died more often than allowed. The run
     stops with this one line (it is not an environment's failure, to be counted against a budget)."""
-
-
-class VllmStartError(UserInputError):
-    """A vLLM server could not start (no interpreter, no vLLM, no memory, an unsupported model)."""
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """How the engine reaches vLLM: ``urls`` of servers that already run, else a process it starts from
-    ``python``. ``gpu_memory_utilization`` is the share of the GPU's memory (on a CPU: of the host's) vLLM
-    reserves; ``None``: 0.4 on a GPU (the learner shares it), 0.1 on a CPU. ``restarts`` bounds how often a
-    started server that died is started again; ``start_timeout_s`` how long a start may take."""
-
-    python: str = DEFAULT_PYTHON
-    urls: tuple[str, ...] = ()
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    max_lora_rank: int = 64
-    restarts: int = 3
-    start_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-
-
-def resolve_sampler(sampler: str, device: str, settings: VllmSettings) -> str:
-    """``polyrl`` or ``vllm`` for the ``local.sampler`` setting: ``auto`` is vLLM when servers are given by
-    URL, or on a CUDA device when vLLM's interpreter exists; polyrl's own sampler otherwise (on a CPU it
-    is the faster: docs/benchmarks)."""
-    if sampler != "auto":
-        return sampler
-    if settings.urls:
-        return "vllm"
-    import torch
-
-    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return "vllm" if cuda and Path(find_python(settings.python)).exists() else "polyrl"
-
-
-def find_python(python: str) -> str:
-    """``python`` as given; the default, when the working directory has none, in polyrl's own checkout
-    (where `make vllm` put it)."""
-    if python == DEFAULT_PYTHON and not Path(python).exists():
-        beside = Path(__file__).resolve().parents[2] / DEFAULT_PYTHON
-        if beside.exists():
-            return str(beside)
-    return python
-
-
-def check_python(python: str) -> None:
-    """The interpreter exists: else one line saying how to make it."""
-    python = find_python(python)
-    if not Path(python).is_file() or not os.access(python, os.X_OK):
-        hint = " (`make vllm` builds it)" if python == DEFAULT_PYTHON else ""
-        raise VllmStartError(f"vLLM's interpreter {python} does not exist{hint}; set local.vllm.python "
-                             "(serve: --vllm-python) to the python of an environment with vLLM, or give "
-                             "servers that run with local.vllm.urls (--vllm-url)")
 
 
 # ------------------------------------------------------------------------------------------ processes

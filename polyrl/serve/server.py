@@ -25,7 +25,7 @@ from polyrl.backend import vllm_settings
 from polyrl.config.schema import LocalEngineConfig
 from polyrl.local.engine import Engine
 from polyrl.local.stability import DEFAULT_MAX_RECORDED_TOKENS, SequenceRecords
-from polyrl.local.vllm import resolve_sampler
+from polyrl.samplers import resolve_sampler
 from polyrl.serve import protocol as P
 from polyrl.serve.lifecycle import Checkpoints
 from polyrl.serve.quotas import Quotas
