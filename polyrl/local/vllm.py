@@ -83,7 +83,11 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 _launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-vllm-launcher")
 
 
+_exiting = threading.Event()  # set once the process exits: a failed request then restarts nothing
+
+
 def _stop_all() -> None:
+    _exiting.set()
     for proc in list(_started):
         proc.stop()
 
@@ -101,7 +105,9 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-atexit.register(_stop_all)
+# Before the interpreter joins thread pools (requests in flight to a server would hold it up until they
+# end), where the runtime allows; at exit otherwise.
+getattr(threading, "_register_atexit", atexit.register)(_stop_all)
 
 
 def _context(model_dir: str) -> int:
@@ -275,7 +281,7 @@ class VllmSampler:
         self._restarts = 0
         self._dirs = Path(tempfile.mkdtemp(prefix="polyrl-vllm-adapters-"))
         self._adapters: dict[str, Path] = {}  # adapter name -> its PEFT directory, while its snapshot lives
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="polyrl-vllm")
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="polyrl-vllm")
         self._http: Any = None
         self.counts = {"requests": 0, "loads": 0, "unloads": 0, "restarts": 0, "dropped_urls": 0}
         weakref.finalize(self, shutil.rmtree, self._dirs, True)
@@ -378,8 +384,8 @@ class VllmSampler:
                 raise VllmError(f"adapter {name} was released before it was sampled")
             r = self._http.post(f"{server.url}/v1/load_lora_adapter",
                                 json={"lora_name": name, "lora_path": str(directory)}, timeout=120.0)
-            if r.status_code != 200:
-                raise ValueError(f"vLLM at {server.url} refused adapter {name}: {_message(r)}")
+            if r.status_code != 200:  # every sample of this policy would fail alike: the run stops
+                raise VllmError(f"vLLM at {server.url} refused adapter {name}: {_message(r)}")
             server.loaded.add(name)
             self.counts["loads"] += 1
             try:  # cached prefixes belong to the weights that computed them
@@ -439,6 +445,8 @@ class VllmSampler:
     def _failed(self, server: _Server, exc: BaseException) -> None:
         """A request to ``server`` failed: restart it (started), or drop it after URL_FAILURES in a row
         (given by URL)."""
+        if _exiting.is_set():
+            raise VllmError("the process is exiting: vLLM's servers were stopped")
         if server.process is not None:
             with self._lock:
                 if server not in self._servers:
