@@ -177,13 +177,14 @@ def main() -> None:
               f"{rate[f'polyrl n=1 x group, {weights}'] / rate[hf_key]:.2f}x (n=1 x group), "
               f"{rate[f'polyrl n=group, {weights}'] / rate[hf_key]:.2f}x (n=group)")
     if args.vllm:
+        def ratio(kind: str, weights: str) -> float:
+            return rate[f"vllm {kind}, {weights}"] / rate[f"polyrl {kind}, {weights}"]
+
         for weights in ("base", "LoRA"):
-            print(f"{weights} weights: vllm / polyrl = "
-                  f"{rate[f'vllm n=1 x group, {weights}'] / rate[f'polyrl n=1 x group, {weights}']:.2f}x "
-                  f"(n=1 x group), {rate[f'vllm n=group, {weights}'] / rate[f'polyrl n=group, {weights}']:.2f}x "
-                  "(n=group)")
+            print(f"{weights} weights: vllm / polyrl = {ratio('n=1 x group', weights):.2f}x (n=1 x group), "
+                  f"{ratio('n=group', weights):.2f}x (n=group)")
         sys.stdout.flush()
-        print(f"vllm_vs_polyrl_sampler: {rate['vllm n=1 x group, LoRA'] / rate['polyrl n=1 x group, LoRA']:.2f}x")
+        print(f"vllm_vs_polyrl_sampler: {ratio('n=1 x group', 'LoRA'):.2f}x")
         return
     sys.stdout.flush()
     print(f"sampler_vs_hf_generate: {rate['polyrl n=1 x group, base'] / rate['hf generate, base']:.2f}x")
