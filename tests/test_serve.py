@@ -1279,6 +1279,9 @@ def test_serve_command_line_errors_are_one_line(tmp_path):
             ([*taken, "--max-lora-rank", "0"], "--max-lora-rank must be a positive integer"),
             ([*taken, "--header-timeout", "-1"], "--header-timeout must be a positive number of seconds"),
             ([*taken, "--micro-batch-tokens", "0"], "--micro-batch-tokens must be a positive integer"),
+            ([*taken, "--sampler", "vllm", "--vllm-python", str(tmp_path / "no-python")],
+             "vLLM's interpreter"),
+            ([*taken, "--vllm-url", "localhost:8000"], "--vllm-url 'localhost:8000' is not an http(s) URL"),
         ]
         for args, words in cases:
             done = subprocess.run([sys.executable, "-m", "polyrl.cli", "serve", "--api-key", KEY,

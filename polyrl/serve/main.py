@@ -179,6 +179,7 @@ def _is_loopback(host: str) -> bool:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse options that cannot work, before the port is bound or anything heavy is loaded."""
     from polyrl.models import resolve_model_path
+    from polyrl.samplers import check_python
 
     if not 0 <= args.port <= 65535:
         raise UserInputError(f"--port {args.port} is not a port number (0 to 65535; 0: any free port)")
@@ -197,6 +198,11 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if not 0 < value < float("inf"):
             raise UserInputError(f"{flag} must be a positive number of seconds, got {value}")
+    for url in args.vllm_url:
+        if not url.startswith(("http://", "https://")):
+            raise UserInputError(f"--vllm-url {url!r} is not an http(s) URL")
+    if args.sampler == "vllm" and not args.vllm_url:
+        check_python(args.vllm_python)
     for name in args.models:
         resolve_model_path(name)
     import torch
