@@ -262,10 +262,11 @@ def test_a_vllm_that_cannot_start_is_one_line(tiny_model_dir, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_train_with_vllm_logs_the_divergence_and_sigterm_leaves_no_process(hd32_dir, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_train_with_vllm_logs_the_divergence_and_a_stop_leaves_no_process(hd32_dir, tmp_path, stop):
     """``polyrl train`` sampling on vLLM: the sampler/learner divergence is logged every step (small:
-    both engines compute in float32 here), IcePop corrects it by default, and SIGTERM ends the run with
-    vLLM's processes, none left behind."""
+    both engines compute in float32 here), IcePop corrects it by default, and SIGTERM or Ctrl-C ends the
+    run with vLLM's processes, none left behind."""
     import psutil
 
     (tmp_path / "letters.py").write_text(LETTERS_ENV)
@@ -281,7 +282,7 @@ def test_train_with_vllm_logs_the_divergence_and_sigterm_leaves_no_process(hd32_
     rows = [json.loads(x) for x in metrics.read_text().splitlines()[:3]]
     family = psutil.Process(proc.pid).children(recursive=True)
     assert any("vllm" in " ".join(p.cmdline()) for p in family)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=120)
     gone, alive = psutil.wait_procs(family, timeout=30)
     assert not alive, [p.cmdline()[:3] for p in alive]
