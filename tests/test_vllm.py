@@ -262,11 +262,12 @@ def test_a_vllm_that_cannot_start_is_one_line(tiny_model_dir, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=["sigterm", "ctrl-c", "kill"])
 def test_train_with_vllm_logs_the_divergence_and_a_stop_leaves_no_process(hd32_dir, tmp_path, stop):
     """``polyrl train`` sampling on vLLM: the sampler/learner divergence is logged every step (small:
-    both engines compute in float32 here), IcePop corrects it by default, and SIGTERM or Ctrl-C ends the
-    run with vLLM's processes, none left behind."""
+    both engines compute in float32 here), IcePop corrects it by default, and SIGTERM, Ctrl-C or even
+    SIGKILL ends the run with vLLM's processes, none left behind."""
     import psutil
 
     (tmp_path / "letters.py").write_text(LETTERS_ENV)

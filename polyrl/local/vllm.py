@@ -20,7 +20,6 @@ run going on with the rest. A process that cannot start is one line naming why.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import itertools
 import json
 import logging
@@ -70,17 +69,21 @@ class VllmError(RunStoppedError):
 _started: "weakref.WeakSet[VllmProcess]" = weakref.WeakSet()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Ask Linux to SIGTERM the child when polyrl dies, however it dies (even SIGKILL). Linux sends it when
-    the thread that started the child ends, so children are started by :data:`_launcher`, which lives as
-    long as the process."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-_launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polyrl-vllm-launcher")
+# The process polyrl starts: a watchdog in the server's own process group that runs the server as its
+# child, passes on its exit code, and kills the whole group the moment polyrl is gone, however polyrl
+# ended (a SIGKILL included), which the server's own shutdown cannot be relied on for. It ignores SIGTERM:
+# a stop (SIGTERM to the group) lets the server shut down, and the watchdog ends with it.
+WATCHDOG = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+parent = os.getppid()
+server = subprocess.Popen(sys.argv[1:], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+while server.poll() is None:
+    if os.getppid() != parent:
+        os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(server.returncode)
+"""
 
 
 _exiting = threading.Event()  # set once the process exits: a failed request then restarts nothing
@@ -128,7 +131,8 @@ def _free_port() -> int:
 
 class VllmProcess:
     """A vLLM OpenAI-compatible server polyrl started for one base model, on 127.0.0.1, in a process
-    group of its own (stopped with polyrl: at exit, on SIGTERM, or by the kernel if polyrl is killed)."""
+    group of its own, under :data:`WATCHDOG` (stopped with polyrl: at exit, on SIGTERM, and by the watchdog
+    if polyrl is killed)."""
 
     def __init__(self, model_dir: str, device: str, dtype: str, settings: VllmSettings):
         self.model_dir, self.device, self.dtype, self.settings = model_dir, device, dtype, settings
@@ -171,16 +175,16 @@ class VllmProcess:
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":", 1)[1]
         with open(self.log_path, "ab") as out:
             self._log_start = out.tell()
-            self.proc = _launcher.submit(
-                subprocess.Popen, self.command(port), stdout=out, stderr=subprocess.STDOUT, env=env,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None).result()
+            self.proc = subprocess.Popen([sys.executable, "-c", WATCHDOG, *self.command(port)], stdout=out,
+                                         stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         _started.add(self)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.settings.start_timeout_s
         with httpx.Client(timeout=5.0) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
+                    self.stop()
                     raise VllmStartError(f"vLLM could not start for {self.model_dir}: {self.why()} "
                                          f"(its log: {self.log_path})")
                 try:
@@ -233,16 +237,17 @@ class VllmProcess:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server and every process it started (its whole process group)."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            if proc.poll() is not None:
+                break
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
-                return
+                break
             try:
                 proc.wait(wait)
-                break
             except subprocess.TimeoutExpired:
                 continue
         try:  # what the group's other members (vLLM's engine core, its workers) left running
