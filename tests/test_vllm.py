@@ -133,6 +133,35 @@ def test_each_step_samples_its_own_adapter_while_older_ones_stay_until_dropped(h
     assert set(names) & _served_adapters(server.url) == set(names[-2:])
 
 
+def test_an_adapter_released_by_the_garbage_collector_inside_a_pool_submit_does_not_deadlock(tmp_path):
+    """The garbage collector runs a released snapshot's finalizer inside whatever allocates, such as a
+    thread pool's submit, which holds concurrent.futures' global lock. The finalizer must take no lock
+    (it once submitted the unload to a pool, and the engine thread waited on that lock forever)."""
+    import concurrent.futures.thread as pool_module
+    import threading
+
+    from polyrl.local.vllm import VllmSampler
+
+    sampler = VllmSampler("unused", "cpu", "float32", VllmSettings(urls=("http://127.0.0.1:9",)))
+    directory = tmp_path / "adapter"
+    directory.mkdir()
+    sampler._adapters["polyrl-sampler-1"] = directory
+    released = threading.Event()
+
+    def release_inside_the_lock():
+        with pool_module._global_shutdown_lock:
+            sampler._release("polyrl-sampler-1")
+        released.set()
+
+    threading.Thread(target=release_inside_the_lock, daemon=True).start()
+    assert released.wait(60), "releasing an adapter waited on concurrent.futures' global lock"
+    deadline = time.monotonic() + 60
+    while directory.exists() and time.monotonic() < deadline:  # the unloading thread removes it
+        time.sleep(0.05)
+    assert not directory.exists() and "polyrl-sampler-1" not in sampler._adapters
+    sampler.close()
+
+
 def test_sampling_options_map_onto_vllm(hd32_dir, server, tmp_path):
     """Seeds, n, stop tokens and strings, top-k / top-p, max_tokens and top-K sample logprobs."""
     service = _service(tmp_path, urls=(server.url,))

@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
@@ -289,8 +290,11 @@ class VllmSampler:
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="polyrl-vllm")
         self._http: Any = None
         self.counts = {"requests": 0, "loads": 0, "unloads": 0, "restarts": 0, "dropped_urls": 0}
+        # Adapters released by the garbage collector, for one thread to unload (see ``_release``).
+        self._released: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         weakref.finalize(self, shutil.rmtree, self._dirs, True)
         threading.Thread(target=self._start, name="polyrl-vllm-start", daemon=True).start()
+        threading.Thread(target=self._unload_released, name="polyrl-vllm-unload", daemon=True).start()
 
     # ---- start-up ------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -357,13 +361,17 @@ class VllmSampler:
         weakref.finalize(state, self._release, name)
 
     def _release(self, name: str) -> None:
-        directory = self._adapters.pop(name, None)
-        if directory is None:
-            return
-        try:
-            self._pool.submit(self._unload, name, directory)
-        except RuntimeError:  # the pool is shut down (interpreter exit)
-            shutil.rmtree(directory, ignore_errors=True)
+        # A weakref callback: the garbage collector runs it inside whatever code allocated, holding
+        # whatever locks that code holds (a thread pool's submit holds concurrent.futures' global lock,
+        # which submitting here would take again, and wait on forever). So it takes no lock at all:
+        # SimpleQueue.put is reentrant.
+        self._released.put(name)
+
+    def _unload_released(self) -> None:
+        while (name := self._released.get()) is not None:
+            directory = self._adapters.pop(name, None)
+            if directory is not None:
+                self._unload(name, directory)
 
     def _unload(self, name: str, directory: Path) -> None:
         for server in list(self._servers):
@@ -507,6 +515,7 @@ class VllmSampler:
         return {f"sampler/vllm_{k}:sum": float(v) for k, v in self.counts.items()}
 
     def close(self) -> None:
+        self._released.put(None)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for server in self._servers:
             if server.process is not None:
