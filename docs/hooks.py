@@ -1,7 +1,7 @@
 """The reference pages generated from the code, and the MkDocs hook that keeps the site honest about them.
 
-``reference/configuration.md`` and ``reference/sft-configuration.md`` come from the configs' pydantic
-schemas (the text of ``polyrl train --help-config`` and ``polyrl sft --help-config``,
+``reference/configuration.md``, ``reference/sft-configuration.md`` and ``reference/dpo-configuration.md``
+come from the configs' pydantic schemas (the text of ``polyrl train``, ``sft`` and ``dpo --help-config``,
 :mod:`polyrl.config.reference`), and ``reference/cli.md`` from the command line's own ``--help``. They are
 committed, so they read on GitHub and in an editor too. ``python docs/hooks.py`` (run by ``make docs``)
 rewrites them; ``python docs/hooks.py --check`` and ``mkdocs build`` fail when one differs from what the
@@ -22,6 +22,7 @@ REGENERATE = "python docs/hooks.py"
 GENERATED = {
     "reference/configuration.md": "configuration_page",
     "reference/sft-configuration.md": "sft_configuration_page",
+    "reference/dpo-configuration.md": "dpo_configuration_page",
     "reference/cli.md": "cli_page",
 }
 
@@ -72,6 +73,21 @@ def sft_configuration_page() -> str:
         "same text as `polyrl sft --help-config`. It trains on conversations (`--data`) and on the",
         "demonstrations of the configured environments; the run config's fields are in the",
         "[configuration reference](configuration.md).",
+    ])
+
+
+def dpo_configuration_page() -> str:
+    from polyrl.dpo import DPOConfig
+
+    return _config_page(DPOConfig, [
+        NOTICE.format(REGENERATE),
+        "",
+        "# `polyrl dpo` configuration reference",
+        "",
+        "Every field of a Direct Preference Optimization run's config (`polyrl dpo`), generated from its",
+        "schema: the same text as `polyrl dpo --help-config`. It trains on preference pairs (`--data`) and",
+        "scores held-out ones (`--eval-data`); [Preferences and DPO](../guides/preferences.md) walks",
+        "through it.",
     ])
 
 

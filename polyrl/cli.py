@@ -122,6 +122,17 @@ def cmd_sft(args) -> None:
     print(sft(config))
 
 
+def cmd_dpo(args) -> None:
+    from polyrl.dpo import DPOConfig, dpo
+
+    for flag, key in ((args.data, "data"), (args.eval_data, "eval_data")):  # before --overrides, which win
+        if flag:
+            files = [path for group in flag for path in group]
+            args.overrides = [f"{key}={json.dumps(files)}", *args.overrides]
+    config = _load(args, DPOConfig)
+    print(dpo(config))
+
+
 def cmd_eval(args) -> None:
     from polyrl.config.schema import TrainConfig
 
@@ -215,6 +226,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="conversations to learn, one JSON object a line in the OpenAI chat format "
                         '({"messages": [...]}); sets the config\'s data')
     p.set_defaults(fn=cmd_sft)
+
+    p = sub.add_parser("dpo", help="Direct Preference Optimization on preference pairs (--data FILE.jsonl), "
+                                   "against the starting policy as reference")
+    _config_args(p)
+    p.add_argument("--data", action="append", nargs="+", metavar="FILE.jsonl",
+                   help='preference pairs to learn, one JSON object a line: {"prompt": ..., "chosen": ..., '
+                        '"rejected": ...} (TRL\'s preference format); sets the config\'s data')
+    p.add_argument("--eval-data", action="append", nargs="+", metavar="FILE.jsonl",
+                   help="held-out pairs, scored during and after training; sets the config's eval_data")
+    p.set_defaults(fn=cmd_dpo)
 
     p = sub.add_parser("eval", help="mean reward, pass@1 and pass@k on the test splits")
     _config_args(p)

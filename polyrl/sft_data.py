@@ -13,6 +13,15 @@ them) or an object. The model learns every assistant message (loss weight 1 on i
 rest), exactly as :meth:`polyrl.renderers.base.Renderer.render_supervised` renders it, except one with
 ``"weight": 0`` (OpenAI's key for an assistant message to keep as context only).
 
+Preference pairs for ``polyrl dpo --data`` are TRL's preference format, one pair a line::
+
+    {"prompt": [messages] | "text", "chosen": [messages] | "text", "rejected": [messages] | "text",
+     "tools": [...]}
+
+(text: a user message, and an assistant reply for chosen and rejected), or the implicit-prompt form
+``{"chosen": [messages], "rejected": [messages]}``, whose common leading messages are the prompt. The
+model learns the assistant messages of chosen and rejected; those of the prompt are context.
+
 A problem with a line is a :class:`polyrl.errors.UserInputError` naming ``file:line`` and the problem.
 """
 
@@ -39,9 +48,36 @@ class Conversation:
     assistant_weights: tuple[float, ...] = ()  # one per assistant message, in order: 1 learned, 0 context
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One line of a preference file: a prompt, the answer preferred and the one rejected."""
+
+    prompt: list[Message]
+    chosen: list[Message]
+    rejected: list[Message]
+    tools: list[ToolSpec]
+    where: str
+
+    def conversation(self, side: str) -> Conversation:
+        """The prompt followed by the ``chosen`` or ``rejected`` answer, learned on that answer only."""
+        answer = self.chosen if side == "chosen" else self.rejected
+        weights = tuple(0.0 for m in self.prompt if m["role"] == "assistant")
+        weights += tuple(1.0 for m in answer if m["role"] == "assistant")
+        return Conversation([*self.prompt, *answer], self.tools, f"{self.where} ({side})", weights)
+
+
 def read_conversations(paths: list[str]) -> list[Conversation]:
     """Every conversation of the JSONL files ``paths``, in order; blank lines are skipped."""
-    out: list[Conversation] = []
+    return _read_lines(paths, parse_line, "conversations")
+
+
+def read_pairs(paths: list[str]) -> list[Pair]:
+    """Every preference pair of the JSONL files ``paths``, in order; blank lines are skipped."""
+    return _read_lines(paths, parse_pair, "preference pairs")
+
+
+def _read_lines(paths: list[str], parse, what: str) -> list:
+    out: list = []
     for path in paths:
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -54,11 +90,21 @@ def read_conversations(paths: list[str]) -> list[Conversation]:
         found = 0
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                out.append(parse_line(line, f"{path}:{number}"))
+                out.append(parse(line, f"{path}:{number}"))
                 found += 1
         if not found:
-            raise UserInputError(f"{path}: no conversations (one JSON object per line expected)")
+            raise UserInputError(f"{path}: no {what} (one JSON object per line expected)")
     return out
+
+
+def _json_object(line: str, bad) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise bad(f"not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(row, dict):
+        raise bad(f"expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def parse_line(line: str, where: str) -> Conversation:
@@ -66,12 +112,7 @@ def parse_line(line: str, where: str) -> Conversation:
     def bad(problem: str) -> UserInputError:
         return UserInputError(f"{where}: {problem}")
 
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise bad(f"not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(row, dict):
-        raise bad(f"expected a JSON object with messages, got {type(row).__name__}")
+    row = _json_object(line, bad)
     if "messages" in row:
         raw = row["messages"]
     elif "prompt" in row and "completion" in row:
@@ -87,6 +128,37 @@ def parse_line(line: str, where: str) -> Conversation:
     if not any(weights):
         raise bad("every assistant message has weight 0: nothing to learn from this conversation")
     return Conversation(messages, _tools(row.get("tools"), bad), where, weights)
+
+
+def parse_pair(line: str, where: str) -> Pair:
+    """One JSONL line as a preference pair; a :class:`UserInputError` starting with ``where`` if it is
+    not one."""
+    def bad(problem: str) -> UserInputError:
+        return UserInputError(f"{where}: {problem}")
+
+    row = _json_object(line, bad)
+    if "chosen" not in row or "rejected" not in row:
+        raise bad('not a preference pair: expected {"prompt": ..., "chosen": ..., "rejected": ...}')
+    sides = {}
+    for side in ("chosen", "rejected"):
+        raw = _turns(row[side], "assistant", bad)
+        if not raw:
+            raise bad(f"{side} is empty")
+        sides[side] = [_message(m, i, bad) for i, m in enumerate(raw)]
+    if "prompt" in row:
+        prompt = [_message(m, i, bad) for i, m in enumerate(_turns(row["prompt"], "user", bad))]
+    else:  # implicit prompt: the messages both sides begin with
+        n = 0
+        while (n < min(len(sides["chosen"]), len(sides["rejected"])) - 1
+               and sides["chosen"][n] == sides["rejected"][n]):
+            n += 1
+        prompt, sides = sides["chosen"][:n], {k: v[n:] for k, v in sides.items()}
+    for side, messages in sides.items():
+        if not any(m["role"] == "assistant" for m in messages):
+            raise bad(f"{side} has no assistant message: nothing to compare")
+    if sides["chosen"] == sides["rejected"]:
+        raise bad("chosen and rejected are the same answer")
+    return Pair(prompt, sides["chosen"], sides["rejected"], _tools(row.get("tools"), bad), where)
 
 
 def _weight(m: dict, i: int, bad) -> float:

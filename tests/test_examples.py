@@ -81,6 +81,9 @@ EXAMPLES: dict[str, Example] = {
     "own_task/train.yaml": Example(("polyrl", "train", "--config_path", "examples/own_task/train.yaml"),
                                    files=("own_task/last_word.py", "own_task/make_demos.py"),
                                    logs=("env/last_word/reward/exact_match",)),
+    "dpo/dpo.yaml": Example(("polyrl", "dpo", "--config_path", "examples/dpo/dpo.yaml"), steps=2,
+                            files=("dpo/make_pairs.py", "dpo/pairs.jsonl", "dpo/held_out.jsonl"),
+                            logs=("dpo/loss", "dpo/accuracy", "dpo/margin")),
 }
 
 
@@ -124,7 +127,10 @@ def test_example_header_says_what_how_and_what_to_expect(name):
     assert re.search(ex.documented, text), (
         f"examples/{name}: its header should show how to run it: {ex.command}")
     for path in ex.files:
-        assert header(path).strip(), f"examples/{path} needs a docstring"
+        if path.endswith(".jsonl"):  # data, written by a script of the example (which says so)
+            assert any(path.split("/")[-1] in header(f) for f in ex.files if f.endswith(".py")), path
+        else:
+            assert header(path).strip(), f"examples/{path} needs a docstring"
     if ex.server:
         assert f"python {ex.server}" in header(ex.server.removeprefix("examples/")), "how to start the server"
 
@@ -215,11 +221,15 @@ def test_example_validates(name, checkout, tiny_model_dir, monkeypatch):
     assert code == 0, stderr
     assert "warning:" not in stderr, f"examples/{name} uses a deprecated key: {stderr}"
     config = yaml.safe_load(stdout)
-    assert config["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["environments"]
+    assert config["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config["data"] if "dpo" in ex.command else config["environments"]
 
 
 def run_overrides(config: dict, run: Path, model: str, steps: int, server_url: str | None) -> list[str]:
     """Overrides that make an example's run one or two quick steps on ``model``, its files under ``run``."""
+    if "environments" not in config:  # polyrl dpo: pairs, no environments
+        return [f"model_name={model}", f"max_steps={steps}", "batch_size=2", "lora_rank=4",
+                f"log_path={run / 'run'}", f"local.store_dir={run / 'store'}"]
     overrides = [f"model_name={model}", f"max_steps={steps}", "batch_size=2", "max_tokens=8", "lora_rank=4",
                  f"log_path={run / 'run'}", f"local.store_dir={run / 'store'}", "outputs.report=false",
                  "save_every=0", "eval_num_samples=1"]
@@ -278,6 +288,15 @@ def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatc
 
     run = checkout / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    if "dpo" in ex.command:  # the held-out pairs scored before the first step and after the last
+        held_out = [r for r in rows if "eval/accuracy" in r]
+        assert [r["step"] for r in held_out] == [-1, ex.steps - 1], held_out
+        assert held_out[0]["eval/loss"] == pytest.approx(0.6931, abs=1e-3)  # the reference is the start
+        rows = [r for r in rows if "dpo/loss" in r]
+        assert [r["step"] for r in rows] == list(range(ex.steps))
+        assert all(set(ex.logs) <= set(r) for r in rows), rows
+        assert out.stdout.strip().splitlines()[-1].startswith("tinker://")
+        return
     if config["eval_every"]:  # evaluated before the first step: the row of step -1
         before, *rows = rows
         assert before["step"] == -1 and any(k.endswith("/pass@1") for k in before), before
