@@ -9,8 +9,10 @@ from __future__ import annotations
 from math import comb
 from typing import Any
 
-from polyrl.backend import ending_session, service_url
+from polyrl.backend import ServiceGuard, ending_session, service_url
 from polyrl.rl.rollouts import EnvRuntime, collect_groups, rollout_bounds
+from polyrl.rl.run import close_environments, open_judges
+from polyrl.tracking.console import ConsoleLog
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -64,6 +66,9 @@ def _role_groups(groups: list[list], role: str) -> list[list]:
 def _score(out: dict[str, float], key: str, groups: list[list], num_samples: int) -> None:
     episodes = [ep for g in groups for ep in g]
     out[f"{key}/reward"] = sum(ep.reward for ep in episodes) / len(episodes)
+    judged = [ep.metrics["judge/score"] for ep in episodes if "judge/score" in ep.metrics]
+    if judged:
+        out[f"{key}/judge_score"] = sum(judged) / len(judged)
     out[f"{key}/failed"] = float(sum(ep.failed for ep in episodes))
     for k in sorted({1, num_samples}):
         scores = [pass_at_k(len(g), sum(ep.success and not ep.failed for ep in g), k) for g in groups]
@@ -78,6 +83,12 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     runtimes = {n: EnvRuntime.create(n, c, config.seed, config.max_tokens, **rollout_bounds(config))
                 for n, c in config.environments.items()}
     policy = await open_policy(config, model_path=checkpoint)
+    console = ConsoleLog()
     async with ending_session(policy.service, service_url(config)):
-        return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
-                                      config.seed)
+        guard = ServiceGuard(service_url(config), config.limits.service_timeout, console.warn)
+        try:
+            await open_judges(config.model_name, runtimes, policy.service, guard, policy.renderer)
+            return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
+                                          config.seed)
+        finally:
+            await close_environments(runtimes, console)

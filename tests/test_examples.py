@@ -81,6 +81,10 @@ EXAMPLES: dict[str, Example] = {
     "own_task/train.yaml": Example(("polyrl", "train", "--config_path", "examples/own_task/train.yaml"),
                                    files=("own_task/last_word.py", "own_task/make_demos.py"),
                                    logs=("env/last_word/reward/exact_match",)),
+    "judge/train.yaml": Example(("polyrl", "train", "--config_path", "examples/judge/train.yaml"),
+                                files=("judge/rule_judge.py", "judge/tasks.jsonl", "judge/held_out.jsonl"),
+                                server="examples/judge/rule_judge.py",
+                                logs=("env/letters/judge/score", "judge/calls", "judge/parse_failures")),
     "dpo/dpo.yaml": Example(("polyrl", "dpo", "--config_path", "examples/dpo/dpo.yaml"), steps=2,
                             files=("dpo/make_pairs.py", "dpo/pairs.jsonl", "dpo/held_out.jsonl"),
                             logs=("dpo/loss", "dpo/accuracy", "dpo/margin")),
@@ -127,8 +131,9 @@ def test_example_header_says_what_how_and_what_to_expect(name):
     assert re.search(ex.documented, text), (
         f"examples/{name}: its header should show how to run it: {ex.command}")
     for path in ex.files:
-        if path.endswith(".jsonl"):  # data, written by a script of the example (which says so)
-            assert any(path.split("/")[-1] in header(f) for f in ex.files if f.endswith(".py")), path
+        if path.endswith(".jsonl"):  # data, which the example's header or its script's names
+            named_in = [f for f in [name, *ex.files] if not f.endswith(".jsonl")]
+            assert any(path.split("/")[-1] in header(f) for f in named_in), path
         else:
             assert header(path).strip(), f"examples/{path} needs a docstring"
     if ex.server:
@@ -240,7 +245,9 @@ def run_overrides(config: dict, run: Path, model: str, steps: int, server_url: s
         overrides += [f"{key}.num_rollouts=2", f"{key}.max_turns={min(env['max_turns'], 2)}"]
         if "test" in env["splits"]:
             overrides.append(f"{key}.splits.test.num_samples=2")
-        if server_url is not None:
+        if server_url is not None and env.get("judge"):  # a stand-in judge: a rule, not a model
+            overrides += [f"{key}.judge.model=rule", f"{key}.judge.base_url={server_url}/v1"]
+        elif server_url is not None:
             overrides.append(f"{key}.args.base_url={server_url}")
     return overrides
 
@@ -312,7 +319,11 @@ def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatc
         assert all(r["kl/teacher"] != 0 for r in rows)  # the teacher is another policy
     if config["outputs"]["metrics_json"]:  # Minds RL's metrics.json beside polyrl's files
         assert [r["step"] for r in json.loads((run / "metrics.json").read_text())] == list(range(ex.steps))
-    if ex.server:  # every episode came from the server
+    if name.startswith("judge/"):  # every episode was graded by the rule judge, its verdict kept with it
+        episodes = [json.loads(line) for line in
+                    (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
+        assert episodes and all(ep["judge"] and "<score>" in ep["judge"][0]["verdict"] for ep in episodes)
+    elif ex.server:  # every episode came from the server
         first_step = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
         episodes = [json.loads(line) for line in first_step]
         assert episodes and all(ep["messages"][0]["content"].startswith("Write a word of at least")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Episodes one step may run (batch_size x num_rollouts): 1024 groups of 64, or 4096 of 16, is beyond
 # the largest published RL batches; far larger sizes are typos (1e9) that would exhaust memory
@@ -36,6 +36,62 @@ class SplitConfig(BaseModel):
         "(default: null for train, 32 for test).",
     )
     seed: int | None = Field(None, description="Seed of this split's task order; null = use the run's seed.")
+
+
+class JudgeConfig(BaseModel):
+    """An LLM judge that grades every episode of an environment against rubrics; its score, in [0, 1],
+    is added to the episode's reward (docs/guides/judges.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str | None = Field(
+        None, description="The judge: null = the policy's base model on the run's own service (the weights "
+        "the policy trains on are shared, not copied); a base model (a local directory or hub id) or a "
+        "'tinker://' sampler checkpoint on the same service; with base_url, the model name that endpoint "
+        "serves.")
+    base_url: str | None = Field(
+        None, description="An OpenAI-compatible endpoint ('http(s)://host/v1') to call instead of the run's "
+        "service; its chat completions answer.")
+    api_key_env: str = Field(
+        "OPENAI_API_KEY", description="Environment variable holding base_url's API key (read when the run "
+        "starts, never written anywhere); unset: no key is sent.")
+    rubrics: list[str] = Field(
+        default_factory=list, description="Rubric items for tasks that bring none of their own (a task's "
+        "own: a dataset row's 'rubrics'). Each item is judged in a call of its own; the score is their "
+        "mean.")
+    weight: float = Field(1.0, description="reward = the environment's reward + weight * the judge's score.")
+    scale: tuple[float, float] = Field(
+        (0.0, 1.0), description="The range the judge gives its score in, mapped onto [0, 1]; a score "
+        "outside it is an unreadable verdict.")
+    template: str | None = Field(
+        None, description="The judge's prompt, with the fields {context}, {answer}, {rubric}, {low} and "
+        "{high}; null = polyrl's, which asks for the score in <score>...</score> (docs/guides/judges.md).")
+    max_tokens: int = Field(256, ge=1, description="Tokens the judge may write per verdict.")
+    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
+    max_concurrency: int = Field(32, ge=1, description="Judge calls in flight at once, for this "
+                                                       "environment.")
+    timeout: float = Field(120, gt=0, description="Seconds a judge call may take; one that takes longer "
+                                                  "fails its episode (counted).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.base_url is not None and not self.model:
+            raise ValueError("base_url needs model: the name of the model that endpoint serves")
+        low, high = self.scale
+        if not low < high:
+            raise ValueError(f"scale must be [low, high] with low < high, got {list(self.scale)}")
+        if self.template is not None:
+            for field in ("{answer}", "{rubric}"):
+                if field not in self.template:
+                    raise ValueError(f"template must contain {field}")
+        return self
 
 
 def _default_splits() -> dict[SplitName, SplitConfig]:
@@ -93,6 +149,9 @@ class EnvConfig(BaseModel):
                                  description="Environment-specific arguments for its builder.")
     timeout: float = Field(300, gt=0,
                            description="Seconds per episode; an episode that times out is failing.")
+    judge: JudgeConfig | None = Field(
+        None, description="An LLM judge grading each episode against rubrics; its score is added to the "
+        "reward (weight). null: the environment's own reward only.")
 
     @field_validator("splits", mode="before")
     @classmethod

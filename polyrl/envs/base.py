@@ -145,6 +145,11 @@ class EnvBuilder(ABC):
         """An expert conversation for task ``index`` (for ``polyrl sft`` warm starts), or ``None``."""
         return None
 
+    def rubrics(self, split: str, index: int) -> list[str] | None:
+        """The rubric items an LLM judge grades task ``index``'s episodes by (``judge:`` in its config
+        entry), or ``None`` for the judge config's own."""
+        return None
+
     async def rollout(self, ctx: Any) -> list[Any]:
         """Drive the model yourself instead of through ``make``/``step``: multi-agent workflows and
         frameworks that run their own conversation loop override this (typed there: the episode

@@ -650,6 +650,13 @@ class ModuleBuilder(EnvBuilder):
             messages, tools = as_messages(obs, "initial_observation()")
         return [*messages, *replies], tools
 
+    def rubrics(self, split: str, index: int) -> list[str] | None:
+        """A dataset row's ``rubrics`` (a list of items, or one), for the entry's judge."""
+        if self.kind != "dataset":
+            return None
+        rubrics = dict(self.rows(split)[index]).get("rubrics")
+        return [rubrics] if isinstance(rubrics, str) else list(rubrics) if rubrics else None
+
     def _seed(self, split: str, index: int) -> int:
         return int.from_bytes(hashlib.sha256(repr((self.seed, split, index)).encode()).digest()[:4], "little")
 

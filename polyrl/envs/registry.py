@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from polyrl import workflows  # noqa: F401 - registers the workflows (solver_judge)
-from polyrl.envs import builtin, python_tool  # noqa: F401 - register the built-in environments
+from polyrl.envs import builtin, prompts_env, python_tool  # noqa: F401 - register the built-in environments
 from polyrl.envs.base import ENV_TYPES, EnvBuilder, build_builder
 from polyrl.envs.module_env import MODULE_PREFIX, ModuleBuilder, load_module, split_target
 

@@ -101,6 +101,8 @@ class Episode:
     # the advantage of each sampled turn this episode was trained with: recorded once by the training
     # step (polyrl.rl.update) for its Datum and the trajectory log; the estimators return them as values
     turn_advantages: list[float] = field(default_factory=list)
+    # an environment's judge (polyrl.rl.judge): one record per rubric item, its prompt, verdict and score
+    judge: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -454,9 +456,14 @@ def finalize_reward(episode: Episode, settings: RolloutSettings) -> None:
         total = settings.nonterminal_reward
     episode.turn_rewards = rewards
     episode.reward = total
+    decide_success(episode, settings)
+
+
+def decide_success(episode: Episode, settings: RolloutSettings) -> None:
+    """``episode.success`` from its reward and metrics, as :func:`finalize_reward` describes."""
     if settings.success_threshold is not None:
-        episode.success = total >= settings.success_threshold
+        episode.success = episode.reward >= settings.success_threshold
     elif "success" in episode.metrics:
         episode.success = bool(episode.metrics["success"])
     else:
-        episode.success = total >= FULL_MARKS
+        episode.success = episode.reward >= FULL_MARKS

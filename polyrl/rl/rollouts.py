@@ -33,6 +33,7 @@ from polyrl.rl.episode import (
     check_rewards,
     run_episode,
 )
+from polyrl.rl.judge import Judge
 
 if TYPE_CHECKING:
     from polyrl.clients import SamplingClient
@@ -114,13 +115,20 @@ def stable_seed(*parts: Any) -> int:
 
 @dataclass
 class EnvRuntime:
-    """A configured environment: its builder, rollout settings and task order."""
+    """A configured environment: its builder, rollout settings and task order, and its judge once the
+    run's service has opened it (:func:`polyrl.rl.judge.open_judge`)."""
 
     name: str
     cfg: EnvConfig
     builder: EnvBuilder
     settings: RolloutSettings
     run_seed: int
+    judge: Judge | None = None
+
+    def rubrics(self, episode: Episode) -> list[str]:
+        """The rubric items ``episode``'s task is judged by: its own, else the judge config's."""
+        own = self.builder.rubrics(episode.split, episode.task_index)
+        return list(own) if own else list(self.cfg.judge.rubrics if self.cfg.judge else [])
 
     @classmethod
     def create(cls, name: str, cfg: EnvConfig, seed: int, max_tokens: int, **bounds: Any) -> "EnvRuntime":
@@ -165,11 +173,15 @@ class EnvRuntime:
 async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, group_size: int,
                         sampler: SamplingClient | SamplerRef, renderer: Renderer,
                         seed_parts: tuple) -> list[Episode]:
-    """The ``group_size`` episodes of one task, concurrently; episode ``i`` is seeded by
-    ``(*seed_parts, g, i)``, so the same group samples the same tokens from the same weights."""
+    """The ``group_size`` episodes of one task, concurrently, graded by the environment's judge if it has
+    one; episode ``i`` is seeded by ``(*seed_parts, g, i)``, so the same group samples the same tokens
+    from the same weights."""
     episodes = [Episode(runtime.name, split, task, g) for _ in range(group_size)]
     seeds = [stable_seed(*seed_parts, g, i) for i in range(group_size)]
-    return await run_group(runtime.builder, episodes, renderer, sampler, runtime.settings, seeds)
+    done = await run_group(runtime.builder, episodes, renderer, sampler, runtime.settings, seeds)
+    if runtime.judge is not None:
+        await runtime.judge.grade_group(done, runtime.rubrics)
+    return done
 
 
 async def collect_groups(runtimes: dict[str, EnvRuntime], plan: list[tuple[str, int]], split: str,

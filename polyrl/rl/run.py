@@ -24,6 +24,7 @@ from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Renderer
 from polyrl.rl import advantages as adv_lib
+from polyrl.rl.judge import open_judge
 from polyrl.rl.policy import open_policy
 from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
 from polyrl.rl.rollouts import EnvRuntime, plan_step, rollout_bounds, sample_group
@@ -193,8 +194,22 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
         max_staleness=ahead if config.off_policy.stale_groups == "drop" else None,
         chunk_tokens=config.off_policy.partial_chunk_tokens)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
+    await open_judges(config.model_name, runtimes, service, guard, renderer)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)
+
+
+async def open_judges(model_name: str, runtimes: dict[str, EnvRuntime], service: ServiceClient,
+                      guard: ServiceGuard, renderer: Renderer) -> None:
+    """Each environment's judge (``judge:``), on ``service`` (whose policy is ``model_name``); one opened
+    on an earlier service (before it was lost) is closed first."""
+    for name, rt in runtimes.items():
+        if rt.cfg.judge is None:
+            continue
+        if rt.judge is not None:
+            await rt.judge.aclose()
+        rt.judge = await open_judge(rt.cfg.judge, rt.settings, model_name, service, guard, renderer,
+                                    f"environments.{name}.judge")
 
 
 async def remove_unlogged_checkpoints(config: TrainConfig, console: ConsoleLog, files: RunFiles,
@@ -268,6 +283,8 @@ async def close_environments(runtimes: dict[str, EnvRuntime], console: ConsoleLo
     for rt in runtimes.values():
         try:
             await rt.builder.aclose()
+            if rt.judge is not None:
+                await rt.judge.aclose()
         except Exception as exc:  # noqa: BLE001
             console.warn(f"closing environment {rt.name} failed: {exc}")
 

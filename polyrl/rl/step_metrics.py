@@ -12,6 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any, Iterable
 
 from polyrl.rl.episode import Episode, ObservationTooLarge, RewardOutOfBounds
+from polyrl.rl.judge import judge_metrics
 from polyrl.rl.rollout_queue import Group, StepBatch
 from polyrl.rl.update import GroupCounts, Minibatch, Optimized, StepUpdate
 
@@ -122,6 +123,9 @@ def episode_metrics(episodes_G: list[list[Episode]], counts: dict[str, GroupCoun
         if prefix:
             for key in sorted({k for ep in ok for k in ep.metrics}):
                 out[f"{prefix}{key}"] = _mean(ep.metrics.get(key, 0.0) for ep in ok)
+    out.update(judge_metrics(everything))
+    for name, eps in sorted(by_env.items()):
+        out.update({f"env/{name}/{k}": v for k, v in judge_metrics(eps).items()})
     for name, c in counts.items():
         out[f"env/{name}/failed_rollouts"] = c.failed_rollouts
         out[f"env/{name}/dropped_groups"] = c.dropped_groups
@@ -171,6 +175,7 @@ def episode_row(step: int, ep: Episode, tokenizer: Tokenizer, dropped: bool,
         "stop_reasons": ep.stop_reasons,
         "done_by_env": ep.done_by_env,
         "error": ep.error,
+        "judge": ep.judge,
         "dropped": dropped,
         "metrics": ep.metrics,
         "duration_s": round(ep.duration_s, 4),

@@ -617,9 +617,26 @@
       el("h3", {}, `step ${state.step} · ${e.env} · group ${e.group} · episode ${e.i}`),
       e.error != null ? el("p", { class: "error" }, `error: ${e.error}`) : null,
       el("dl", { class: "meta" }, meta.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+      renderJudge(e),
       el("div", { class: "tabs" }, tab("turns"), tab("tokens")),
       turnsView, tokensView].filter(Boolean));
     writeHash();
+  }
+
+  // The judge's verdict on each rubric item, beside the episode it graded (its prompt folded away).
+  function renderJudge(e) {
+    if (!e.judge || !e.judge.length) return null;
+    return el("section", { class: "judge" }, el("h4", {}, "Judge"), e.judge.map((j, k) => {
+      const score = j.failure ? `${j.failure} failure` : `score ${fmt(j.score)} (${fmt(j.raw)} given)`;
+      const how = j.cached ? "verdict reused" : `${fmt(j.secs)} s`;
+      return el("div", { class: "judge-item" },
+        el("div", { class: "msg-head" }, el("span", { class: "role" }, `rubric ${k + 1}`),
+          el("span", { class: j.failure ? "error" : "" }, score), el("span", { class: "muted" }, how)),
+        el("pre", { class: "content muted" }, j.rubric || ""),
+        j.verdict != null ? el("pre", { class: "content judge-verdict" }, j.verdict) : null,
+        j.error ? el("p", { class: "error" }, j.error) : null,
+        el("details", {}, el("summary", {}, "the judge's prompt"), el("pre", { class: "content" }, j.prompt || "")));
+    }));
   }
 
   function prettyArgs(args) {

@@ -1,0 +1,317 @@
+"""An environment's LLM judge (``environments.<name>.judge``): every finished episode is graded against
+rubric items, and the judge's score, in [0, 1], is added to its reward.
+
+The judge reads the conversation up to the episode's last reply (``{context}``), that reply
+(``{answer}``) and one rubric item (``{rubric}``), and gives its score between ``scale``'s ends
+(``{low}``, ``{high}``) in ``<score>...</score>``: the last such tag of its verdict counts. An episode's
+score is the mean over its rubric items (a task's own, a dataset row's ``rubrics``, else the config's),
+mapped onto [0, 1]; ``reward += weight * score``.
+
+A verdict without a readable score in range, a call that fails or times out: the episode fails with a
+``JudgeError`` (counted against the group's failure budget, as an environment's error is), never a
+silent zero. Each call's prompt, verdict and score is kept on the episode (``Episode.judge``), written
+with its trajectory and shown in the report.
+
+The judge is a model on the run's own service (the policy's base model by default: the same weights,
+no second copy; another base model; a ``tinker://`` checkpoint) or a model behind an OpenAI-compatible
+endpoint. Calls run at most ``max_concurrency`` at once (the local engine batches those in flight),
+each bounded by ``timeout``; identical prompts (the same answer to the same task and rubric) are judged
+once while the verdict is cached, so a group's equal answers get equal scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from polyrl.backend import ServiceGuard, service_lost
+from polyrl.config.env import JudgeConfig
+from polyrl.errors import ServiceLostError, UserInputError
+from polyrl.rl.episode import Episode, RolloutSettings, check_rewards, decide_success, render
+
+if TYPE_CHECKING:
+    from polyrl.clients import SamplingClient, ServiceClient
+    from polyrl.renderers.base import Renderer
+
+VERDICT = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
+CACHE_SIZE = 4096  # verdicts kept for reuse, per judge
+RETRIES = 2  # an endpoint call that fails to connect, or answers 429 or 5xx, is tried again this often
+
+# --8<-- [start:template]
+TEMPLATE = """\
+You grade a chatbot's reply against one rubric item.
+
+<context>
+{context}
+</context>
+
+<reply>
+{answer}
+</reply>
+
+<rubric>
+{rubric}
+</rubric>
+
+Judge the reply by the rubric item alone. Explain in one or two sentences, then give your score, a \
+number from {low} (fails the item) to {high} (meets it fully), as <score>NUMBER</score>."""
+# --8<-- [end:template]
+
+
+class JudgeError(Exception):
+    """The judge gave no readable verdict for an episode, or its call failed: the episode fails."""
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if p.get("type", "text") == "text" else "[image]"
+                       for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def transcript(messages: list[dict]) -> tuple[str, str]:
+    """The conversation before the last assistant message, one ``Role: text`` paragraph per message, and
+    that message's text (with its tool calls)."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        return "\n\n".join(f"{m.get('role', '?').capitalize()}: {_text(m.get('content'))}"
+                           for m in messages), ""
+    context = "\n\n".join(f"{m.get('role', '?').capitalize()}: {_text(m.get('content'))}"
+                          for m in messages[:last]) or "(none)"
+    reply = messages[last]
+    answer = _text(reply.get("content"))
+    for call in reply.get("tool_calls") or []:
+        fn = call.get("function", {})
+        answer += f"\n[tool call {fn.get('name')}({fn.get('arguments')})]"
+    return context, answer
+
+
+def read_score(verdict: str, scale: tuple[float, float]) -> tuple[float, float]:
+    """The verdict's last ``<score>`` as (raw, mapped onto [0, 1]); a :class:`JudgeError` if it has none
+    or it is outside ``scale``."""
+    found = VERDICT.findall(verdict)
+    low, high = scale
+    if not found:
+        raise JudgeError(f"the verdict has no <score>NUMBER</score>: {_preview(verdict)}")
+    raw = float(found[-1])
+    if not low <= raw <= high:
+        raise JudgeError(f"the verdict's score {raw:g} is outside [{low:g}, {high:g}]: {_preview(verdict)}")
+    return raw, (raw - low) / (high - low)
+
+
+def _preview(text: str) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= 120 else flat[:117] + "...")
+
+
+class ServiceJudge:
+    """A judge model on the run's service: ``sampler`` prompted in ``renderer``'s chat format."""
+
+    def __init__(self, sampler: SamplingClient, renderer: Renderer, cfg: JudgeConfig, label: str):
+        self.sampler, self.renderer, self.cfg, self.label = sampler, renderer, cfg, label
+
+    async def __call__(self, messages: list[dict], seed: int) -> str:
+        from tinker import types
+
+        prompt = render(self.renderer, messages)
+        params = types.SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
+                                      stop=self.renderer.stop_sequences(), seed=seed)
+        try:
+            response = await self.sampler.sample(types.ModelInput.from_ints(list(prompt.tokens)), 1, params)
+        except Exception as exc:
+            if (lost := service_lost(exc)) is not None:  # the run's service, not this episode's failure
+                raise ServiceLostError(lost) from exc
+            raise
+        return _text(self.renderer.parse_response(list(response.sequences[0].tokens)).get("content"))
+
+    async def aclose(self) -> None:
+        return None
+
+
+class EndpointJudge:
+    """A judge model behind an OpenAI-compatible endpoint's ``/chat/completions``."""
+
+    def __init__(self, cfg: JudgeConfig):
+        assert cfg.base_url is not None and cfg.model is not None
+        self.cfg, self.base_url, self.label = cfg, cfg.base_url, f"{cfg.model} at {cfg.base_url}"
+        key = os.environ.get(cfg.api_key_env)
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client: Any = None
+
+    async def __call__(self, messages: list[dict], seed: int) -> str:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.base_url.rstrip("/"), headers=self._headers,
+                                             timeout=self.cfg.timeout)
+        body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_tokens,
+                "temperature": self.cfg.temperature, "seed": seed}
+        for attempt in range(RETRIES + 1):  # a dropped connection or a busy endpoint is tried again
+            try:
+                r = await self._client.post("/chat/completions", json=body)
+            except httpx.TransportError:
+                if attempt == RETRIES:
+                    raise
+                await asyncio.sleep(0.5 * 2**attempt)
+                continue
+            if r.status_code not in (429, 502, 503, 504) or attempt == RETRIES:
+                break
+            await asyncio.sleep(0.5 * 2**attempt)
+        if r.status_code != 200:
+            raise JudgeError(f"{self.label} answered HTTP {r.status_code}: {_preview(r.text)}")
+        try:
+            return _text(r.json()["choices"][0]["message"]["content"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeError(f"{self.label} answered no chat completion: {_preview(r.text)}") from None
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class JudgeModel(Protocol):
+    """What answers a judge's prompt: :class:`ServiceJudge` or :class:`EndpointJudge`."""
+
+    label: str
+
+    async def __call__(self, messages: list[dict], seed: int) -> str: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Judge:
+    """Grades an environment's episodes (see the module docstring); ``model(messages, seed)`` answers."""
+
+    def __init__(self, cfg: JudgeConfig, model: JudgeModel, settings: RolloutSettings):
+        self.cfg, self.model, self.settings = cfg, model, settings
+        self._slots: asyncio.Semaphore | None = None
+        self._cache: OrderedDict[str, asyncio.Future] = OrderedDict()
+
+    @property
+    def label(self) -> str:
+        return self.model.label
+
+    async def grade_group(self, episodes: list[Episode], rubrics_of: Callable[[Episode], list[str]]) -> None:
+        """Grade every episode that did not fail, concurrently; one the judge cannot grade fails."""
+        await asyncio.gather(*(self.grade(ep, rubrics_of(ep)) for ep in episodes if not ep.failed))
+
+    async def grade(self, episode: Episode, rubrics: list[str]) -> None:
+        try:
+            if not rubrics:
+                raise JudgeError("no rubric: the task has no rubrics and the judge's rubrics are empty")
+            context, answer = transcript(episode.messages)
+            episode.judge = list(await asyncio.gather(*(self._item(context, answer, r) for r in rubrics)))
+            failed = [r for r in episode.judge if r["failure"]]
+            if failed:
+                raise JudgeError(failed[0]["error"])
+            score = sum(r["score"] for r in episode.judge) / len(episode.judge)
+            episode.metrics["judge/score"] = score
+            bonus = self.cfg.weight * score
+            episode.reward += bonus
+            if episode.turn_rewards:
+                episode.turn_rewards[-1] += bonus
+            decide_success(episode, self.settings)
+            check_rewards(episode, self.settings.max_abs_reward)
+        except ServiceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the episode fails, counted like an environment's error
+            episode.error = f"{type(exc).__name__}: {exc}"
+
+    async def _item(self, context: str, answer: str, rubric: str) -> dict[str, Any]:
+        low, high = self.cfg.scale
+        fields = {"{context}": context, "{answer}": answer, "{rubric}": rubric, "{low}": f"{low:g}",
+                  "{high}": f"{high:g}"}
+        prompt = self.cfg.template or TEMPLATE
+        for key, value in fields.items():
+            prompt = prompt.replace(key, value)
+        record: dict[str, Any] = {"rubric": rubric, "prompt": prompt, "verdict": None, "score": None,
+                                  "raw_score": None, "seconds": 0.0, "cached": True, "failure": None,
+                                  "error": None}
+        future = self._cache.get(prompt)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._cache[prompt] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            record["cached"] = False
+            started = time.monotonic()
+            try:
+                future.set_result(await self._call(prompt))
+            except ServiceLostError:
+                self._cache.pop(prompt, None)
+                future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded; a failed call is not kept for reuse
+                self._cache.pop(prompt, None)
+                future.set_exception(exc)
+                future.exception()  # retrieved: waiters on it see it, no "never retrieved" warning
+            record["seconds"] = time.monotonic() - started
+        else:
+            self._cache.move_to_end(prompt)
+            await asyncio.wait([future])
+        if future.cancelled() or future.exception() is not None:
+            problem = future.exception() if not future.cancelled() else JudgeError("the call was cancelled")
+            timeout = isinstance(problem, asyncio.TimeoutError)
+            record.update(failure="timeout" if timeout else "call",
+                          error=(f"the judge ({self.label}) took over {self.cfg.timeout:g}s" if timeout
+                                 else f"the judge call failed: {type(problem).__name__}: {problem}"))
+            return record
+        record["verdict"] = future.result()
+        try:
+            record["raw_score"], record["score"] = read_score(record["verdict"], self.cfg.scale)
+        except JudgeError as exc:
+            record.update(failure="parse", error=str(exc))
+        return record
+
+    async def _call(self, prompt: str) -> str:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.cfg.max_concurrency)
+        seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little")
+        async with self._slots:
+            return await asyncio.wait_for(self.model([{"role": "user", "content": prompt}], seed),
+                                          self.cfg.timeout)
+
+    async def aclose(self) -> None:
+        await self.model.aclose()
+
+
+def judge_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """The step's judge counts over ``episodes`` (failed ones included): ``judge/calls`` made,
+    ``judge/cached`` verdicts reused, ``judge/seconds`` the calls took (summed), ``judge/parse_failures``
+    (verdicts without a readable score) and ``judge/call_failures`` (errors and timeouts)."""
+    records = [r for ep in episodes for r in ep.judge]
+    if not records:
+        return {}
+    return {"judge/calls": float(sum(not r["cached"] for r in records)),
+            "judge/cached": float(sum(r["cached"] for r in records)),
+            "judge/seconds": float(sum(r["seconds"] for r in records)),
+            "judge/parse_failures": float(sum(r["failure"] == "parse" for r in records)),
+            "judge/call_failures": float(sum(r["failure"] in ("call", "timeout") for r in records))}
+
+
+async def open_judge(cfg: JudgeConfig, settings: RolloutSettings, model_name: str, service: ServiceClient,
+                     guard: ServiceGuard, renderer: Renderer, where: str) -> Judge:
+    """The judge ``cfg`` names (see :class:`~polyrl.config.env.JudgeConfig`), opened on the run's
+    ``service`` (whose policy is ``model_name``, in ``renderer``'s chat format) unless it is an endpoint."""
+    from polyrl.renderers import resolve_renderer
+
+    if cfg.base_url is not None:
+        return Judge(cfg, EndpointJudge(cfg), settings)
+    source = cfg.model or model_name
+    kwargs = {"model_path": source} if source.startswith("tinker://") else {"base_model": source}
+    try:
+        sampler = await guard(f"opening {where}", service.create_sampling_client, **kwargs)
+    except UserInputError as exc:
+        raise UserInputError(f"{where}: {exc}") from None
+    base = sampler.get_base_model() if source.startswith("tinker://") else source
+    if base != model_name:
+        renderer = resolve_renderer(None, base, sampler.get_tokenizer())
+    label = "the policy's base model" if cfg.model is None else source
+    return Judge(cfg, ServiceJudge(sampler, renderer, cfg, label), settings)
