@@ -149,6 +149,29 @@ def test_an_unreadable_verdict_or_a_hung_judge_fails_the_episode_counted(endpoin
     assert "no rubric" in no_rubric.error
 
 
+def test_a_pairwise_judge_scores_each_reply_by_its_win_rate_in_both_orders(endpoint):
+    cfg = JudgeConfig(model="rule", base_url=endpoint, mode="pairwise", rubrics=[RUBRIC])
+    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    episodes = [_episode("eee"), _episode("tree"), _episode("xyz"), _episode("xyz")]
+    episodes[3].error = "RuntimeError: an environment's failure"  # not compared
+    asyncio.run(judge.grade_group(episodes, lambda ep: cfg.rubrics))
+    # eee beats both others in both orders; tree beats xyz; xyz beats no one
+    assert [ep.metrics.get("judge/score") for ep in episodes] == [1.0, 0.5, 0.0, None]
+    assert episodes[3].judge == [] and episodes[3].error.startswith("RuntimeError")
+    assert len(episodes[0].judge) == 4 and {tuple(r["pair"]) for r in episodes[0].judge} == {
+        (0, 1), (1, 0), (0, 2), (2, 0)}
+    assert judge_metrics(episodes)["judge/calls"] == 6.0  # 3 replies: 6 ordered pairs, each one call
+    ties = [_episode("bee"), _episode("bee")]
+    asyncio.run(judge.grade_group(ties, lambda ep: cfg.rubrics))
+    assert [ep.metrics["judge/score"] for ep in ties] == [0.5, 0.5]
+    assert judge_metrics(ties) == pytest.approx({"judge/calls": 1.0, "judge/cached": 1.0,
+                                                 "judge/seconds": judge_metrics(ties)["judge/seconds"],
+                                                 "judge/parse_failures": 0.0, "judge/call_failures": 0.0})
+    alone = [_episode("eee")]
+    asyncio.run(judge.grade_group(alone, lambda ep: cfg.rubrics))
+    assert alone[0].error == "JudgeError: a pairwise judge needs 2 replies"
+
+
 def _train_config(model_dir: str, tmp_path: Path, judge: dict, **over) -> TrainConfig:
     data = dict(model_name=model_dir, lora_rank=8, batch_size=4, max_steps=6, max_tokens=6, save_every=0,
                 learning_rate=3e-2, log_path=str(tmp_path / "run"), seed=0, eval_every=0,
@@ -168,21 +191,32 @@ def _rows(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_on_a_rule_judges_reward_raises_it(tiny_model_dir, tmp_path):
+@pytest.fixture
+def rule_judge():
+    """examples/judge/rule_judge.py, started as its docstring says (on a port of its choosing)."""
+    proc = subprocess.Popen([sys.executable, str(EXAMPLE / "rule_judge.py"), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield re.search(r"running on (\S+)", proc.stderr.readline()).group(1) + "/v1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _e_share(episodes: list[dict]) -> float:
+    from rule_judge import share
+
+    return sum(share(ep["messages"][-1]["content"], RUBRIC) for ep in episodes) / len(episodes)
+
+
+def test_train_on_a_rule_judges_reward_raises_it(tiny_model_dir, tmp_path, rule_judge):
     """The rule judge makes the reward learnable (the share of 'e's in the reply): it rises over a short
     run, every episode graded over real HTTP, each trajectory row holding its prompt and verdict."""
     from polyrl.rl.train import train
 
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE / "rule_judge.py"), "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        url = re.search(r"running on (\S+)", proc.stderr.readline()).group(1)
-        config = _train_config(tiny_model_dir, tmp_path, {"model": "rule", "base_url": f"{url}/v1",
-                                                          "scale": [0, 10]}, max_steps=12)
-        train(config, ConsoleLog(enabled=False))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    config = _train_config(tiny_model_dir, tmp_path, {"model": "rule", "base_url": rule_judge,
+                                                      "scale": [0, 10]}, max_steps=12)
+    train(config, ConsoleLog(enabled=False))
     rows = _rows(tmp_path)
     scores = [r["env/letters/judge/score"] for r in rows]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.3, scores
@@ -213,6 +247,27 @@ def test_train_on_a_rule_judges_reward_raises_it(tiny_model_dir, tmp_path):
     assert shown_row["verdict"] in shown and "Use the letter 'e'" in shown
     assert head.startswith("rubric 1") and f"({shown_row['raw_score']:g} given)" in head, head
     assert not errors, errors
+
+
+def test_train_on_pairwise_preferences_makes_the_replies_better(tiny_model_dir, tmp_path, rule_judge,
+                                                               monkeypatch):
+    """The shorter-style pattern: the rule judge prefers, of two replies, the one with more 'e's; each
+    reply's reward is its win rate in the group (so the mean reward stays 0.5) and the replies themselves
+    get better: their share of 'e's rises."""
+    from polyrl.rl.train import train
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    config = _train_config(tiny_model_dir, tmp_path, {"model": "rule", "base_url": rule_judge,
+                                                      "mode": "pairwise"}, max_steps=16)
+    train(config, ConsoleLog(enabled=False))
+    rows = _rows(tmp_path)
+    assert all(r["env/letters/judge/score"] == pytest.approx(0.5) for r in rows)  # win rates: zero-sum
+    assert all(r["rollouts/failed"] == 0 for r in rows)
+    steps = [[json.loads(line) for line in (tmp_path / "run" / "trajectories" / f"step_{k:06d}.jsonl")
+              .read_text().splitlines()] for k in range(16)]
+    first, last = _e_share(steps[0] + steps[1] + steps[2]), _e_share(steps[-3] + steps[-2] + steps[-1])
+    assert last > first + 0.25, (first, last)
+    assert len(steps[0][0]["judge"]) == 2 * 7  # compared with the 7 others, in both orders
 
 
 def test_the_policys_base_model_judges_on_the_same_engine_and_unreadable_verdicts_are_reported(

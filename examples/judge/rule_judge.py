@@ -6,7 +6,8 @@
 and in the run config, ``judge: {model: rule, base_url: http://127.0.0.1:8311/v1, scale: [0, 10]}``.
 
 The rule: the rubric item quotes letters ('e'); the reply's score is the share of its letters that are
-quoted ones, from 0 to 10, as ``<score>N</score>``. An empty reply scores 0. It reads the rubric and the
+quoted ones, from 0 to 10, as ``<score>N</score>`` (an empty reply scores 0). Asked to compare two
+replies (``judge.mode: pairwise``), it prefers the one with the larger share. It reads the rubric and the
 reply from polyrl's judge prompt (its <rubric> and <reply> sections), so it answers exactly what a model
 judge would be asked.
 """
@@ -25,11 +26,21 @@ def section(prompt: str, tag: str) -> str:
     return found.group(1) if found else ""
 
 
+def share(reply: str, rubric: str) -> float:
+    quoted = set("".join(re.findall(r"'([a-z])'", rubric.lower())))
+    letters = [c for c in reply.lower() if c.isalpha()]
+    return sum(c in quoted for c in letters) / len(letters) if letters else 0.0
+
+
 def grade(prompt: str) -> str:
-    quoted = set("".join(re.findall(r"'([a-z])'", section(prompt, "rubric").lower())))
-    letters = [c for c in section(prompt, "reply").lower() if c.isalpha()]
-    share = sum(c in quoted for c in letters) / len(letters) if letters else 0.0
-    return f"The reply's letters are {share:.0%} quoted ones. <score>{10 * share:.1f}</score>"
+    """A verdict on polyrl's judge prompt: a score, or for a pairwise prompt the reply preferred."""
+    rubric = section(prompt, "rubric")
+    if "<reply_a>" in prompt:
+        a, b = share(section(prompt, "reply_a"), rubric), share(section(prompt, "reply_b"), rubric)
+        preferred = "A" if a > b else "B" if b > a else "tie"
+        return f"Quoted letters: A {a:.0%}, B {b:.0%}. <preferred>{preferred}</preferred>"
+    value = share(section(prompt, "reply"), rubric)
+    return f"The reply's letters are {value:.0%} quoted ones. <score>{10 * value:.1f}</score>"
 
 
 class Handler(BaseHTTPRequestHandler):

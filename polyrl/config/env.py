@@ -59,13 +59,17 @@ class JudgeConfig(BaseModel):
         default_factory=list, description="Rubric items for tasks that bring none of their own (a task's "
         "own: a dataset row's 'rubrics'). Each item is judged in a call of its own; the score is their "
         "mean.")
+    mode: Literal["score", "pairwise"] = Field(
+        "score", description="'score': each reply graded on its own; 'pairwise': the group's replies "
+        "compared two by two (both orders), each scoring its win rate, a tie counting half.")
     weight: float = Field(1.0, description="reward = the environment's reward + weight * the judge's score.")
     scale: tuple[float, float] = Field(
         (0.0, 1.0), description="The range the judge gives its score in, mapped onto [0, 1]; a score "
         "outside it is an unreadable verdict.")
     template: str | None = Field(
         None, description="The judge's prompt, with the fields {context}, {answer}, {rubric}, {low} and "
-        "{high}; null = polyrl's, which asks for the score in <score>...</score> (docs/guides/judges.md).")
+        "{high} (pairwise: {context}, {answer_a}, {answer_b}, {rubric}); null = polyrl's, which asks for the "
+        "score in <score>...</score> (pairwise: <preferred>A|B|tie</preferred>; docs/guides/judges.md).")
     max_tokens: int = Field(256, ge=1, description="Tokens the judge may write per verdict.")
     temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
     max_concurrency: int = Field(32, ge=1, description="Judge calls in flight at once, for this "
@@ -88,7 +92,9 @@ class JudgeConfig(BaseModel):
         if not low < high:
             raise ValueError(f"scale must be [low, high] with low < high, got {list(self.scale)}")
         if self.template is not None:
-            for field in ("{answer}", "{rubric}"):
+            needed = (("{answer}", "{rubric}") if self.mode == "score"
+                      else ("{answer_a}", "{answer_b}", "{rubric}"))
+            for field in needed:
                 if field not in self.template:
                     raise ValueError(f"template must contain {field}")
         return self

@@ -275,6 +275,7 @@ def compact_episode(row: dict, index: int) -> dict:
         "spans": row.get("turn_spans") or [],
         "judge": [{"rubric": j.get("rubric"), "prompt": j.get("prompt"), "verdict": j.get("verdict"),
                    "score": clean_number(j.get("score"), 4), "raw": clean_number(j.get("raw_score"), 4),
+                   "pair": j.get("pair"), "preferred": j.get("preferred"),
                    "failure": j.get("failure"), "error": j.get("error"), "cached": bool(j.get("cached")),
                    "secs": clean_number(j.get("seconds"), 3)}
                   for j in row.get("judge") or [] if isinstance(j, dict)],

@@ -7,6 +7,10 @@ The judge reads the conversation up to the episode's last reply (``{context}``),
 score is the mean over its rubric items (a task's own, a dataset row's ``rubrics``, else the config's),
 mapped onto [0, 1]; ``reward += weight * score``.
 
+With ``mode: pairwise`` the judge compares the group's replies two by two instead, in both orders (so
+neither place is favoured), answering ``<preferred>A|B|tie</preferred>``; a reply's score is its win
+rate, a tie counting half.
+
 A verdict without a readable score in range, a call that fails or times out: the episode fails with a
 ``JudgeError`` (counted against the group's failure budget, as an environment's error is), never a
 silent zero. Each call's prompt, verdict and score is kept on the episode (``Episode.judge``), written
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
     from polyrl.renderers.base import Renderer
 
 VERDICT = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
+PREFERRED = re.compile(r"<preferred>\s*(A|B|tie)\s*</preferred>", re.IGNORECASE)
+NO_RUBRIC = "no rubric: the task has no rubrics and the judge's rubrics are empty"
 CACHE_SIZE = 4096  # verdicts kept for reuse, per judge
 RETRIES = 2  # an endpoint call that fails to connect, or answers 429 or 5xx, is tried again this often
 
@@ -61,6 +67,30 @@ You grade a chatbot's reply against one rubric item.
 Judge the reply by the rubric item alone. Explain in one or two sentences, then give your score, a \
 number from {low} (fails the item) to {high} (meets it fully), as <score>NUMBER</score>."""
 # --8<-- [end:template]
+
+# --8<-- [start:pair_template]
+PAIR_TEMPLATE = """\
+You compare two chatbot replies against one rubric item.
+
+<context>
+{context}
+</context>
+
+<reply_a>
+{answer_a}
+</reply_a>
+
+<reply_b>
+{answer_b}
+</reply_b>
+
+<rubric>
+{rubric}
+</rubric>
+
+Which reply meets the rubric item better? Explain in one or two sentences, then answer \
+<preferred>A</preferred>, <preferred>B</preferred> or, if they meet it equally, <preferred>tie</preferred>."""
+# --8<-- [end:pair_template]
 
 
 class JudgeError(Exception):
@@ -104,6 +134,22 @@ def read_score(verdict: str, scale: tuple[float, float]) -> tuple[float, float]:
     if not low <= raw <= high:
         raise JudgeError(f"the verdict's score {raw:g} is outside [{low:g}, {high:g}]: {_preview(verdict)}")
     return raw, (raw - low) / (high - low)
+
+
+def read_preference(verdict: str) -> str:
+    """The verdict's last ``<preferred>``: ``A``, ``B`` or ``tie``; a :class:`JudgeError` if it has none."""
+    found = PREFERRED.findall(verdict)
+    if not found:
+        raise JudgeError(f"the verdict has no <preferred>A|B|tie</preferred>: {_preview(verdict)}")
+    choice = found[-1].strip()
+    return "tie" if choice.lower() == "tie" else choice.upper()
+
+
+def fill(template: str, **fields: str) -> str:
+    """``template`` with each ``{field}`` replaced (other braces, such as a JSON example's, kept)."""
+    for key, value in fields.items():
+        template = template.replace("{" + key + "}", value)
+    return template
 
 
 def _preview(text: str) -> str:
@@ -199,41 +245,101 @@ class Judge:
         return self.model.label
 
     async def grade_group(self, episodes: list[Episode], rubrics_of: Callable[[Episode], list[str]]) -> None:
-        """Grade every episode that did not fail, concurrently; one the judge cannot grade fails."""
-        await asyncio.gather(*(self.grade(ep, rubrics_of(ep)) for ep in episodes if not ep.failed))
+        """Grade every episode that did not fail, concurrently (``pairwise``: against each other); one the
+        judge cannot grade fails."""
+        if self.cfg.mode == "pairwise":
+            await self._compare_group([ep for ep in episodes if not ep.failed], rubrics_of)
+        else:
+            await asyncio.gather(*(self.grade(ep, rubrics_of(ep)) for ep in episodes if not ep.failed))
 
     async def grade(self, episode: Episode, rubrics: list[str]) -> None:
         try:
             if not rubrics:
-                raise JudgeError("no rubric: the task has no rubrics and the judge's rubrics are empty")
+                raise JudgeError(NO_RUBRIC)
             context, answer = transcript(episode.messages)
-            episode.judge = list(await asyncio.gather(*(self._item(context, answer, r) for r in rubrics)))
+            episode.judge = list(await asyncio.gather(*(self._score(context, answer, r) for r in rubrics)))
             failed = [r for r in episode.judge if r["failure"]]
             if failed:
                 raise JudgeError(failed[0]["error"])
-            score = sum(r["score"] for r in episode.judge) / len(episode.judge)
-            episode.metrics["judge/score"] = score
-            bonus = self.cfg.weight * score
-            episode.reward += bonus
-            if episode.turn_rewards:
-                episode.turn_rewards[-1] += bonus
-            decide_success(episode, self.settings)
-            check_rewards(episode, self.settings.max_abs_reward)
+            self._reward(episode, sum(r["score"] for r in episode.judge) / len(episode.judge))
         except ServiceLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - the episode fails, counted like an environment's error
             episode.error = f"{type(exc).__name__}: {exc}"
 
-    async def _item(self, context: str, answer: str, rubric: str) -> dict[str, Any]:
+    async def _compare_group(self, episodes: list[Episode],
+                             rubrics_of: Callable[[Episode], list[str]]) -> None:
+        """Every ordered pair of the group's replies, per rubric item (both orders, so neither place is
+        favoured): each reply's score is its win rate, a tie counting half. A comparison without a readable
+        preference is left out (and counted); a reply none of whose comparisons could be read fails."""
+        if not episodes:
+            return
+        rubrics = rubrics_of(episodes[0])  # one task per group
+        if not rubrics or len(episodes) == 1:
+            for ep in episodes:  # nothing to compare with: no score to give
+                ep.error = f"JudgeError: {NO_RUBRIC if not rubrics else 'a pairwise judge needs 2 replies'}"
+            return
+        context = transcript(episodes[0].messages)[0]
+        answers = [transcript(ep.messages)[1] for ep in episodes]
+        n = len(episodes)
+        jobs = [(a, b, r) for a in range(n) for b in range(n) if a != b for r in rubrics]
+        records = await asyncio.gather(*(self._compare(context, answers[a], answers[b], r, a, b)
+                                         for a, b, r in jobs))
+        wins, counts = [0.0] * len(episodes), [0] * len(episodes)
+        for record in records:
+            a, b = record["pair"]
+            episodes[a].judge.append(record)
+            episodes[b].judge.append(record)
+            if record["failure"] is None:
+                share = {"A": 1.0, "B": 0.0, "tie": 0.5}[record["preferred"]]
+                wins[a], wins[b] = wins[a] + share, wins[b] + 1.0 - share
+                counts[a], counts[b] = counts[a] + 1, counts[b] + 1
+        for k, ep in enumerate(episodes):
+            try:
+                if not counts[k]:
+                    raise JudgeError(next(r["error"] for r in ep.judge if r["failure"]))
+                self._reward(ep, wins[k] / counts[k])
+            except Exception as exc:  # noqa: BLE001 - as in grade
+                ep.error = f"{type(exc).__name__}: {exc}"
+
+    def _reward(self, episode: Episode, score: float) -> None:
+        """Add ``weight * score`` to the episode's reward (and its last turn's), and decide its success."""
+        episode.metrics["judge/score"] = score
+        bonus = self.cfg.weight * score
+        episode.reward += bonus
+        if episode.turn_rewards:
+            episode.turn_rewards[-1] += bonus
+        decide_success(episode, self.settings)
+        check_rewards(episode, self.settings.max_abs_reward)
+
+    async def _score(self, context: str, answer: str, rubric: str) -> dict[str, Any]:
         low, high = self.cfg.scale
-        fields = {"{context}": context, "{answer}": answer, "{rubric}": rubric, "{low}": f"{low:g}",
-                  "{high}": f"{high:g}"}
-        prompt = self.cfg.template or TEMPLATE
-        for key, value in fields.items():
-            prompt = prompt.replace(key, value)
-        record: dict[str, Any] = {"rubric": rubric, "prompt": prompt, "verdict": None, "score": None,
-                                  "raw_score": None, "seconds": 0.0, "cached": True, "failure": None,
-                                  "error": None}
+        prompt = fill(self.cfg.template or TEMPLATE, context=context, answer=answer, rubric=rubric,
+                      low=f"{low:g}", high=f"{high:g}")
+        record = await self._verdict(prompt, {"rubric": rubric, "score": None, "raw_score": None})
+        if record["failure"] is None:
+            try:
+                record["raw_score"], record["score"] = read_score(record["verdict"], self.cfg.scale)
+            except JudgeError as exc:
+                record.update(failure="parse", error=str(exc))
+        return record
+
+    async def _compare(self, context: str, answer_a: str, answer_b: str, rubric: str, a: int,
+                       b: int) -> dict[str, Any]:
+        prompt = fill(self.cfg.template or PAIR_TEMPLATE, context=context, answer_a=answer_a,
+                      answer_b=answer_b, rubric=rubric)
+        record = await self._verdict(prompt, {"rubric": rubric, "pair": [a, b], "preferred": None})
+        if record["failure"] is None:
+            try:
+                record["preferred"] = read_preference(record["verdict"])
+            except JudgeError as exc:
+                record.update(failure="parse", error=str(exc))
+        return record
+
+    async def _verdict(self, prompt: str, record: dict[str, Any]) -> dict[str, Any]:
+        """The judge's answer to ``prompt`` (reused while it is cached) in ``record``, with its seconds,
+        whether it was reused, and a failed call's reason."""
+        record.update(prompt=prompt, verdict=None, seconds=0.0, cached=True, failure=None, error=None)
         future = self._cache.get(prompt)
         if future is None:
             future = asyncio.get_running_loop().create_future()
@@ -262,12 +368,8 @@ class Judge:
             record.update(failure="timeout" if timeout else "call",
                           error=(f"the judge ({self.label}) took over {self.cfg.timeout:g}s" if timeout
                                  else f"the judge call failed: {type(problem).__name__}: {problem}"))
-            return record
-        record["verdict"] = future.result()
-        try:
-            record["raw_score"], record["score"] = read_score(record["verdict"], self.cfg.scale)
-        except JudgeError as exc:
-            record.update(failure="parse", error=str(exc))
+        else:
+            record["verdict"] = future.result()
         return record
 
     async def _call(self, prompt: str) -> str:
@@ -286,7 +388,7 @@ def judge_metrics(episodes: list[Episode]) -> dict[str, float]:
     """The step's judge counts over ``episodes`` (failed ones included): ``judge/calls`` made,
     ``judge/cached`` verdicts reused, ``judge/seconds`` the calls took (summed), ``judge/parse_failures``
     (verdicts without a readable score) and ``judge/call_failures`` (errors and timeouts)."""
-    records = [r for ep in episodes for r in ep.judge]
+    records = list({id(r): r for ep in episodes for r in ep.judge}.values())  # a comparison is two episodes'
     if not records:
         return {}
     return {"judge/calls": float(sum(not r["cached"] for r in records)),

@@ -627,7 +627,9 @@
   function renderJudge(e) {
     if (!e.judge || !e.judge.length) return null;
     return el("section", { class: "judge" }, el("h4", {}, "Judge"), e.judge.map((j, k) => {
-      const score = j.failure ? `${j.failure} failure` : `score ${fmt(j.score)} (${fmt(j.raw)} given)`;
+      const score = j.failure ? `${j.failure} failure` : j.pair ?
+        `reply ${j.pair[0] + 1} (A) vs reply ${j.pair[1] + 1} (B): preferred ${j.preferred}` :
+        `score ${fmt(j.score)} (${fmt(j.raw)} given)`;
       const how = j.cached ? "verdict reused" : `${fmt(j.secs)} s`;
       return el("div", { class: "judge-item" },
         el("div", { class: "msg-head" }, el("span", { class: "role" }, `rubric ${k + 1}`),
