@@ -158,3 +158,89 @@ def test_textarena_trains_two_steps(tiny_model_dir, tmp_path):
         assert t["messages"][0]["role"] == "user"
         if t["env"] == "auction":
             assert t["done_by_env"] and t["metrics"]["opponent_moves"] >= 1
+
+
+# ------------------------------------------------------------------------------------------ self-play
+
+
+def test_self_play_plays_every_seat_with_the_policy_one_episode_each(tokenizer):
+    """``opponent: self``: both seats sample from the policy (here a sampler replaying fixed moves, seat 0
+    and seat 1 in turn); each seat is an episode with its own view of the game and its own reward."""
+    from test_vision import ReplySampler
+
+    from polyrl.renderers import get_renderer
+    from polyrl.rl.episode import RolloutContext, RolloutSettings
+
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "self"}, seed=0)
+    assert builder.drives_rollouts
+    moves = ["[4]", "[0]", "[8]", "[1]", "[2]", "[3]", "[6]"]  # seat 0 takes the diagonal 2-4-6
+    sampler = ReplySampler(tokenizer, moves)
+    settings = RolloutSettings(max_turns=9, max_tokens=8, temperature=1.0, timeout=60)
+    ctx = RolloutContext("ttt", "train", 0, 0, sampler, get_renderer("chatml", tokenizer), settings, seed=1)
+    first, second = asyncio.run(builder.rollout(ctx))
+    assert (first.role, second.role) == ("player0", "player1")
+    assert (first.num_turns, second.num_turns) == (4, 3)
+    assert (first.reward, second.reward) == (1.0, -1.0) and first.success and not second.success
+    assert first.step_rewards == [0.0, 0.0, 0.0, 1.0] and second.step_rewards == [0.0, 0.0, -1.0]
+    assert first.done_by_env and second.done_by_env
+    assert [m["content"] for m in first.messages if m["role"] == "assistant"] == ["[4]", "[8]", "[2]", "[6]"]
+    assert [m["content"] for m in second.messages if m["role"] == "assistant"] == ["[0]", "[1]", "[3]"]
+    # each seat sees the other's moves in its observations, never its own echoed back
+    assert "[Player 0] [4]" in second.messages[0]["content"]
+    assert "[Player 1] [0]" in first.messages[2]["content"]
+    assert "[Player 0]" not in "".join(m["content"] for m in first.messages if m["role"] == "user")
+    assert first.metrics["seat"] == 0.0 and second.metrics["seat"] == 1.0
+    # the tokens are the seats' own: each turn continues that seat's sequence
+    assert first.action_tokens + second.action_tokens == sum(len(s.tokens) for s in sampler.sequences)
+
+
+def test_self_play_seats_get_advantages_against_the_same_seat_of_the_group(tokenizer):
+    """Three recorded games of one group (seat 0 wins, seat 1 wins, a draw), through the training step's
+    own grouping and estimator: each seat is compared with the same seat of the other games."""
+    from test_vision import ReplySampler
+
+    from polyrl.renderers import get_renderer
+    from polyrl.rl.advantages import compute_advantages
+    from polyrl.rl.episode import RolloutContext, RolloutSettings
+    from polyrl.rl.rollouts import split_roles
+
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "self"}, seed=0)
+    settings = RolloutSettings(max_turns=9, max_tokens=8, temperature=1.0, timeout=60)
+    games = [["[4]", "[0]", "[8]", "[1]", "[2]", "[3]", "[6]"],  # seat 0: 2-4-6
+             ["[0]", "[4]", "[1]", "[2]", "[5]", "[6]"],  # seat 1: 2-4-6
+             ["[0]", "[1]", "[2]", "[4]", "[3]", "[5]", "[7]", "[6]", "[8]"]]  # a full board, no line
+    group = []
+    for k, moves in enumerate(games):
+        sampler, renderer = ReplySampler(tokenizer, moves), get_renderer("chatml", tokenizer)
+        ctx = RolloutContext("ttt", "train", 0, 0, sampler, renderer, settings, seed=k)
+        group += asyncio.run(builder.rollout(ctx))
+    assert [(ep.role, ep.reward) for ep in group] == [("player0", 1.0), ("player1", -1.0), ("player0", -1.0),
+                                                      ("player1", 1.0), ("player0", 0.0), ("player1", 0.0)]
+    seats = split_roles([group])
+    advantages = compute_advantages(seats)
+    by_hand = {"player0": [1.0 - 0.0, -1.0 - 0.0, 0.0 - 0.0], "player1": [-1.0, 1.0, 0.0]}  # means are 0
+    for seat, advs in zip(seats, advantages):
+        assert [turns[0] for turns in advs] == by_hand[seat[0].role]
+        assert all(len(set(turns)) == 1 and len(turns) == ep.num_turns for ep, turns in zip(seat, advs))
+
+
+@pytest.mark.slow
+def test_self_play_trains_with_both_seats_of_every_game(tiny_model_dir, tmp_path):
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
+
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=2, max_tokens=4,
+                      save_every=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")}, outputs={"report": False},
+                      environments={"auction": {"type": "textarena:SimpleBlindAuction-v0-quick",
+                                                "num_rollouts": 4, "max_turns": 4, "splits": {"test": None},
+                                                "args": {"opponent": "self"}}})
+    train(cfg, ConsoleLog(enabled=False))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollouts/failed"] == 0 and r["episodes/count"] == 16 for r in rows)  # 2 x 4 games x 2
+    episodes = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / "step_000000.jsonl")
+                .read_text().splitlines()]
+    for group in (0, 1):
+        roles = sorted(ep["role"] for ep in episodes if ep["group"] == group)
+        assert roles == ["player0"] * 4 + ["player1"] * 4
+    assert all(ep["metrics"]["seat"] == float(ep["role"][-1]) and ep["done_by_env"] for ep in episodes)

@@ -85,6 +85,8 @@ EXAMPLES: dict[str, Example] = {
                                 files=("judge/rule_judge.py", "judge/tasks.jsonl", "judge/held_out.jsonl"),
                                 server="examples/judge/rule_judge.py",
                                 logs=("env/letters/judge/score", "judge/calls", "judge/parse_failures")),
+    "selfplay.yaml": Example(("polyrl", "train", "--config_path", "examples/selfplay.yaml"),
+                             logs=("env/tictactoe/reward/mean",), needs="textarena"),
     "dpo/dpo.yaml": Example(("polyrl", "dpo", "--config_path", "examples/dpo/dpo.yaml"), steps=2,
                             files=("dpo/make_pairs.py", "dpo/pairs.jsonl", "dpo/held_out.jsonl"),
                             logs=("dpo/loss", "dpo/accuracy", "dpo/margin")),

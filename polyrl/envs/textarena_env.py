@@ -9,8 +9,15 @@ opponent that is not trained::
         type: textarena:TicTacToe-v0
         max_turns: 9
         args:
-          opponent: random          # random | first | {actions: ["[4]", ...]} | package.module:callable
+          opponent: random          # random | first | self | {actions: ["[4]", ...]} | pkg.module:callable
           player_id: alternate      # the policy's seat: an int (default 0) or alternate (by task index)
+
+``opponent: self`` is self-play: the policy plays every seat. Each seat is an episode of its own, with
+the role ``player<seat>``: its conversation is what that seat saw (the other seats' moves arrive in its
+observations as ``[Player k] ...`` lines), its reward is the game's reward for that seat, and
+advantages are computed per seat within the group, each seat compared with the same seat of the
+group's other games. The seats' episodes of one game are written to the trajectories side by side
+(same step, group and draw).
 
 Opponents: ``random`` picks uniformly among the moves its observation offers (the last
 "available/valid moves" list, else any ``[...]`` in it), seeded per task; ``first`` always takes the
@@ -50,11 +57,13 @@ import io
 import json
 import random
 import re
+import time
 from typing import Any, Callable
 
 from polyrl.envs.base import Message, Observation, StepResult, register_env
 from polyrl.envs.game_adapter import GameBuilder, GameEnv, GameSpec, one_line
 from polyrl.envs.global_rng import PrivateGlobalRng
+from polyrl.rl.episode import Episode, RolloutContext, check_observation_tokens, finalize_reward, render
 
 _ARGS = ("opponent", "opponent_kwargs", "player_id", "num_players", "env_kwargs", "success_reward",
          "system_prompt")
@@ -135,6 +144,8 @@ class _ScriptedOpponent:
 
 def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Callable[[str], str]]:
     """A factory ``seed -> opponent`` for the ``opponent`` arg; raises ValueError when it is invalid."""
+    if spec == "self":
+        raise ValueError("opponent 'self' (self-play) needs a game for two or more players")
     if spec in ("random", "first"):
         return lambda seed: _ScriptedOpponent(spec, seed)
     if isinstance(spec, dict):
@@ -163,7 +174,8 @@ def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Call
             raise ValueError("opponent_kwargs are only used with an opponent class")
         return lambda seed: target
     raise ValueError(
-        f"opponent must be 'random', 'first', {{actions: [...]}} or 'package.module:callable', got {spec!r}"
+        f"opponent must be 'random', 'first', 'self', {{actions: [...]}} or 'package.module:callable', "
+        f"got {spec!r}"
     )
 
 
@@ -199,8 +211,12 @@ class _Spec(GameSpec):
         _prototype(self)  # created and reset once: unsupported games fail here
         if isinstance(self.player_id, int) and self.player_id >= self.num_players:
             raise ValueError(f"player_id {self.player_id} is not a seat of a {self.num_players}-player game")
+        self.self_play = args.get("opponent") == "self" and self.num_players > 1
         self.opponent = _resolve_opponent(args.get("opponent", "random"), opponent_kwargs) \
-            if self.num_players > 1 else None
+            if self.num_players > 1 and not self.self_play else None
+        if self.self_play and "player_id" in args:
+            raise ValueError("player_id does not apply to self-play (opponent: self): the policy plays every "
+                             "seat")
 
     def _detect_players(self) -> int:
         errors: list[ValueError] = []
@@ -371,6 +387,76 @@ class TextArenaBuilder(GameBuilder):
     @classmethod
     def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
         _Spec(type_name, args)
+
+    @property
+    def drives_rollouts(self) -> bool:
+        return self.spec.self_play
+
+    async def rollout(self, ctx: RolloutContext) -> list[Episode]:
+        """Self-play (``opponent: self``): one game, every seat sampled from the policy, one episode per
+        seat (see the module docstring)."""
+        started = time.monotonic()
+        game = TextArenaEnv(self.spec, self.task_seed(ctx.split, ctx.task_index), player=-1)
+        with game.rng.active(), _quiet():
+            game.env = game.fresh_game(_prototype(self.spec),
+                                       lambda: _create(self.spec, self.spec.num_players))
+            game.env.reset(num_players=self.spec.num_players, seed=game.seed)
+        seats = {pid: ctx.episode(f"player{pid}") for pid in range(self.spec.num_players)}
+        done = False
+        for _ in range(ctx.settings.max_turns * self.spec.num_players):
+            with game.rng.active(), _quiet():
+                pid, observation = game.inner.get_observation()
+            episode = seats[pid]
+            self._observe(episode, ctx, game, [_format(observation, game._roles(), skip_sender=pid)])
+            reply = await ctx.sample(episode, stream=pid)
+            text = reply.get("content") or ""
+            with game.rng.active(), _quiet():
+                done, _ = game.env.step(text if isinstance(text, str) else str(text))
+            if done:
+                break
+        rewards: Any = {}
+        infos: Any = {}
+        if done:
+            with game.rng.active(), _quiet():
+                pending = {pid: list(game.inner.state.observations.get(pid, [])) for pid in seats}
+                closed = game.env.close()
+            rewards, infos = closed if isinstance(closed, tuple) and len(closed) == 2 else (closed, {})
+        played = [ep for ep in seats.values() if ep.turn_spans]  # a seat that never moved trains nothing
+        for pid, episode in seats.items():
+            if not episode.turn_spans:
+                continue
+            raw = (rewards or {}).get(pid) if isinstance(rewards, dict) else None
+            reward, metrics = game.checked_reward(raw)
+            info = (infos or {}).get(pid, {}) if isinstance(infos, dict) else {}
+            metrics.update(invalid_move=float(bool(isinstance(info, dict) and info.get("invalid_move"))),
+                           success=game.success(reward), seat=float(pid))
+            if done:
+                final = _format(pending[pid], game._roles(), skip_sender=pid)
+                reason = info.get("reason") if isinstance(info, dict) else None
+                if reason and str(reason) not in final:
+                    final = (final + "\n" if final else "") + f"[GAME] {reason}"
+                if final:
+                    episode.messages.append({"role": "user", "content": final})
+            episode.step_rewards = [0.0] * (episode.num_turns - 1) + [reward]
+            episode.metrics.update(metrics)
+            episode.done_by_env = bool(done)
+            episode.duration_s = time.monotonic() - started
+            finalize_reward(episode, ctx.settings)
+        return played
+
+    def _observe(self, episode: Episode, ctx: RolloutContext, game: TextArenaEnv, texts: list[str]) -> None:
+        """What seat ``episode`` observed since its last move, appended: the game's first observation as
+        its prompt (after the system prompt), later ones as a user message."""
+        if not episode.tokens:
+            messages = game.first_observation("\n".join(texts)).messages
+            episode.messages = list(messages)
+            episode.append_rendered(check_observation_tokens(render(ctx.renderer, messages), ctx.settings))
+            return
+        messages = [{"role": "user", "content": "\n".join(texts)}]
+        episode.messages.extend(messages)
+        finished = episode.stop_reasons[-1] == "stop"
+        episode.append_rendered(check_observation_tokens(render(ctx.renderer, messages, finished=finished),
+                                                         ctx.settings))
 
     def make(self, split: str, index: int) -> TextArenaEnv:
         player = self.spec.player_id
