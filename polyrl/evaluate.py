@@ -11,7 +11,7 @@ from typing import Any
 
 from polyrl.backend import ServiceGuard, ending_session, service_url
 from polyrl.rl.rollouts import EnvRuntime, collect_groups, rollout_bounds
-from polyrl.rl.run import close_environments, open_judges
+from polyrl.rl.run import close_environments, open_env_models
 from polyrl.tracking.console import ConsoleLog
 
 
@@ -87,7 +87,7 @@ async def evaluate_checkpoint(config: Any, checkpoint: str | None = None) -> dic
     async with ending_session(policy.service, service_url(config)):
         guard = ServiceGuard(service_url(config), config.limits.service_timeout, console.warn)
         try:
-            await open_judges(config.model_name, runtimes, policy.service, guard, policy.renderer)
+            await open_env_models(config.model_name, runtimes, policy.service, guard, policy.renderer)
             return await evaluate_sampler(policy.client, policy.renderer, runtimes, config.eval_num_samples,
                                           config.seed)
         finally:

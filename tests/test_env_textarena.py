@@ -244,3 +244,78 @@ def test_self_play_trains_with_both_seats_of_every_game(tiny_model_dir, tmp_path
         roles = sorted(ep["role"] for ep in episodes if ep["group"] == group)
         assert roles == ["player0"] * 4 + ["player1"] * 4
     assert all(ep["metrics"]["seat"] == float(ep["role"][-1]) and ep["done_by_env"] for ep in episodes)
+
+
+class ScriptedPartner:
+    """A partner model (the ``ctx.partner`` interface: ``await partner(messages, seed) -> text``) that
+    replays fixed moves and keeps the conversations it was shown."""
+
+    label = "scripted"
+
+    def __init__(self, moves):
+        self.moves, self.views = list(moves), []
+
+    async def __call__(self, messages, seed):
+        self.views.append([dict(m) for m in messages])
+        return self.moves.pop(0)
+
+    async def aclose(self):
+        return None
+
+
+def test_a_partner_model_plays_the_other_seat_from_its_own_view(tokenizer):
+    from test_vision import ReplySampler
+
+    from polyrl.renderers import get_renderer
+    from polyrl.rl.episode import RolloutContext, RolloutSettings
+
+    builder = make_env_builder("textarena:TicTacToe-v0", {"opponent": "partner", "player_id": "alternate"},
+                               seed=0)
+    assert builder.drives_rollouts and builder.wants_partner
+    settings = RolloutSettings(max_turns=9, max_tokens=8, temperature=1.0, timeout=60)
+    renderer = get_renderer("chatml", tokenizer)
+    partner = ScriptedPartner(["[0]", "[1]", "[3]"])
+    policy = ReplySampler(tokenizer, ["[4]", "[8]", "[2]", "[6]"])
+    ctx = RolloutContext("ttt", "train", 0, 0, policy, renderer, settings, seed=3, partner=partner)
+    (episode,) = asyncio.run(builder.rollout(ctx))  # task 0: the policy has seat 0
+    assert episode.role == "" and episode.reward == 1.0 and episode.metrics["partner_moves"] == 3.0
+    assert "[Player 1] [0]" in episode.messages[2]["content"]
+    # the partner saw the board and the policy's moves as user messages, its own moves as its replies
+    last = partner.views[-1]
+    assert [m["role"] for m in last] == ["user", "assistant", "user", "assistant", "user"]
+    assert "[Player 0] [4]" in last[0]["content"] and last[1]["content"] == "[0]"
+    # task 1: the partner has seat 0 and moves first
+    partner = ScriptedPartner(["[4]", "[8]", "[2]", "[6]"])
+    ctx = RolloutContext("ttt", "train", 1, 0, ReplySampler(tokenizer, ["[0]", "[1]", "[3]"]), renderer,
+                         settings, seed=3, partner=partner)
+    (episode,) = asyncio.run(builder.rollout(ctx))
+    assert episode.reward == -1.0 and "[Player 0] [4]" in episode.messages[0]["content"]
+    assert episode.metrics["seat"] == 1.0 and episode.metrics["partner_moves"] == 4.0
+
+
+@pytest.mark.slow
+def test_train_against_the_frozen_base_as_partner(tiny_model_dir, tmp_path):
+    """``partner: {}``: the policy's own base model plays the other seat, through the run's engine; an
+    entry naming a partner it cannot use, or using one it does not name, is a config error."""
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
+
+    def config(partner, opponent="partner"):
+        env = {"type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 2, "max_turns": 4,
+               "splits": {"test": None}, "args": {"opponent": opponent, "player_id": "alternate"}}
+        if partner is not None:
+            env["partner"] = partner
+        return TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=2, max_steps=1, max_tokens=4,
+                           save_every=0, log_path=str(tmp_path / "run"),
+                           local={"store_dir": str(tmp_path / "s")}, outputs={"report": False},
+                           environments={"auction": env})
+
+    train(config({"max_tokens": 4}), ConsoleLog(enabled=False))
+    (row,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollouts/failed"] == 0 and row["episodes/count"] == 4
+    assert row["env/auction/partner_moves"] >= 1
+    for partner, opponent, problem in [(None, "partner", "plays against a partner model"),
+                                       ({}, "random", "no side for a partner")]:
+        with pytest.raises(ConfigError, match=problem):
+            train(config(partner, opponent).model_copy(update={"log_path": str(tmp_path / opponent)}),
+                  ConsoleLog(enabled=False))

@@ -18,8 +18,9 @@ import pytest
 
 from polyrl.config.env import JudgeConfig
 from polyrl.config.schema import TrainConfig
+from polyrl.rl.chat_models import EndpointChat
 from polyrl.rl.episode import Episode, RolloutSettings
-from polyrl.rl.judge import EndpointJudge, Judge, JudgeError, judge_metrics, read_score, transcript
+from polyrl.rl.judge import Judge, JudgeError, judge_metrics, read_score, transcript
 from polyrl.tracking.console import ConsoleLog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,7 +103,7 @@ def test_an_endpoint_judge_grades_caches_identical_answers_and_sends_the_key(end
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-secret")
     cfg = JudgeConfig(model="rule", base_url=endpoint, api_key_env="MY_JUDGE_KEY", scale=(0, 10), weight=2.0,
                       rubrics=[RUBRIC])
-    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    judge = Judge(cfg, EndpointChat(cfg), SETTINGS)
     episodes = [_episode("eee"), _episode("eee"), _episode("tree"), _episode("xyz"), _episode("eee")]
 
     async def grade():
@@ -127,13 +128,13 @@ def test_an_endpoint_judge_grades_caches_identical_answers_and_sends_the_key(end
 def test_an_unreadable_verdict_or_a_hung_judge_fails_the_episode_counted(endpoint):
     template = "Grade {answer} by {rubric}, but never say a score."  # the judge answers without one
     cfg = JudgeConfig(model="rule", base_url=endpoint, template=template, scale=(0, 10), rubrics=[RUBRIC])
-    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    judge = Judge(cfg, EndpointChat(cfg), SETTINGS)
     unreadable = _episode("eee")
     asyncio.run(judge.grade_group([unreadable], lambda ep: cfg.rubrics))
     assert unreadable.error == "JudgeError: the verdict has no <score>NUMBER</score>: 'A fine reply.'"
     assert unreadable.reward == 0.0 and "judge/score" not in unreadable.metrics  # not a silent zero
     cfg = JudgeConfig(model="rule", base_url=endpoint, scale=(1, 5), rubrics=[RUBRIC])
-    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    judge = Judge(cfg, EndpointChat(cfg), SETTINGS)
     out_of_range = _episode("xyz")
     asyncio.run(judge.grade_group([out_of_range], lambda ep: cfg.rubrics))
     assert "outside [1, 5]" in out_of_range.error and out_of_range.judge[0]["failure"] == "parse"
@@ -141,7 +142,7 @@ def test_an_unreadable_verdict_or_a_hung_judge_fails_the_episode_counted(endpoin
 
     Recorder.hold.clear()  # the judge never answers: the call times out, the episode fails
     cfg = JudgeConfig(model="rule", base_url=endpoint, timeout=0.5, rubrics=[RUBRIC])
-    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    judge = Judge(cfg, EndpointChat(cfg), SETTINGS)
     hung, no_rubric = _episode("eee"), _episode("eee")
     asyncio.run(judge.grade(hung, cfg.rubrics))
     assert "took over 0.5s" in hung.error and judge_metrics([hung])["judge/call_failures"] == 1.0
@@ -151,7 +152,7 @@ def test_an_unreadable_verdict_or_a_hung_judge_fails_the_episode_counted(endpoin
 
 def test_a_pairwise_judge_scores_each_reply_by_its_win_rate_in_both_orders(endpoint):
     cfg = JudgeConfig(model="rule", base_url=endpoint, mode="pairwise", rubrics=[RUBRIC])
-    judge = Judge(cfg, EndpointJudge(cfg), SETTINGS)
+    judge = Judge(cfg, EndpointChat(cfg), SETTINGS)
     episodes = [_episode("eee"), _episode("tree"), _episode("xyz"), _episode("xyz")]
     episodes[3].error = "RuntimeError: an environment's failure"  # not compared
     asyncio.run(judge.grade_group(episodes, lambda ep: cfg.rubrics))

@@ -38,15 +38,15 @@ class SplitConfig(BaseModel):
     seed: int | None = Field(None, description="Seed of this split's task order; null = use the run's seed.")
 
 
-class JudgeConfig(BaseModel):
-    """An LLM judge that grades every episode of an environment against rubrics; its score, in [0, 1],
-    is added to the episode's reward (docs/guides/judges.md)."""
+class ChatModelConfig(BaseModel):
+    """A chat model the run talks to besides the policy: a model on the run's own service or one behind
+    an OpenAI-compatible endpoint."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = Field(
-        None, description="The judge: null = the policy's base model on the run's own service (the weights "
-        "the policy trains on are shared, not copied); a base model (a local directory or hub id) or a "
+        None, description="null = the policy's base model on the run's own service, frozen (the weights the "
+        "policy trains a LoRA on are shared, not copied); a base model (a local directory or hub id) or a "
         "'tinker://' sampler checkpoint on the same service; with base_url, the model name that endpoint "
         "serves.")
     base_url: str | None = Field(
@@ -55,6 +55,37 @@ class JudgeConfig(BaseModel):
     api_key_env: str = Field(
         "OPENAI_API_KEY", description="Environment variable holding base_url's API key (read when the run "
         "starts, never written anywhere); unset: no key is sent.")
+    max_tokens: int = Field(256, ge=1, description="Tokens the model may write per answer.")
+    temperature: float = Field(0.0, ge=0, description="Its sampling temperature (0: greedy).")
+    timeout: float = Field(120, gt=0, description="Seconds a call may take; one that takes longer fails "
+                                                  "its episode (counted).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.base_url is not None and not self.model:
+            raise ValueError("base_url needs model: the name of the model that endpoint serves")
+        return self
+
+
+class PartnerConfig(ChatModelConfig):
+    """The model on the other side of a multi-turn environment (a game's other seats with ``opponent:
+    partner``): not trained, it answers from its own view of the conversation."""
+
+    temperature: float = Field(1.0, ge=0, description="Its sampling temperature.")
+    max_tokens: int = Field(64, ge=1, description="Tokens the partner may write per turn.")
+
+
+class JudgeConfig(ChatModelConfig):
+    """An LLM judge that grades every episode of an environment against rubrics; its score, in [0, 1],
+    is added to the episode's reward (docs/guides/judges.md)."""
+
     rubrics: list[str] = Field(
         default_factory=list, description="Rubric items for tasks that bring none of their own (a task's "
         "own: a dataset row's 'rubrics'). Each item is judged in a call of its own; the score is their "
@@ -70,24 +101,11 @@ class JudgeConfig(BaseModel):
         None, description="The judge's prompt, with the fields {context}, {answer}, {rubric}, {low} and "
         "{high} (pairwise: {context}, {answer_a}, {answer_b}, {rubric}); null = polyrl's, which asks for the "
         "score in <score>...</score> (pairwise: <preferred>A|B|tie</preferred>; docs/guides/judges.md).")
-    max_tokens: int = Field(256, ge=1, description="Tokens the judge may write per verdict.")
-    temperature: float = Field(0.0, ge=0, description="The judge's sampling temperature (0: greedy).")
     max_concurrency: int = Field(32, ge=1, description="Judge calls in flight at once, for this "
                                                        "environment.")
-    timeout: float = Field(120, gt=0, description="Seconds a judge call may take; one that takes longer "
-                                                  "fails its episode (counted).")
-
-    @field_validator("base_url")
-    @classmethod
-    def _http(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("http://", "https://")):
-            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
-        return value
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.base_url is not None and not self.model:
-            raise ValueError("base_url needs model: the name of the model that endpoint serves")
         low, high = self.scale
         if not low < high:
             raise ValueError(f"scale must be [low, high] with low < high, got {list(self.scale)}")
@@ -155,6 +173,9 @@ class EnvConfig(BaseModel):
                                  description="Environment-specific arguments for its builder.")
     timeout: float = Field(300, gt=0,
                            description="Seconds per episode; an episode that times out is failing.")
+    partner: PartnerConfig | None = Field(
+        None, description="The model playing the environment's other side (a textarena game's other seats "
+        "with args.opponent: partner); null: none.")
     judge: JudgeConfig | None = Field(
         None, description="An LLM judge grading each episode against rubrics; its score is added to the "
         "reward (weight). null: the environment's own reward only.")

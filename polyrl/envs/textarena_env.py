@@ -9,7 +9,7 @@ opponent that is not trained::
         type: textarena:TicTacToe-v0
         max_turns: 9
         args:
-          opponent: random          # random | first | self | {actions: ["[4]", ...]} | pkg.module:callable
+          opponent: random          # random | first | self | partner | {actions: [...]} | pkg.module:f
           player_id: alternate      # the policy's seat: an int (default 0) or alternate (by task index)
 
 ``opponent: self`` is self-play: the policy plays every seat. Each seat is an episode of its own, with
@@ -18,6 +18,12 @@ observations as ``[Player k] ...`` lines), its reward is the game's reward for t
 advantages are computed per seat within the group, each seat compared with the same seat of the
 group's other games. The seats' episodes of one game are written to the trajectories side by side
 (same step, group and draw).
+
+``opponent: partner`` puts a model in the other seats: the entry's ``partner:`` (the policy's frozen base
+model by default, or another model, a ``tinker://`` checkpoint, an OpenAI-compatible endpoint; see
+:mod:`polyrl.rl.chat_models`). It is not trained: each of its seats keeps its own conversation (the
+game's observations as user messages, its moves as its replies), and the policy's seat is an episode as
+against any opponent; ``partner_moves`` counts its moves.
 
 Opponents: ``random`` picks uniformly among the moves its observation offers (the last
 "available/valid moves" list, else any ``[...]`` in it), seeded per task; ``first`` always takes the
@@ -144,8 +150,8 @@ class _ScriptedOpponent:
 
 def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Callable[[str], str]]:
     """A factory ``seed -> opponent`` for the ``opponent`` arg; raises ValueError when it is invalid."""
-    if spec == "self":
-        raise ValueError("opponent 'self' (self-play) needs a game for two or more players")
+    if spec in ("self", "partner"):
+        raise ValueError(f"opponent {spec!r} needs a game for two or more players")
     if spec in ("random", "first"):
         return lambda seed: _ScriptedOpponent(spec, seed)
     if isinstance(spec, dict):
@@ -174,7 +180,8 @@ def _resolve_opponent(spec: Any, kwargs: dict[str, Any]) -> Callable[[int], Call
             raise ValueError("opponent_kwargs are only used with an opponent class")
         return lambda seed: target
     raise ValueError(
-        f"opponent must be 'random', 'first', 'self', {{actions: [...]}} or 'package.module:callable', "
+        f"opponent must be 'random', 'first', 'self', 'partner', {{actions: [...]}} or "
+        f"'package.module:callable', "
         f"got {spec!r}"
     )
 
@@ -212,8 +219,9 @@ class _Spec(GameSpec):
         if isinstance(self.player_id, int) and self.player_id >= self.num_players:
             raise ValueError(f"player_id {self.player_id} is not a seat of a {self.num_players}-player game")
         self.self_play = args.get("opponent") == "self" and self.num_players > 1
+        self.partner_play = args.get("opponent") == "partner" and self.num_players > 1
         self.opponent = _resolve_opponent(args.get("opponent", "random"), opponent_kwargs) \
-            if self.num_players > 1 and not self.self_play else None
+            if self.num_players > 1 and not (self.self_play or self.partner_play) else None
         if self.self_play and "player_id" in args:
             raise ValueError("player_id does not apply to self-play (opponent: self): the policy plays every "
                              "seat")
@@ -390,26 +398,48 @@ class TextArenaBuilder(GameBuilder):
 
     @property
     def drives_rollouts(self) -> bool:
-        return self.spec.self_play
+        return self.spec.self_play or self.spec.partner_play
+
+    @property
+    def wants_partner(self) -> bool:
+        """Whether the entry needs a ``partner:`` model (``opponent: partner``)."""
+        return self.spec.partner_play
 
     async def rollout(self, ctx: RolloutContext) -> list[Episode]:
-        """Self-play (``opponent: self``): one game, every seat sampled from the policy, one episode per
-        seat (see the module docstring)."""
+        """Self-play (``opponent: self``: every seat sampled from the policy, one episode per seat) or play
+        against the entry's partner model (``opponent: partner``: the policy's seat is the one episode);
+        see the module docstring."""
         started = time.monotonic()
         game = TextArenaEnv(self.spec, self.task_seed(ctx.split, ctx.task_index), player=-1)
         with game.rng.active(), _quiet():
             game.env = game.fresh_game(_prototype(self.spec),
                                        lambda: _create(self.spec, self.spec.num_players))
             game.env.reset(num_players=self.spec.num_players, seed=game.seed)
-        seats = {pid: ctx.episode(f"player{pid}") for pid in range(self.spec.num_players)}
-        done = False
-        for _ in range(ctx.settings.max_turns * self.spec.num_players):
+        if self.spec.self_play:
+            seats = {pid: ctx.episode(f"player{pid}") for pid in range(self.spec.num_players)}
+        else:
+            if ctx.partner is None:
+                raise RuntimeError("opponent: partner, but the entry's partner model was not opened")
+            player = self.spec.player_id
+            seat = ctx.task_index % self.spec.num_players if player == "alternate" else player
+            seats = {seat: ctx.episode()}
+        partner_views: dict[int, list[Message]] = {}
+        done, partner_moves = False, 0
+        for turn in range(ctx.settings.max_turns * self.spec.num_players):
             with game.rng.active(), _quiet():
                 pid, observation = game.inner.get_observation()
-            episode = seats[pid]
-            self._observe(episode, ctx, game, [_format(observation, game._roles(), skip_sender=pid)])
-            reply = await ctx.sample(episode, stream=pid)
-            text = reply.get("content") or ""
+            seen = _format(observation, game._roles(), skip_sender=pid)
+            if pid in seats:
+                episode = seats[pid]
+                self._observe(episode, ctx, game, [seen])
+                reply = await ctx.sample(episode, stream=pid)
+                text = reply.get("content") or ""
+            else:  # the partner's seat: its own view, its own conversation, never trained
+                view = partner_views.setdefault(pid, list(game.first_observation("").messages[:-1]))
+                view.append({"role": "user", "content": seen})
+                text = await ctx.partner(view, ((ctx.seed or 0) * 1009 + 7919 * pid + turn) % 2**31)
+                view.append({"role": "assistant", "content": text})
+                partner_moves += 1
             with game.rng.active(), _quiet():
                 done, _ = game.env.step(text if isinstance(text, str) else str(text))
             if done:
@@ -422,6 +452,8 @@ class TextArenaBuilder(GameBuilder):
                 closed = game.env.close()
             rewards, infos = closed if isinstance(closed, tuple) and len(closed) == 2 else (closed, {})
         played = [ep for ep in seats.values() if ep.turn_spans]  # a seat that never moved trains nothing
+        if not played:
+            raise RuntimeError("the game ended before the policy's first move")
         for pid, episode in seats.items():
             if not episode.turn_spans:
                 continue
@@ -430,6 +462,8 @@ class TextArenaBuilder(GameBuilder):
             info = (infos or {}).get(pid, {}) if isinstance(infos, dict) else {}
             metrics.update(invalid_move=float(bool(isinstance(info, dict) and info.get("invalid_move"))),
                            success=game.success(reward), seat=float(pid))
+            if self.spec.partner_play:
+                metrics["partner_moves"] = float(partner_moves)
             if done:
                 final = _format(pending[pid], game._roles(), skip_sender=pid)
                 reason = info.get("reason") if isinstance(info, dict) else None

@@ -209,7 +209,9 @@ class SamplerRef:
 @dataclass
 class RolloutContext:
     """What an environment that drives its own rollouts (``EnvBuilder.rollout``) is given. ``sampler_ref``
-    may be given a plain sampler (it is then never swapped); ``sampler`` is the newest one."""
+    may be given a plain sampler (it is then never swapped); ``sampler`` is the newest one. ``partner`` is
+    the entry's partner model (``partner:``, see :mod:`polyrl.rl.chat_models`), if it has one:
+    ``await ctx.partner(messages, seed)`` answers as the other side."""
 
     env_name: str
     split: str
@@ -219,6 +221,7 @@ class RolloutContext:
     renderer: Renderer
     settings: RolloutSettings
     seed: int | None
+    partner: Any = None
 
     def __post_init__(self) -> None:
         self.sampler_ref = SamplerRef.of(self.sampler_ref)

@@ -27,26 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import re
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
-from polyrl.backend import ServiceGuard, service_lost
+from polyrl.backend import ServiceGuard
 from polyrl.config.env import JudgeConfig
-from polyrl.errors import ServiceLostError, UserInputError
-from polyrl.rl.episode import Episode, RolloutSettings, check_rewards, decide_success, render
+from polyrl.errors import ServiceLostError
+from polyrl.rl.chat_models import ChatModel, open_chat_model, preview, text_of
+from polyrl.rl.episode import Episode, RolloutSettings, check_rewards, decide_success
 
 if TYPE_CHECKING:
-    from polyrl.clients import SamplingClient, ServiceClient
+    from polyrl.clients import ServiceClient
     from polyrl.renderers.base import Renderer
 
 VERDICT = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
 PREFERRED = re.compile(r"<preferred>\s*(A|B|tie)\s*</preferred>", re.IGNORECASE)
 NO_RUBRIC = "no rubric: the task has no rubrics and the judge's rubrics are empty"
 CACHE_SIZE = 4096  # verdicts kept for reuse, per judge
-RETRIES = 2  # an endpoint call that fails to connect, or answers 429 or 5xx, is tried again this often
 
 # --8<-- [start:template]
 TEMPLATE = """\
@@ -97,26 +96,17 @@ class JudgeError(Exception):
     """The judge gave no readable verdict for an episode, or its call failed: the episode fails."""
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if p.get("type", "text") == "text" else "[image]"
-                       for p in content if isinstance(p, dict))
-    return "" if content is None else str(content)
-
-
 def transcript(messages: list[dict]) -> tuple[str, str]:
     """The conversation before the last assistant message, one ``Role: text`` paragraph per message, and
     that message's text (with its tool calls)."""
     last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
     if last is None:
-        return "\n\n".join(f"{m.get('role', '?').capitalize()}: {_text(m.get('content'))}"
+        return "\n\n".join(f"{m.get('role', '?').capitalize()}: {text_of(m.get('content'))}"
                            for m in messages), ""
-    context = "\n\n".join(f"{m.get('role', '?').capitalize()}: {_text(m.get('content'))}"
+    context = "\n\n".join(f"{m.get('role', '?').capitalize()}: {text_of(m.get('content'))}"
                           for m in messages[:last]) or "(none)"
     reply = messages[last]
-    answer = _text(reply.get("content"))
+    answer = text_of(reply.get("content"))
     for call in reply.get("tool_calls") or []:
         fn = call.get("function", {})
         answer += f"\n[tool call {fn.get('name')}({fn.get('arguments')})]"
@@ -129,10 +119,10 @@ def read_score(verdict: str, scale: tuple[float, float]) -> tuple[float, float]:
     found = VERDICT.findall(verdict)
     low, high = scale
     if not found:
-        raise JudgeError(f"the verdict has no <score>NUMBER</score>: {_preview(verdict)}")
+        raise JudgeError(f"the verdict has no <score>NUMBER</score>: {preview(verdict)}")
     raw = float(found[-1])
     if not low <= raw <= high:
-        raise JudgeError(f"the verdict's score {raw:g} is outside [{low:g}, {high:g}]: {_preview(verdict)}")
+        raise JudgeError(f"the verdict's score {raw:g} is outside [{low:g}, {high:g}]: {preview(verdict)}")
     return raw, (raw - low) / (high - low)
 
 
@@ -140,7 +130,7 @@ def read_preference(verdict: str) -> str:
     """The verdict's last ``<preferred>``: ``A``, ``B`` or ``tie``; a :class:`JudgeError` if it has none."""
     found = PREFERRED.findall(verdict)
     if not found:
-        raise JudgeError(f"the verdict has no <preferred>A|B|tie</preferred>: {_preview(verdict)}")
+        raise JudgeError(f"the verdict has no <preferred>A|B|tie</preferred>: {preview(verdict)}")
     choice = found[-1].strip()
     return "tie" if choice.lower() == "tie" else choice.upper()
 
@@ -152,90 +142,10 @@ def fill(template: str, **fields: str) -> str:
     return template
 
 
-def _preview(text: str) -> str:
-    flat = " ".join(text.split())
-    return repr(flat if len(flat) <= 120 else flat[:117] + "...")
-
-
-class ServiceJudge:
-    """A judge model on the run's service: ``sampler`` prompted in ``renderer``'s chat format."""
-
-    def __init__(self, sampler: SamplingClient, renderer: Renderer, cfg: JudgeConfig, label: str):
-        self.sampler, self.renderer, self.cfg, self.label = sampler, renderer, cfg, label
-
-    async def __call__(self, messages: list[dict], seed: int) -> str:
-        from tinker import types
-
-        prompt = render(self.renderer, messages)
-        params = types.SamplingParams(max_tokens=self.cfg.max_tokens, temperature=self.cfg.temperature,
-                                      stop=self.renderer.stop_sequences(), seed=seed)
-        try:
-            response = await self.sampler.sample(types.ModelInput.from_ints(list(prompt.tokens)), 1, params)
-        except Exception as exc:
-            if (lost := service_lost(exc)) is not None:  # the run's service, not this episode's failure
-                raise ServiceLostError(lost) from exc
-            raise
-        return _text(self.renderer.parse_response(list(response.sequences[0].tokens)).get("content"))
-
-    async def aclose(self) -> None:
-        return None
-
-
-class EndpointJudge:
-    """A judge model behind an OpenAI-compatible endpoint's ``/chat/completions``."""
-
-    def __init__(self, cfg: JudgeConfig):
-        assert cfg.base_url is not None and cfg.model is not None
-        self.cfg, self.base_url, self.label = cfg, cfg.base_url, f"{cfg.model} at {cfg.base_url}"
-        key = os.environ.get(cfg.api_key_env)
-        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._client: Any = None
-
-    async def __call__(self, messages: list[dict], seed: int) -> str:
-        import httpx
-
-        if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self.base_url.rstrip("/"), headers=self._headers,
-                                             timeout=self.cfg.timeout)
-        body = {"model": self.cfg.model, "messages": messages, "max_tokens": self.cfg.max_tokens,
-                "temperature": self.cfg.temperature, "seed": seed}
-        for attempt in range(RETRIES + 1):  # a dropped connection or a busy endpoint is tried again
-            try:
-                r = await self._client.post("/chat/completions", json=body)
-            except httpx.TransportError:
-                if attempt == RETRIES:
-                    raise
-                await asyncio.sleep(0.5 * 2**attempt)
-                continue
-            if r.status_code not in (429, 502, 503, 504) or attempt == RETRIES:
-                break
-            await asyncio.sleep(0.5 * 2**attempt)
-        if r.status_code != 200:
-            raise JudgeError(f"{self.label} answered HTTP {r.status_code}: {_preview(r.text)}")
-        try:
-            return _text(r.json()["choices"][0]["message"]["content"])
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise JudgeError(f"{self.label} answered no chat completion: {_preview(r.text)}") from None
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-
-
-class JudgeModel(Protocol):
-    """What answers a judge's prompt: :class:`ServiceJudge` or :class:`EndpointJudge`."""
-
-    label: str
-
-    async def __call__(self, messages: list[dict], seed: int) -> str: ...
-
-    async def aclose(self) -> None: ...
-
-
 class Judge:
     """Grades an environment's episodes (see the module docstring); ``model(messages, seed)`` answers."""
 
-    def __init__(self, cfg: JudgeConfig, model: JudgeModel, settings: RolloutSettings):
+    def __init__(self, cfg: JudgeConfig, model: ChatModel, settings: RolloutSettings):
         self.cfg, self.model, self.settings = cfg, model, settings
         self._slots: asyncio.Semaphore | None = None
         self._cache: OrderedDict[str, asyncio.Future] = OrderedDict()
@@ -400,20 +310,6 @@ def judge_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 async def open_judge(cfg: JudgeConfig, settings: RolloutSettings, model_name: str, service: ServiceClient,
                      guard: ServiceGuard, renderer: Renderer, where: str) -> Judge:
-    """The judge ``cfg`` names (see :class:`~polyrl.config.env.JudgeConfig`), opened on the run's
-    ``service`` (whose policy is ``model_name``, in ``renderer``'s chat format) unless it is an endpoint."""
-    from polyrl.renderers import resolve_renderer
-
-    if cfg.base_url is not None:
-        return Judge(cfg, EndpointJudge(cfg), settings)
-    source = cfg.model or model_name
-    kwargs = {"model_path": source} if source.startswith("tinker://") else {"base_model": source}
-    try:
-        sampler = await guard(f"opening {where}", service.create_sampling_client, **kwargs)
-    except UserInputError as exc:
-        raise UserInputError(f"{where}: {exc}") from None
-    base = sampler.get_base_model() if source.startswith("tinker://") else source
-    if base != model_name:
-        renderer = resolve_renderer(None, base, sampler.get_tokenizer())
-    label = "the policy's base model" if cfg.model is None else source
-    return Judge(cfg, ServiceJudge(sampler, renderer, cfg, label), settings)
+    """The judge ``cfg`` names (see :class:`~polyrl.config.env.JudgeConfig`), on the run's ``service``
+    (whose policy is ``model_name``, in ``renderer``'s chat format) unless it is an endpoint."""
+    return Judge(cfg, await open_chat_model(cfg, model_name, service, guard, renderer, where), settings)

@@ -25,6 +25,7 @@ from polyrl.envs.base import EnvBuilder, call_env
 from polyrl.envs.registry import make_env_builder
 from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Renderer
+from polyrl.rl.chat_models import ChatModel
 from polyrl.rl.episode import (
     Episode,
     RolloutContext,
@@ -41,19 +42,19 @@ if TYPE_CHECKING:
 
 async def run_group(builder: EnvBuilder, episodes: list[Episode], renderer: Renderer,
                     sampler: SamplingClient | SamplerRef, settings: RolloutSettings,
-                    seeds: Sequence[int | None]) -> list[Episode]:
+                    seeds: Sequence[int | None], partner: ChatModel | None = None) -> list[Episode]:
     """Run a group's rollouts concurrently, each turn with ``sampler``'s newest. A failing rollout
     (exception or timeout) is marked with ``error`` and kept in the list, so the caller can apply the
     failure budget. A builder that drives its own rollouts may return several episodes (roles) per
     rollout; sampled tokens it appended without their sampler step count as sampled by the sampler the
-    rollout started with."""
+    rollout started with. ``partner``: the entry's partner model, for builders that drive rollouts."""
     samplers = SamplerRef.of(sampler)
 
     async def one(ep: Episode, seed: int | None) -> list[Episode]:
         try:
             if builder.drives_rollouts:
                 ctx = RolloutContext(ep.env_name, ep.split, ep.task_index, ep.group_id, samplers, renderer,
-                                     settings, seed)
+                                     settings, seed, partner)
                 done = list(await asyncio.wait_for(call_env(builder.rollout, ctx), settings.timeout))
             else:
                 env = builder.make(ep.split, ep.task_index)
@@ -115,8 +116,8 @@ def stable_seed(*parts: Any) -> int:
 
 @dataclass
 class EnvRuntime:
-    """A configured environment: its builder, rollout settings and task order, and its judge once the
-    run's service has opened it (:func:`polyrl.rl.judge.open_judge`)."""
+    """A configured environment: its builder, rollout settings and task order, and its judge and partner
+    once the run's service has opened them (:func:`polyrl.rl.run.open_env_models`)."""
 
     name: str
     cfg: EnvConfig
@@ -124,6 +125,7 @@ class EnvRuntime:
     settings: RolloutSettings
     run_seed: int
     judge: Judge | None = None
+    partner: ChatModel | None = None
 
     def rubrics(self, episode: Episode) -> list[str]:
         """The rubric items ``episode``'s task is judged by: its own, else the judge config's."""
@@ -178,7 +180,8 @@ async def collect_group(runtime: EnvRuntime, task: int, g: int, split: str, grou
     from the same weights."""
     episodes = [Episode(runtime.name, split, task, g) for _ in range(group_size)]
     seeds = [stable_seed(*seed_parts, g, i) for i in range(group_size)]
-    done = await run_group(runtime.builder, episodes, renderer, sampler, runtime.settings, seeds)
+    done = await run_group(runtime.builder, episodes, renderer, sampler, runtime.settings, seeds,
+                           runtime.partner)
     if runtime.judge is not None:
         await runtime.judge.grade_group(done, runtime.rubrics)
     return done

@@ -24,6 +24,7 @@ from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Renderer
 from polyrl.rl import advantages as adv_lib
+from polyrl.rl.chat_models import open_chat_model
 from polyrl.rl.judge import open_judge
 from polyrl.rl.policy import open_policy
 from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
@@ -194,22 +195,33 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
         max_staleness=ahead if config.off_policy.stale_groups == "drop" else None,
         chunk_tokens=config.off_policy.partial_chunk_tokens)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
-    await open_judges(config.model_name, runtimes, service, guard, renderer)
+    await open_env_models(config.model_name, runtimes, service, guard, renderer)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)
 
 
-async def open_judges(model_name: str, runtimes: dict[str, EnvRuntime], service: ServiceClient,
-                      guard: ServiceGuard, renderer: Renderer) -> None:
-    """Each environment's judge (``judge:``), on ``service`` (whose policy is ``model_name``); one opened
-    on an earlier service (before it was lost) is closed first."""
+async def open_env_models(model_name: str, runtimes: dict[str, EnvRuntime], service: ServiceClient,
+                          guard: ServiceGuard, renderer: Renderer) -> None:
+    """Each environment's judge (``judge:``) and partner (``partner:``), on ``service`` (whose policy is
+    ``model_name``); those opened on an earlier service (before it was lost) are closed first. An entry
+    whose environment plays against a partner needs one, and only such an entry may name one."""
     for name, rt in runtimes.items():
-        if rt.cfg.judge is None:
-            continue
-        if rt.judge is not None:
-            await rt.judge.aclose()
-        rt.judge = await open_judge(rt.cfg.judge, rt.settings, model_name, service, guard, renderer,
-                                    f"environments.{name}.judge")
+        wants = bool(getattr(rt.builder, "wants_partner", False))
+        if wants and rt.cfg.partner is None:
+            raise ConfigError(f"environments.{name}.partner: its environment plays against a partner model "
+                              "(args.opponent: partner); give one (partner: {} is the policy's base model)")
+        if rt.cfg.partner is not None and not wants:
+            raise ConfigError(f"environments.{name}.partner: this environment has no side for a partner to "
+                              "play (a textarena game takes one with args.opponent: partner)")
+        for model in (rt.judge, rt.partner):
+            if model is not None:
+                await model.aclose()
+        if rt.cfg.judge is not None:
+            rt.judge = await open_judge(rt.cfg.judge, rt.settings, model_name, service, guard, renderer,
+                                        f"environments.{name}.judge")
+        if rt.cfg.partner is not None:
+            rt.partner = await open_chat_model(rt.cfg.partner, model_name, service, guard, renderer,
+                                               f"environments.{name}.partner")
 
 
 async def remove_unlogged_checkpoints(config: TrainConfig, console: ConsoleLog, files: RunFiles,
@@ -283,8 +295,9 @@ async def close_environments(runtimes: dict[str, EnvRuntime], console: ConsoleLo
     for rt in runtimes.values():
         try:
             await rt.builder.aclose()
-            if rt.judge is not None:
-                await rt.judge.aclose()
+            for model in (rt.judge, rt.partner):
+                if model is not None:
+                    await model.aclose()
         except Exception as exc:  # noqa: BLE001
             console.warn(f"closing environment {rt.name} failed: {exc}")
 
