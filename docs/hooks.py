@@ -23,6 +23,7 @@ GENERATED = {
     "reference/configuration.md": "configuration_page",
     "reference/sft-configuration.md": "sft_configuration_page",
     "reference/dpo-configuration.md": "dpo_configuration_page",
+    "reference/reward-model-configuration.md": "reward_model_configuration_page",
     "reference/cli.md": "cli_page",
 }
 
@@ -88,6 +89,21 @@ def dpo_configuration_page() -> str:
         "schema: the same text as `polyrl dpo --help-config`. It trains on preference pairs (`--data`) and",
         "scores held-out ones (`--eval-data`); [Preferences and DPO](../guides/preferences.md) walks",
         "through it.",
+    ])
+
+
+def reward_model_configuration_page() -> str:
+    from polyrl.reward_model import RewardModelConfig
+
+    return _config_page(RewardModelConfig, [
+        NOTICE.format(REGENERATE),
+        "",
+        "# `polyrl reward-model` configuration reference",
+        "",
+        "Every field of a reward model's training config (`polyrl reward-model`), generated from its",
+        "schema: the same text as `polyrl reward-model --help-config`. It trains on preference pairs",
+        "(`--data`) and scores held-out ones (`--eval-data`); [Preferences and DPO](../guides/preferences.md)",
+        "walks through it.",
     ])
 
 

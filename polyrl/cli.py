@@ -122,15 +122,26 @@ def cmd_sft(args) -> None:
     print(sft(config))
 
 
-def cmd_dpo(args) -> None:
-    from polyrl.dpo import DPOConfig, dpo
-
-    for flag, key in ((args.data, "data"), (args.eval_data, "eval_data")):  # before --overrides, which win
+def _pair_files(args) -> None:
+    """``--data`` and ``--eval-data`` as overrides (before the given ones, which win)."""
+    for flag, key in ((args.data, "data"), (args.eval_data, "eval_data")):
         if flag:
             files = [path for group in flag for path in group]
             args.overrides = [f"{key}={json.dumps(files)}", *args.overrides]
-    config = _load(args, DPOConfig)
-    print(dpo(config))
+
+
+def cmd_dpo(args) -> None:
+    from polyrl.dpo import DPOConfig, dpo
+
+    _pair_files(args)
+    print(dpo(_load(args, DPOConfig)))
+
+
+def cmd_reward_model(args) -> None:
+    from polyrl.reward_model import RewardModelConfig, reward_model
+
+    _pair_files(args)
+    print(reward_model(_load(args, RewardModelConfig)))
 
 
 def cmd_eval(args) -> None:
@@ -198,6 +209,15 @@ def cmd_init_env(args) -> None:
     print(init_env(args.name, args.dir, model=args.model))
 
 
+def _pair_args(p: argparse.ArgumentParser) -> None:
+    _config_args(p)
+    p.add_argument("--data", action="append", nargs="+", metavar="FILE.jsonl",
+                   help='preference pairs to learn, one JSON object a line: {"prompt": ..., "chosen": ..., '
+                        '"rejected": ...} (TRL\'s preference format); sets the config\'s data')
+    p.add_argument("--eval-data", action="append", nargs="+", metavar="FILE.jsonl",
+                   help="held-out pairs, scored during and after training; sets the config's eval_data")
+
+
 def main(argv: list[str] | None = None) -> None:
     redact_tracebacks()
     parser = argparse.ArgumentParser(prog="polyrl")
@@ -229,13 +249,13 @@ def main(argv: list[str] | None = None) -> None:
 
     p = sub.add_parser("dpo", help="Direct Preference Optimization on preference pairs (--data FILE.jsonl), "
                                    "against the starting policy as reference")
-    _config_args(p)
-    p.add_argument("--data", action="append", nargs="+", metavar="FILE.jsonl",
-                   help='preference pairs to learn, one JSON object a line: {"prompt": ..., "chosen": ..., '
-                        '"rejected": ...} (TRL\'s preference format); sets the config\'s data')
-    p.add_argument("--eval-data", action="append", nargs="+", metavar="FILE.jsonl",
-                   help="held-out pairs, scored during and after training; sets the config's eval_data")
+    _pair_args(p)
     p.set_defaults(fn=cmd_dpo)
+
+    p = sub.add_parser("reward-model", help="a reward model from preference pairs (Bradley-Terry), for "
+                                            "polyrl train's judge: {mode: reward_model}")
+    _pair_args(p)
+    p.set_defaults(fn=cmd_reward_model)
 
     p = sub.add_parser("eval", help="mean reward, pass@1 and pass@k on the test splits")
     _config_args(p)

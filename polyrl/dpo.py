@@ -29,7 +29,7 @@ from tinker import types
 
 from polyrl.backend import ending_session, service_url
 from polyrl.config.schema import LrSchedule, PolicyConfig, scheduled_lr
-from polyrl.rl.policy import OpenPolicy, open_policy
+from polyrl.rl.policy import open_policy
 from polyrl.sft import context_length, data_datums
 from polyrl.sft_data import Pair, read_pairs
 from polyrl.tracking.console import ConsoleLog
@@ -38,21 +38,19 @@ from polyrl.tracking.files import RunFiles, atomic_write_text
 FORWARD_PAIRS = 32  # pairs per forward pass when scoring (reference and held-out)
 
 
-class DPOConfig(PolicyConfig):
-    """Direct Preference Optimization on preference pairs (``polyrl dpo``); the policy's fields are
-    train's."""
+class PairsConfig(PolicyConfig):
+    """What training on preference pairs takes (``polyrl dpo``, ``polyrl reward-model``); the policy's
+    fields are train's."""
 
     data: list[str] = Field(default_factory=list, description="JSONL files of preference pairs, one per "
                             'line: {"prompt": ..., "chosen": ..., "rejected": ...} (TRL\'s preference '
-                            "format; messages or text). polyrl dpo --data sets it.")
+                            "format; messages or text). --data sets it.")
     eval_data: list[str] = Field(default_factory=list, description="JSONL files of held-out pairs, scored "
                                  "every eval_every steps and at the end (eval/accuracy, eval/margin, "
-                                 "eval/loss). polyrl dpo --eval-data sets it.")
-    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference "
-                        "(smaller: further).")
+                                 "eval/loss). --eval-data sets it.")
     load_checkpoint: str | None = Field(
         None, description="Weights to start from, a 'tinker://.../weights/<name>' state path (polyrl sft "
-        "prints one); the reference is this starting policy. null = the base model.")
+        "prints one). null = the base model.")
     learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     lr_schedule: LrSchedule = Field("linear", description="Learning-rate schedule over max_steps.")
     batch_size: int = Field(16, ge=1, description="Pairs per optimizer step.")
@@ -60,9 +58,10 @@ class DPOConfig(PolicyConfig):
     eval_every: int = Field(10, ge=0, description="Score eval_data every this many steps (0: at the start "
                             "and end only).")
     seed: int = Field(0, description="Seed of the LoRA init and the data order.")
-    log_path: str = Field("runs/dpo", description="Directory for metrics.jsonl and dpo.json.")
+    log_path: str = Field("runs/dpo", description="Directory for metrics.jsonl and the summary (dpo.json, "
+                          "reward_model.json).")
     save_name: str = Field("dpo", description="Checkpoint name; the state path is printed and written to "
-                                              "dpo.json.")
+                                              "the summary.")
 
     @field_validator("data", "eval_data", mode="before")
     @classmethod
@@ -72,8 +71,16 @@ class DPOConfig(PolicyConfig):
     @model_validator(mode="after")
     def _some_data(self):
         if not self.data:
-            raise ValueError("no preference pairs to learn: give data (polyrl dpo --data FILE.jsonl)")
+            raise ValueError("no preference pairs to learn: give data (--data FILE.jsonl)")
         return self
+
+
+class DPOConfig(PairsConfig):
+    """Direct Preference Optimization on preference pairs (``polyrl dpo``); the reference is the policy as
+    it starts (the base model, or load_checkpoint)."""
+
+    beta: float = Field(0.1, gt=0, description="DPO's beta: how far the policy may move from the reference "
+                        "(smaller: further).")
 
 
 async def forward_sums(training, datums: list[types.Datum]) -> list[float]:
@@ -103,10 +110,11 @@ def _softplus(x: float) -> float:
     return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
 
 
-def dpo_loss(reference: list[float], beta: float, stats: dict[str, float]):
+def dpo_loss(reference: list[float], beta: float, stats: dict[str, float], kind: str = "dpo"):
     """The custom loss for ``forward_backward_custom`` on a batch laid out chosen, rejected, ...:
     ``reference`` has the batch's reference sums; ``stats`` receives the batch's chosen and rejected
-    implicit rewards and accuracy."""
+    implicit rewards and accuracy, as ``<kind>/...``. With ``reference`` zeros and ``beta`` 1 it is the
+    Bradley-Terry loss of the sums as scores (a reward model's)."""
     import torch
     import torch.nn.functional as F
 
@@ -120,9 +128,10 @@ def dpo_loss(reference: list[float], beta: float, stats: dict[str, float]):
         loss = -F.logsigmoid(margin).mean()
         with torch.no_grad():
             ties = (margin == 0).float()
-            stats.update({"dpo/chosen_reward": float(chosen.mean()),
-                          "dpo/rejected_reward": float(rejected.mean()), "dpo/margin": float(margin.mean()),
-                          "dpo/accuracy": float(((margin > 0).float() + 0.5 * ties).mean())})
+            stats.update({f"{kind}/chosen_reward": float(chosen.mean()),
+                          f"{kind}/rejected_reward": float(rejected.mean()),
+                          f"{kind}/margin": float(margin.mean()),
+                          f"{kind}/accuracy": float(((margin > 0).float() + 0.5 * ties).mean())})
         return loss, {}
 
     return loss_fn
@@ -130,6 +139,20 @@ def dpo_loss(reference: list[float], beta: float, stats: dict[str, float]):
 
 async def dpo_async(config: DPOConfig, console: ConsoleLog | None = None) -> str:
     """Train and return the saved state path (``tinker://.../weights/<save_name>``)."""
+
+    def datums(pairs: list[Pair], renderer, context: int | None) -> list[types.Datum]:
+        sides = [p.conversation(s) for p in pairs for s in ("chosen", "rejected")]
+        return data_datums(sides, renderer, context)
+
+    return await train_on_pairs(config, datums, "dpo", config.beta, reference=True, console=console)
+
+
+async def train_on_pairs(config: PairsConfig, datums, kind: str, beta: float, reference: bool,
+                         console: ConsoleLog | None = None) -> str:
+    """The pairs of ``config.data`` as Datums (``datums(pairs, renderer, context)``: chosen, rejected,
+    ...), trained with :func:`dpo_loss` against the starting policy's sums (``reference``) or zeros;
+    held-out pairs scored before, during and after; the state and sampler checkpoints saved and the
+    summary written to ``<kind>.json``. Returns the state path."""
     console = console or ConsoleLog()
     pairs = read_pairs(config.data)  # a bad line is said before the model loads
     held_out = read_pairs(config.eval_data) if config.eval_data else []
@@ -144,28 +167,29 @@ async def dpo_async(config: DPOConfig, console: ConsoleLog | None = None) -> str
 
     policy = await open_policy(config, connect)
     async with ending_session(policy.service, service_url(config)):
-        return await _train(config, policy, pairs, held_out, files, console)
+        context = await context_length(policy.service, config.model_name)
+        train_D = datums(pairs, policy.renderer, context)
+        eval_D = datums(held_out, policy.renderer, context)
+        return await _train(config, policy.client, train_D, eval_D, files, console, kind, beta, reference)
 
 
-async def _train(config: DPOConfig, policy: OpenPolicy, pairs: list[Pair], held_out: list[Pair],
-                 files: RunFiles, console: ConsoleLog) -> str:
-    training = policy.client
-    context = await context_length(policy.service, config.model_name)
-    train_D = data_datums([p.conversation(s) for p in pairs for s in ("chosen", "rejected")], policy.renderer,
-                          context)
-    eval_D = data_datums([p.conversation(s) for p in held_out for s in ("chosen", "rejected")],
-                         policy.renderer, context)
-    console.info(f"dpo: {len(pairs)} pairs to learn, {len(held_out)} held out; scoring the reference")
-    reference = await forward_sums(training, train_D + eval_D)  # the starting policy is the reference
-    train_ref, eval_ref = reference[:len(train_D)], reference[len(train_D):]
+async def _train(config: PairsConfig, training, train_D: list[types.Datum], eval_D: list[types.Datum],
+                 files: RunFiles, console: ConsoleLog, kind: str, beta: float, reference: bool) -> str:
+    pairs, held_out = len(train_D) // 2, len(eval_D) // 2
+    console.info(f"{kind}: {pairs} pairs to learn, {held_out} held out")
+    if reference:  # the starting policy is the reference
+        sums = await forward_sums(training, train_D + eval_D)
+    else:
+        sums = [0.0] * (len(train_D) + len(eval_D))
+    train_ref, eval_ref = sums[:len(train_D)], sums[len(train_D):]
 
     async def evaluate(step: int) -> dict[str, float]:
         if not eval_D:
             return {}
-        stats = preference_stats(await forward_sums(training, eval_D), eval_ref, config.beta)
+        stats = preference_stats(await forward_sums(training, eval_D), eval_ref, beta)
         row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()}}
         files.log_metrics(row)
-        console.info(f"dpo held out after step {step}: accuracy {stats['accuracy']:.3f}, "
+        console.info(f"{kind} held out after step {step}: accuracy {stats['accuracy']:.3f}, "
                      f"margin {stats['margin']:.4f}, loss {stats['loss']:.4f}")
         return stats
 
@@ -174,41 +198,41 @@ async def _train(config: DPOConfig, policy: OpenPolicy, pairs: list[Pair], held_
     order: list[int] = []
     log_every = max(1, config.max_steps // 10)
     last_eval = first_eval
-    with console.progress("dpo", config.max_steps, loss="-") as progress:
+    with console.progress(kind, config.max_steps, loss="-") as progress:
         for step in range(config.max_steps):
             t0 = time.monotonic()
             chosen_pairs: list[int] = []
             while len(chosen_pairs) < config.batch_size:
                 if not order:
-                    order = list(range(len(pairs)))
+                    order = list(range(pairs))
                     rng.shuffle(order)
                 chosen_pairs.append(order.pop())
             batch = [train_D[2 * i + side] for i in chosen_pairs for side in (0, 1)]
             batch_ref = [train_ref[2 * i + side] for i in chosen_pairs for side in (0, 1)]
             stats: dict[str, float] = {}
             lr = scheduled_lr(config.learning_rate, config.lr_schedule, step, config.max_steps)
-            fwd = training.forward_backward_custom(batch, dpo_loss(batch_ref, config.beta, stats))
+            fwd = training.forward_backward_custom(batch, dpo_loss(batch_ref, beta, stats, kind))
             opt = training.optim_step(types.AdamParams(learning_rate=lr))
             result, _ = await fwd, await opt
-            row = {"step": step, "dpo/loss": result.metrics["loss:sum"], **stats, "optim/lr": lr,
+            row = {"step": step, f"{kind}/loss": result.metrics["loss:sum"], **stats, "optim/lr": lr,
                    "time/total": time.monotonic() - t0}
             files.log_metrics(row)
-            progress.update(progress.task_ids[0], advance=1, loss=f"{row['dpo/loss']:.4f}")
+            progress.update(progress.task_ids[0], advance=1, loss=f"{row[f'{kind}/loss']:.4f}")
             if not console.is_terminal and (step % log_every == 0 or step + 1 == config.max_steps):
-                console.info(f"dpo step {step}: loss {row['dpo/loss']:.4f}, "
-                             f"accuracy {row['dpo/accuracy']:.3f}")
+                console.info(f"{kind} step {step}: loss {row[f'{kind}/loss']:.4f}, "
+                             f"accuracy {row[f'{kind}/accuracy']:.3f}")
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.max_steps:
                 last_eval = await evaluate(step)
     last_eval = await evaluate(config.max_steps - 1) or last_eval
     state = await training.save_state(config.save_name)
     sampler = await training.save_weights_for_sampler(config.save_name)
     summary = {"state_path": state.path, "sampler_path": sampler.path, "steps": config.max_steps,
-               "pairs": len(pairs), "held_out": len(held_out), "beta": config.beta}
+               "pairs": pairs, "held_out": held_out, "beta": beta}
     if last_eval:
         summary["held_out_before"] = first_eval
         summary["held_out_after"] = last_eval
-    atomic_write_text(files.root / "dpo.json", json.dumps(summary))
-    console.info(f"dpo checkpoint: {state.path}")
+    atomic_write_text(files.root / f"{kind}.json", json.dumps(summary))
+    console.info(f"{kind} checkpoint: {state.path}")
     return state.path
 
 

@@ -90,9 +90,12 @@ class JudgeConfig(ChatModelConfig):
         default_factory=list, description="Rubric items for tasks that bring none of their own (a task's "
         "own: a dataset row's 'rubrics'). Each item is judged in a call of its own; the score is their "
         "mean.")
-    mode: Literal["score", "pairwise"] = Field(
+    mode: Literal["score", "pairwise", "reward_model"] = Field(
         "score", description="'score': each reply graded on its own; 'pairwise': the group's replies "
-        "compared two by two (both orders), each scoring its win rate, a tie counting half.")
+        "compared two by two (both orders), each scoring its win rate, a tie counting half; 'reward_model': "
+        "model is a reward model polyrl reward-model trained (its sampler checkpoint), scoring each reply "
+        "with the logprob it gives 'Yes' after template (its question; null: the default one), a "
+        "Bradley-Terry score (<= 0; differences are what it learned).")
     weight: float = Field(1.0, description="reward = the environment's reward + weight * the judge's score.")
     scale: tuple[float, float] = Field(
         (0.0, 1.0), description="The range the judge gives its score in, mapped onto [0, 1]; a score "
@@ -106,10 +109,13 @@ class JudgeConfig(ChatModelConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.mode == "reward_model" and (self.base_url is not None or not self.model):
+            raise ValueError("mode reward_model needs model: the reward model's sampler checkpoint on the "
+                             "run's service (polyrl reward-model writes its path to reward_model.json)")
         low, high = self.scale
         if not low < high:
             raise ValueError(f"scale must be [low, high] with low < high, got {list(self.scale)}")
-        if self.template is not None:
+        if self.template is not None and self.mode != "reward_model":
             needed = (("{answer}", "{rubric}") if self.mode == "score"
                       else ("{answer_a}", "{answer_b}", "{rubric}"))
             for field in needed:

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from polyrl.backend import ServiceGuard
 from polyrl.config.env import JudgeConfig
 from polyrl.errors import ServiceLostError
-from polyrl.rl.chat_models import ChatModel, open_chat_model, preview, text_of
-from polyrl.rl.episode import Episode, RolloutSettings, check_rewards, decide_success
+from polyrl.rl.chat_models import ChatModel, ServiceChat, open_chat_model, preview, text_of
+from polyrl.rl.episode import Episode, RolloutSettings, check_rewards, decide_success, render
 
 if TYPE_CHECKING:
     from polyrl.clients import ServiceClient
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 VERDICT = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
 PREFERRED = re.compile(r"<preferred>\s*(A|B|tie)\s*</preferred>", re.IGNORECASE)
 NO_RUBRIC = "no rubric: the task has no rubrics and the judge's rubrics are empty"
+QUESTION = "Is the assistant's last reply a good one? Answer Yes or No."  # a reward model's question
+YES = "Yes"
 CACHE_SIZE = 4096  # verdicts kept for reuse, per judge
 
 # --8<-- [start:template]
@@ -135,6 +137,21 @@ def read_preference(verdict: str) -> str:
     return "tie" if choice.lower() == "tie" else choice.upper()
 
 
+def yes_token(tokenizer: Any) -> int:
+    """The token ``Yes`` starts with: where a reward model's scalar head is read."""
+    ids = tokenizer.encode(YES, add_special_tokens=False)
+    if not ids:
+        raise ValueError(f"the tokenizer encodes {YES!r} as no tokens")
+    return ids[0]
+
+
+def scored_tokens(renderer: Renderer, messages: list, tools: list | None, question: str, yes: int):
+    """A reward model's input: the conversation, ``question``, the start of the model's answer, then
+    ``Yes``; the last token's logprob is the score. Returns the tokens and the images among them."""
+    rendered = render(renderer, [*messages, {"role": "user", "content": question}], tools or None)
+    return [*rendered.tokens, yes], rendered.images
+
+
 def fill(template: str, **fields: str) -> str:
     """``template`` with each ``{field}`` replaced (other braces, such as a JSON example's, kept)."""
     for key, value in fields.items():
@@ -159,6 +176,8 @@ class Judge:
         judge cannot grade fails."""
         if self.cfg.mode == "pairwise":
             await self._compare_group([ep for ep in episodes if not ep.failed], rubrics_of)
+        elif self.cfg.mode == "reward_model":
+            await asyncio.gather(*(self._reward_model_grade(ep) for ep in episodes if not ep.failed))
         else:
             await asyncio.gather(*(self.grade(ep, rubrics_of(ep)) for ep in episodes if not ep.failed))
 
@@ -211,6 +230,37 @@ class Judge:
                 self._reward(ep, wins[k] / counts[k])
             except Exception as exc:  # noqa: BLE001 - as in grade
                 ep.error = f"{type(exc).__name__}: {exc}"
+
+    async def _reward_model_grade(self, episode: Episode) -> None:
+        """A reward model's score: the logprob it gives ``Yes`` after the episode and its question (a
+        Bradley-Terry score: its differences, not its level, are what the model learned)."""
+        from polyrl import images
+
+        model = self.model
+        assert isinstance(model, ServiceChat)  # the config refuses an endpoint for a reward model
+        question = self.cfg.template or QUESTION
+        record: dict[str, Any] = {"rubric": None, "prompt": question, "verdict": None, "score": None,
+                                  "raw_score": None, "seconds": 0.0, "cached": False, "failure": None,
+                                  "error": None}
+        try:
+            tokens, spans = scored_tokens(model.renderer, episode.messages, episode.tools, question,
+                                          yes_token(model.renderer.tokenizer))
+            started = time.monotonic()
+            async with self._slot():
+                asked = model.sampler.compute_logprobs(images.model_input(tokens, spans))
+                logprobs = await asyncio.wait_for(asked, self.cfg.timeout)
+            record["seconds"] = time.monotonic() - started
+            if logprobs[-1] is None:
+                raise JudgeError("compute_logprobs gave no logprob for the scored token")
+            record["raw_score"] = record["score"] = float(logprobs[-1])
+            episode.judge = [record]
+            self._reward(episode, record["score"])
+        except ServiceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in grade
+            record.update(failure="call", error=f"the reward model failed: {type(exc).__name__}: {exc}")
+            episode.judge = [record]
+            episode.error = f"JudgeError: {record['error']}"
 
     def _reward(self, episode: Episode, score: float) -> None:
         """Add ``weight * score`` to the episode's reward (and its last turn's), and decide its success."""
@@ -282,11 +332,14 @@ class Judge:
             record["verdict"] = future.result()
         return record
 
-    async def _call(self, prompt: str) -> str:
+    def _slot(self) -> asyncio.Semaphore:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.cfg.max_concurrency)
+        return self._slots
+
+    async def _call(self, prompt: str) -> str:
         seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little")
-        async with self._slots:
+        async with self._slot():
             return await asyncio.wait_for(self.model([{"role": "user", "content": prompt}], seed),
                                           self.cfg.timeout)
 
