@@ -87,6 +87,12 @@ EXAMPLES: dict[str, Example] = {
                                 logs=("env/letters/judge/score", "judge/calls", "judge/parse_failures")),
     "selfplay.yaml": Example(("polyrl", "train", "--config_path", "examples/selfplay.yaml"),
                              logs=("env/tictactoe/reward/mean",), needs="textarena"),
+    "judge/pairwise.yaml": Example(("polyrl", "train", "--config_path", "examples/judge/pairwise.yaml"),
+                                   files=("judge/rule_judge.py", "judge/tasks.jsonl"),
+                                   server="examples/judge/rule_judge.py",
+                                   logs=("env/letters/judge/score", "judge/calls")),
+    "partner.yaml": Example(("polyrl", "train", "--config_path", "examples/partner.yaml"),
+                            logs=("env/tictactoe/partner_moves",), needs="textarena"),
     "dpo/dpo.yaml": Example(("polyrl", "dpo", "--config_path", "examples/dpo/dpo.yaml"), steps=2,
                             files=("dpo/make_pairs.py", "dpo/pairs.jsonl", "dpo/held_out.jsonl"),
                             logs=("dpo/loss", "dpo/accuracy", "dpo/margin")),
@@ -324,7 +330,8 @@ def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatc
     if name.startswith("judge/"):  # every episode was graded by the rule judge, its verdict kept with it
         episodes = [json.loads(line) for line in
                     (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()]
-        assert episodes and all(ep["judge"] and "<score>" in ep["judge"][0]["verdict"] for ep in episodes)
+        verdicts = [ep["judge"][0]["verdict"] if ep["judge"] else "" for ep in episodes]
+        assert episodes and all("<score>" in v or "<preferred>" in v for v in verdicts), verdicts
     elif ex.server:  # every episode came from the server
         first_step = (run / "trajectories" / "step_000000.jsonl").read_text().splitlines()
         episodes = [json.loads(line) for line in first_step]
