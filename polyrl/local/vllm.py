@@ -96,17 +96,26 @@ def _stop_all() -> None:
         proc.stop()
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: atexit stops the servers
+def _on_signal(signum, frame) -> None:
+    """SIGTERM and Ctrl-C: the servers stop at once (the samples in flight on them fail now, rather than
+    holding up the run's exit until they finish), then the process unwinds as Ctrl-C does."""
+    if _started:
+        _stop_all()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM end this process through its exit handlers (which stop the vLLM servers it started)
-    rather than at once, where nothing else handles it. Call from the main thread (signals are set there),
-    before servers start."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    """Make SIGTERM end this process through its exit handlers rather than at once, where nothing else
+    handles it, and make SIGTERM and Ctrl-C stop the vLLM servers it started first thing. Call from the
+    main thread (signals are set there), before servers start."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_signal)
 
 
 # Before the interpreter joins thread pools (requests in flight to a server would hold it up until they
