@@ -90,8 +90,10 @@ class JudgeConfig(ChatModelConfig):
         default_factory=list, description="Rubric items for tasks that bring none of their own (a task's "
         "own: a dataset row's 'rubrics'). Each item is judged in a call of its own; the score is their "
         "mean.")
-    mode: Literal["score", "pairwise", "reward_model"] = Field(
-        "score", description="'score': each reply graded on its own; 'pairwise': the group's replies "
+    mode: Literal["score", "yes_no", "pairwise", "reward_model"] = Field(
+        "score", description="'score': each reply graded on its own, the verdict's <score> read; 'yes_no': "
+        "each reply graded on its own by reading, not writing, the judge's answer to 'does it meet the "
+        "rubric?' (P(Yes) / (P(Yes) + P(No)); a model on the run's service); 'pairwise': the group's replies "
         "compared two by two (both orders), each scoring its win rate, a tie counting half; 'reward_model': "
         "model is a reward model polyrl reward-model trained (its sampler checkpoint), scoring each reply "
         "with the logprob it gives 'Yes' after template (its question; null: the default one), a "
@@ -115,7 +117,10 @@ class JudgeConfig(ChatModelConfig):
         low, high = self.scale
         if not low < high:
             raise ValueError(f"scale must be [low, high] with low < high, got {list(self.scale)}")
-        if self.template is not None and self.mode != "reward_model":
+        if self.mode == "yes_no" and self.base_url is not None:
+            raise ValueError("mode yes_no reads the judge's logprobs: its model must be on the run's "
+                             "service, not an endpoint")
+        if self.template is not None and self.mode not in ("reward_model", "yes_no"):
             needed = (("{answer}", "{rubric}") if self.mode == "score"
                       else ("{answer_a}", "{answer_b}", "{rubric}"))
             for field in needed:

@@ -7,6 +7,10 @@ The judge reads the conversation up to the episode's last reply (``{context}``),
 score is the mean over its rubric items (a task's own, a dataset row's ``rubrics``, else the config's),
 mapped onto [0, 1]; ``reward += weight * score``.
 
+With ``mode: yes_no`` the judge writes nothing: after the conversation it is asked whether the reply
+meets the rubric item, and the score is the probability it gives ``Yes`` over ``Yes`` and ``No``, read
+from ``compute_logprobs``. Even a model too small to follow the verdict format grades this way.
+
 With ``mode: pairwise`` the judge compares the group's replies two by two instead, in both orders (so
 neither place is favoured), answering ``<preferred>A|B|tie</preferred>``; a reply's score is its win
 rate, a tie counting half.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import re
 import time
 from collections import OrderedDict
@@ -46,6 +51,7 @@ VERDICT = re.compile(r"<score>\s*([-+]?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE
 PREFERRED = re.compile(r"<preferred>\s*(A|B|tie)\s*</preferred>", re.IGNORECASE)
 NO_RUBRIC = "no rubric: the task has no rubrics and the judge's rubrics are empty"
 QUESTION = "Is the assistant's last reply a good one? Answer Yes or No."  # a reward model's question
+YES_NO_TEMPLATE = "Rubric: {rubric}\nDoes the assistant's last reply meet the rubric? Answer Yes or No."
 YES = "Yes"
 CACHE_SIZE = 4096  # verdicts kept for reuse, per judge
 
@@ -186,7 +192,9 @@ class Judge:
             if not rubrics:
                 raise JudgeError(NO_RUBRIC)
             context, answer = transcript(episode.messages)
-            episode.judge = list(await asyncio.gather(*(self._score(context, answer, r) for r in rubrics)))
+            yes_no = self.cfg.mode == "yes_no"
+            items = [self._yes_no(episode, r) if yes_no else self._score(context, answer, r) for r in rubrics]
+            episode.judge = list(await asyncio.gather(*items))
             failed = [r for r in episode.judge if r["failure"]]
             if failed:
                 raise JudgeError(failed[0]["error"])
@@ -230,6 +238,40 @@ class Judge:
                 self._reward(ep, wins[k] / counts[k])
             except Exception as exc:  # noqa: BLE001 - as in grade
                 ep.error = f"{type(exc).__name__}: {exc}"
+
+    async def _yes_no(self, episode: Episode, rubric: str) -> dict[str, Any]:
+        """Mode ``yes_no``: the judge is asked whether the reply meets ``rubric`` and its answer is read, not
+        written: the score is P(Yes) / (P(Yes) + P(No)) for the first token of its answer."""
+        from polyrl import images
+
+        model = self.model
+        assert isinstance(model, ServiceChat)  # the config refuses an endpoint for this mode
+        question = fill(self.cfg.template or YES_NO_TEMPLATE, rubric=rubric)
+        record: dict[str, Any] = {"rubric": rubric, "prompt": question, "verdict": None, "score": None,
+                                  "raw_score": None, "seconds": 0.0, "cached": False, "failure": None,
+                                  "error": None}
+        try:
+            tokenizer = model.renderer.tokenizer
+            yes = yes_token(tokenizer)
+            no = tokenizer.encode("No", add_special_tokens=False)[0]
+            tokens, spans = scored_tokens(model.renderer, episode.messages, episode.tools, question, yes)
+            started = time.monotonic()
+            async with self._slot():
+                asked = [model.sampler.compute_logprobs(images.model_input(seq, spans))
+                         for seq in (tokens, [*tokens[:-1], no])]
+                answers = await asyncio.wait_for(asyncio.gather(*asked), self.cfg.timeout)
+            record["seconds"] = time.monotonic() - started
+            if any(lps[-1] is None for lps in answers):
+                raise JudgeError("compute_logprobs gave no logprob for the answer token")
+            p_yes, p_no = (math.exp(float(lps[-1] or 0.0)) for lps in answers)
+            record["verdict"] = f"P(Yes) = {p_yes:.4g}, P(No) = {p_no:.4g}"
+            record["raw_score"] = p_yes
+            record["score"] = p_yes / (p_yes + p_no) if p_yes + p_no > 0 else 0.5
+        except ServiceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded: the episode fails
+            record.update(failure="call", error=f"the judge failed: {type(exc).__name__}: {exc}")
+        return record
 
     async def _reward_model_grade(self, episode: Episode) -> None:
         """A reward model's score: the logprob it gives ``Yes`` after the episode and its question (a
