@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from tinker import types
 
 from polyrl.config.env import JudgeConfig
 from polyrl.config.schema import TrainConfig
@@ -311,3 +312,32 @@ def test_a_judge_the_service_cannot_open_is_one_line(tiny_model_dir, tmp_path):
     with pytest.raises(UserInputError, match=r"environments\.letters\.judge"):
         train(config, ConsoleLog(enabled=False))
 
+
+
+def test_a_yes_no_judge_reads_its_answer_from_the_logprobs(tiny_model_dir):
+    """``mode: yes_no``: no verdict is written, so none is unreadable; the score is P(Yes) over P(Yes) +
+    P(No) after the rubric's question, as the same sampler's compute_logprobs gives them."""
+    import math
+
+    from polyrl.local import ServiceClient
+    from polyrl.renderers import get_renderer
+    from polyrl.rl.chat_models import ServiceChat
+    from polyrl.rl.judge import YES_NO_TEMPLATE, scored_tokens, yes_token
+
+    service = ServiceClient()
+    sampler = service.create_sampling_client(base_model=tiny_model_dir)
+    renderer = get_renderer("chatml", sampler.get_tokenizer())
+    cfg = JudgeConfig(mode="yes_no", rubrics=[RUBRIC])
+    judge = Judge(cfg, ServiceChat(sampler, renderer, cfg, "the base model"), SETTINGS)
+    episode = _episode("eee")
+    asyncio.run(judge.grade_group([episode], lambda ep: cfg.rubrics))
+    assert not episode.failed and judge_metrics([episode])["judge/parse_failures"] == 0.0
+    question = YES_NO_TEMPLATE.replace("{rubric}", RUBRIC)
+    tokens, _ = scored_tokens(renderer, episode.messages, [], question, yes_token(renderer.tokenizer))
+    no = renderer.tokenizer.encode("No", add_special_tokens=False)[0]
+    p_yes, p_no = (math.exp(sampler.compute_logprobs(types.ModelInput.from_ints(seq)).result()[-1])
+                   for seq in (tokens, [*tokens[:-1], no]))
+    assert episode.metrics["judge/score"] == pytest.approx(p_yes / (p_yes + p_no), rel=1e-4)
+    assert episode.judge[0]["prompt"] == question and episode.reward == episode.metrics["judge/score"]
+    with pytest.raises(ValueError, match="on the run's service"):
+        JudgeConfig(mode="yes_no", model="m", base_url="http://127.0.0.1:1/v1")
