@@ -255,6 +255,8 @@ def run_overrides(config: dict, run: Path, model: str, steps: int, server_url: s
             overrides.append(f"{key}.splits.test.num_samples=2")
         if server_url is not None and env.get("judge"):  # a stand-in judge: a rule, not a model
             overrides += [f"{key}.judge.model=rule", f"{key}.judge.base_url={server_url}/v1"]
+            if env["judge"]["mode"] == "yes_no":  # read from a model's logprobs: a rule writes a score
+                overrides.append(f"{key}.judge.mode=score")
         elif server_url is not None:
             overrides.append(f"{key}.args.base_url={server_url}")
     return overrides
