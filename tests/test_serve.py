@@ -1430,7 +1430,7 @@ class Actor:
                                   # past --max-samples-in-flight: 400 or 429
                                   "num_samples": rng.choice([2, 2, 4, 7]),
                                   "prompt_logprobs": rng.random() < 0.3,
-                                  # past --max-decode-tokens-in-flight: 400 or 429
+                                  # past --max-decode-tokens-in-flight (20: 2 x 12 is): 400 or 429
                                   "sampling_params": {"max_tokens": rng.choice([3, 3, 3, 12]),
                                                       "temperature": 0.7, "top_k": 5, "seed": n}}),
             ("POST", "/retrieve_future", {"request_id": "?"}),
@@ -1602,7 +1602,7 @@ def test_fuzz_two_keys_then_train_and_sample_with_the_sdk(tiny_model_dir, tmp_pa
     served = Served(tiny_model_dir, tmp_path / "store", "--long-poll", "0.2", "--max-body-mb", "1",
                     "--seq-gap-timeout", "1", "--max-samples-in-flight", "6", "--max-checkpoints", "5",
                     "--max-sessions", "6", "--max-models", "4", "--max-lora-rank", "16",
-                    "--max-decode-tokens-in-flight", "40")
+                    "--max-decode-tokens-in-flight", "20")
     try:
         a, b = Actor(served, KEY, 1, tiny_model_dir), Actor(served, OTHER_KEY, 2, tiny_model_dir)
         a.other, b.other = b, a
