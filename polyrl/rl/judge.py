@@ -242,28 +242,13 @@ class Judge:
     async def _yes_no(self, episode: Episode, rubric: str) -> dict[str, Any]:
         """Mode ``yes_no``: the judge is asked whether the reply meets ``rubric`` and its answer is read, not
         written: the score is P(Yes) / (P(Yes) + P(No)) for the first token of its answer."""
-        from polyrl import images
-
-        model = self.model
-        assert isinstance(model, ServiceChat)  # the config refuses an endpoint for this mode
         question = fill(self.cfg.template or YES_NO_TEMPLATE, rubric=rubric)
-        record: dict[str, Any] = {"rubric": rubric, "prompt": question, "verdict": None, "score": None,
-                                  "raw_score": None, "seconds": 0.0, "cached": False, "failure": None,
-                                  "error": None}
+        record = self._record(rubric, question)
         try:
-            tokenizer = model.renderer.tokenizer
-            yes = yes_token(tokenizer)
+            tokenizer = self._service_model().renderer.tokenizer
             no = tokenizer.encode("No", add_special_tokens=False)[0]
-            tokens, spans = scored_tokens(model.renderer, episode.messages, episode.tools, question, yes)
-            started = time.monotonic()
-            async with self._slot():
-                asked = [model.sampler.compute_logprobs(images.model_input(seq, spans))
-                         for seq in (tokens, [*tokens[:-1], no])]
-                answers = await asyncio.wait_for(asyncio.gather(*asked), self.cfg.timeout)
-            record["seconds"] = time.monotonic() - started
-            if any(lps[-1] is None for lps in answers):
-                raise JudgeError("compute_logprobs gave no logprob for the answer token")
-            p_yes, p_no = (math.exp(float(lps[-1] or 0.0)) for lps in answers)
+            p_yes, p_no = (math.exp(lp) for lp in await self._answer_logprobs(episode, question, record,
+                                                                                 [yes_token(tokenizer), no]))
             record["verdict"] = f"P(Yes) = {p_yes:.4g}, P(No) = {p_no:.4g}"
             record["raw_score"] = p_yes
             record["score"] = p_yes / (p_yes + p_no) if p_yes + p_no > 0 else 0.5
@@ -276,25 +261,12 @@ class Judge:
     async def _reward_model_grade(self, episode: Episode) -> None:
         """A reward model's score: the logprob it gives ``Yes`` after the episode and its question (a
         Bradley-Terry score: its differences, not its level, are what the model learned)."""
-        from polyrl import images
-
-        model = self.model
-        assert isinstance(model, ServiceChat)  # the config refuses an endpoint for a reward model
         question = self.cfg.template or QUESTION
-        record: dict[str, Any] = {"rubric": None, "prompt": question, "verdict": None, "score": None,
-                                  "raw_score": None, "seconds": 0.0, "cached": False, "failure": None,
-                                  "error": None}
+        record = self._record(None, question)
         try:
-            tokens, spans = scored_tokens(model.renderer, episode.messages, episode.tools, question,
-                                          yes_token(model.renderer.tokenizer))
-            started = time.monotonic()
-            async with self._slot():
-                asked = model.sampler.compute_logprobs(images.model_input(tokens, spans))
-                logprobs = await asyncio.wait_for(asked, self.cfg.timeout)
-            record["seconds"] = time.monotonic() - started
-            if logprobs[-1] is None:
-                raise JudgeError("compute_logprobs gave no logprob for the scored token")
-            record["raw_score"] = record["score"] = float(logprobs[-1])
+            yes = yes_token(self._service_model().renderer.tokenizer)
+            (logprob,) = await self._answer_logprobs(episode, question, record, [yes])
+            record["raw_score"] = record["score"] = logprob
             episode.judge = [record]
             self._reward(episode, record["score"])
         except ServiceLostError:
@@ -303,6 +275,34 @@ class Judge:
             record.update(failure="call", error=f"the reward model failed: {type(exc).__name__}: {exc}")
             episode.judge = [record]
             episode.error = f"JudgeError: {record['error']}"
+
+    def _service_model(self) -> ServiceChat:
+        assert isinstance(self.model, ServiceChat)  # the config refuses an endpoint for the modes read
+        return self.model
+
+    @staticmethod
+    def _record(rubric: str | None, prompt: str) -> dict[str, Any]:
+        return {"rubric": rubric, "prompt": prompt, "verdict": None, "score": None, "raw_score": None,
+                "seconds": 0.0, "cached": False, "failure": None, "error": None}
+
+    async def _answer_logprobs(self, episode: Episode, question: str, record: dict[str, Any],
+                               answers: list[int]) -> list[float]:
+        """The judge's logprob of each of ``answers`` as the first token of its answer to ``question``
+        after the episode (one ``compute_logprobs`` each, within the judge's slots and timeout); the
+        seconds they took go into ``record``."""
+        from polyrl import images
+
+        model = self._service_model()
+        tokens, spans = scored_tokens(model.renderer, episode.messages, episode.tools, question, answers[0])
+        started = time.monotonic()
+        async with self._slot():
+            asked = [model.sampler.compute_logprobs(images.model_input([*tokens[:-1], answer], spans))
+                     for answer in answers]
+            logprobs = await asyncio.wait_for(asyncio.gather(*asked), self.cfg.timeout)
+        record["seconds"] = time.monotonic() - started
+        if any(lps[-1] is None for lps in logprobs):
+            raise JudgeError("compute_logprobs gave no logprob for the answer token")
+        return [float(lps[-1] or 0.0) for lps in logprobs]  # none is None (checked above)
 
     def _reward(self, episode: Episode, score: float) -> None:
         """Add ``weight * score`` to the episode's reward (and its last turn's), and decide its success."""
