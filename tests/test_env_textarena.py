@@ -259,6 +259,9 @@ class ScriptedPartner:
         self.views.append([dict(m) for m in messages])
         return self.moves.pop(0)
 
+    def pick(self, seed):
+        return self
+
     async def aclose(self):
         return None
 
@@ -319,3 +322,60 @@ def test_train_against_the_frozen_base_as_partner(tiny_model_dir, tmp_path):
         with pytest.raises(ConfigError, match=problem):
             train(config(partner, opponent).model_copy(update={"log_path": str(tmp_path / opponent)}),
                   ConsoleLog(enabled=False))
+
+
+def test_a_pool_of_past_selves_draws_one_member_per_game_and_keeps_the_last_n():
+    from polyrl.config.env import PartnerConfig
+    from polyrl.rl.chat_models import PastSelves, ServiceChat
+
+    cfg = PartnerConfig(pool=2)
+    pool = PastSelves(ServiceChat("base", None, cfg, "the policy's base model"), cfg.pool)
+    assert {pool.pick(seed).step for seed in range(20)} == {0}
+    pool.add(3, "after 3")
+    assert {pool.pick(seed).sampler for seed in range(40)} == {"base", "after 3"}  # both drawn
+    assert all(pool.pick(seed) is pool.pick(seed) for seed in range(10))  # a game's seed, one member
+    pool.add(6, "after 6")  # full: the base leaves
+    assert [(m.step, m.sampler) for m in pool.members] == [(3, "after 3"), (6, "after 6")]
+    assert pool.members[1].label == "the policy after 6 steps"
+
+
+@pytest.mark.slow
+def test_train_against_a_pool_of_past_selves(tiny_model_dir, tmp_path):
+    """``partner: {pool: 2}`` with a checkpoint every step: each step's games are played by the base or
+    the checkpoints saved so far, at most the last two, each game recording whose (``partner_step``); a pool
+    the run could never fill, or at an endpoint, is a config error."""
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
+
+    def config(partner, save_every=1, name="run"):
+        return TrainConfig(model_name=tiny_model_dir, lora_rank=4, batch_size=4, max_steps=4, max_tokens=4,
+                           save_every=save_every, log_path=str(tmp_path / name),
+                           local={"store_dir": str(tmp_path / "s")}, outputs={"report": False},
+                           environments={"auction": {
+                               "type": "textarena:SimpleBlindAuction-v0-quick", "num_rollouts": 2,
+                               "max_turns": 4, "splits": {"test": None}, "partner": partner,
+                               "args": {"opponent": "partner", "player_id": "alternate"}}})
+
+    train(config({"max_tokens": 4, "pool": 2}), ConsoleLog(enabled=False))
+    drawn = {}
+    for step in range(4):
+        rows = (tmp_path / "run" / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        drawn[step] = {json.loads(x)["metrics"]["partner_step"] for x in rows}
+    assert drawn[0] == {0.0}  # the base alone
+    assert drawn[1] <= {0.0, 1.0} and drawn[2] <= {1.0, 2.0} and drawn[3] <= {2.0, 3.0}  # the last two
+    assert any(max(d) > 0 for d in drawn.values())  # past selves played
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollouts/failed"] == 0 for r in rows)
+
+    # a resumed run starts with the pool it had: the last two checkpoints, not the base alone
+    train(config({"max_tokens": 4, "pool": 2}).model_copy(update={"max_steps": 6}), ConsoleLog(enabled=False))
+    for step in (4, 5):
+        rows = (tmp_path / "run" / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        assert {json.loads(x)["metrics"]["partner_step"] for x in rows} <= {step - 1.0, float(step)}
+
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="partner.pool: past selves join the pool at every save_every"):
+        config({"pool": 2}, save_every=0, name="never")
+    with pytest.raises(ValidationError, match="a partner at base_url cannot be one"):
+        config({"pool": 2, "model": "m", "base_url": "http://127.0.0.1:9/v1"}, name="endpoint")

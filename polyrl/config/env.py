@@ -80,6 +80,18 @@ class PartnerConfig(ChatModelConfig):
 
     temperature: float = Field(1.0, ge=0, description="Its sampling temperature.")
     max_tokens: int = Field(64, ge=1, description="Tokens the partner may write per turn.")
+    pool: int = Field(
+        0, ge=0, description="0: the partner is model, fixed. N >= 1: a pool of past selves, the last N of "
+        "model (the first member, frozen) and the run's own saved checkpoints (one joins at every "
+        "save_every); each game draws its partner from the pool by the game's seed, and the episode's "
+        "partner_step metric says which (the policy steps the member had trained).")
+
+    @model_validator(mode="after")
+    def _pool_on_the_service(self):
+        if self.pool and self.base_url is not None:
+            raise ValueError("pool: past selves are the run's own checkpoints on its service; a partner at "
+                             "base_url cannot be one (drop base_url, or set pool: 0)")
+        return self
 
 
 class JudgeConfig(ChatModelConfig):

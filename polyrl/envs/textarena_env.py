@@ -23,7 +23,9 @@ group's other games. The seats' episodes of one game are written to the trajecto
 model by default, or another model, a ``tinker://`` checkpoint, an OpenAI-compatible endpoint; see
 :mod:`polyrl.rl.chat_models`). It is not trained: each of its seats keeps its own conversation (the
 game's observations as user messages, its moves as its replies), and the policy's seat is an episode as
-against any opponent; ``partner_moves`` counts its moves.
+against any opponent; ``partner_moves`` counts its moves. With ``partner: {pool: N}`` the partner is a pool
+of past selves: each game draws one of the run's last N saved checkpoints (the frozen base among them until
+it is pushed out), and ``partner_step`` says how many steps that one had trained.
 
 Opponents: ``random`` picks uniformly among the moves its observation offers (the last
 "available/valid moves" list, else any ``[...]`` in it), seeded per task; ``first`` always takes the
@@ -416,13 +418,14 @@ class TextArenaBuilder(GameBuilder):
                                        lambda: _create(self.spec, self.spec.num_players))
             game.env.reset(num_players=self.spec.num_players, seed=game.seed)
         if self.spec.self_play:
-            seats = {pid: ctx.episode(f"player{pid}") for pid in range(self.spec.num_players)}
+            seats, partner = {pid: ctx.episode(f"player{pid}") for pid in range(self.spec.num_players)}, None
         else:
             if ctx.partner is None:
                 raise RuntimeError("opponent: partner, but the entry's partner model was not opened")
             player = self.spec.player_id
             seat = ctx.task_index % self.spec.num_players if player == "alternate" else player
             seats = {seat: ctx.episode()}
+            partner = ctx.partner.pick(ctx.seed or 0)  # one model plays the other seats all game
         partner_views: dict[int, list[Message]] = {}
         done, partner_moves = False, 0
         for turn in range(ctx.settings.max_turns * self.spec.num_players):
@@ -437,7 +440,8 @@ class TextArenaBuilder(GameBuilder):
             else:  # the partner's seat: its own view, its own conversation, never trained
                 view = partner_views.setdefault(pid, list(game.first_observation("").messages[:-1]))
                 view.append({"role": "user", "content": seen})
-                text = await ctx.partner(view, ((ctx.seed or 0) * 1009 + 7919 * pid + turn) % 2**31)
+                assert partner is not None
+                text = await partner(view, ((ctx.seed or 0) * 1009 + 7919 * pid + turn) % 2**31)
                 view.append({"role": "assistant", "content": text})
                 partner_moves += 1
             with game.rng.active(), _quiet():
@@ -464,6 +468,8 @@ class TextArenaBuilder(GameBuilder):
                            success=game.success(reward), seat=float(pid))
             if self.spec.partner_play:
                 metrics["partner_moves"] = float(partner_moves)
+                if getattr(partner, "step", None) is not None:  # a past self: the steps it had trained
+                    metrics["partner_step"] = float(partner.step)
             if done:
                 final = _format(pending[pid], game._roles(), skip_sender=pid)
                 reason = info.get("reason") if isinstance(info, dict) else None

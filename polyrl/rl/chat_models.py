@@ -2,13 +2,15 @@
 partner. Either is a model on the run's own service (:class:`ServiceChat`: the policy's base model by
 default, which the local engine shares with the policy instead of copying it; another base model; a
 ``tinker://`` checkpoint) or one behind an OpenAI-compatible endpoint (:class:`EndpointChat`). Both are
-called as ``await model(messages, seed) -> text``.
+called as ``await model(messages, seed) -> text``. A partner may also be a pool of past selves
+(:class:`PastSelves`): the run's own earlier checkpoints, one drawn per game with ``model.pick(seed)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 from typing import TYPE_CHECKING, Any, Protocol
 
 from polyrl.backend import ServiceGuard, service_lost
@@ -34,6 +36,10 @@ class ChatModel(Protocol):
 
     async def __call__(self, messages: list[dict], seed: int) -> str: ...
 
+    def pick(self, seed: int) -> ChatModel:
+        """The model that plays a whole game drawn by ``seed`` (itself, but for a pool of past selves)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -54,10 +60,15 @@ def preview(text: str) -> str:
 
 
 class ServiceChat:
-    """A chat model on the run's service: ``sampler`` prompted in ``renderer``'s chat format."""
+    """A chat model on the run's service: ``sampler`` prompted in ``renderer``'s chat format. ``step``: for
+    a past self, the policy steps its weights had trained."""
 
-    def __init__(self, sampler: SamplingClient, renderer: Renderer, cfg: ChatModelConfig, label: str):
-        self.sampler, self.renderer, self.cfg, self.label = sampler, renderer, cfg, label
+    def __init__(self, sampler: SamplingClient, renderer: Renderer, cfg: ChatModelConfig, label: str,
+                 step: int | None = None):
+        self.sampler, self.renderer, self.cfg, self.label, self.step = sampler, renderer, cfg, label, step
+
+    def pick(self, seed: int) -> ServiceChat:
+        return self
 
     async def __call__(self, messages: list[dict], seed: int) -> str:
         from tinker import types
@@ -86,6 +97,9 @@ class EndpointChat:
         key = os.environ.get(cfg.api_key_env)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client: Any = None
+
+    def pick(self, seed: int) -> EndpointChat:
+        return self
 
     async def __call__(self, messages: list[dict], seed: int) -> str:
         import httpx
@@ -116,6 +130,33 @@ class EndpointChat:
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()
+
+
+class PastSelves:
+    """A pool of past selves (``partner.pool: N``): the partner a run starts with (its frozen base by
+    default, as step 0) and the run's checkpoints as it saves them (:meth:`add`), the last ``size`` kept.
+    Each game plays one member, drawn uniformly by the game's seed (:meth:`pick`), so a policy meets
+    earlier versions of itself instead of only the newest, or only the base."""
+
+    def __init__(self, first: ServiceChat, size: int):
+        self.members, self.size, self.label = [first], size, f"a pool of {size} past selves"
+        first.step = 0 if first.step is None else first.step
+
+    def add(self, step: int, sampler: SamplingClient) -> None:
+        """The policy's sampler after ``step`` steps joins; the oldest member leaves when the pool is full."""
+        first = self.members[0]
+        self.members.append(ServiceChat(sampler, first.renderer, first.cfg, f"the policy after {step} steps",
+                                        step))
+        del self.members[:-self.size]
+
+    def pick(self, seed: int) -> ServiceChat:
+        return self.members[random.Random(seed).randrange(len(self.members))]
+
+    async def __call__(self, messages: list[dict], seed: int) -> str:
+        return await self.pick(seed)(messages, seed)
+
+    async def aclose(self) -> None:
+        return None
 
 
 async def open_chat_model(cfg: ChatModelConfig, model_name: str, service: ServiceClient, guard: ServiceGuard,

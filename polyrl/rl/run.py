@@ -13,6 +13,7 @@ again from the last checkpoint row, as a relaunch would; environments and tracke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ from polyrl.config.schema import ConfigError, TrainConfig
 from polyrl.errors import RunStoppedError
 from polyrl.renderers.base import Renderer
 from polyrl.rl import advantages as adv_lib
-from polyrl.rl.chat_models import open_chat_model
+from polyrl.rl.chat_models import PastSelves, ServiceChat, open_chat_model
 from polyrl.rl.judge import open_judge
 from polyrl.rl.policy import open_policy
 from polyrl.rl.rollout_queue import DrawPoint, RolloutQueue
@@ -195,16 +196,21 @@ async def open_service(config: TrainConfig, console: ConsoleLog, files: RunFiles
         max_staleness=ahead if config.off_policy.stale_groups == "drop" else None,
         chunk_tokens=config.off_policy.partial_chunk_tokens)
     signals = await TokenSignals.open(config, service, guard, sampler, tokenizer, console.warn)
-    await open_env_models(config.model_name, runtimes, service, guard, renderer)
+    past = [(r["batch"], r["sampler_path"]) for r in files.checkpoints()
+            if r.get("sampler_path") and r.get("batch", 0) <= state.step]
+    await open_env_models(config.model_name, runtimes, service, guard, renderer, past)
     return Run(config, console, files, guard, runtimes, weights, service, training, tokenizer, renderer,
                queue, signals, state)
 
 
 async def open_env_models(model_name: str, runtimes: dict[str, EnvRuntime], service: ServiceClient,
-                          guard: ServiceGuard, renderer: Renderer) -> None:
+                          guard: ServiceGuard, renderer: Renderer,
+                          past: Sequence[tuple[int, str]] = ()) -> None:
     """Each environment's judge (``judge:``) and partner (``partner:``), on ``service`` (whose policy is
     ``model_name``); those opened on an earlier service (before it was lost) are closed first. An entry
-    whose environment plays against a partner needs one, and only such an entry may name one."""
+    whose environment plays against a partner needs one, and only such an entry may name one. ``past``:
+    the run's saved sampler checkpoints so far (steps trained, path), which a pool of past selves starts
+    with (a resumed run's pool is the one it had)."""
     for name, rt in runtimes.items():
         wants = bool(getattr(rt.builder, "wants_partner", False))
         if wants and rt.cfg.partner is None:
@@ -220,8 +226,15 @@ async def open_env_models(model_name: str, runtimes: dict[str, EnvRuntime], serv
             rt.judge = await open_judge(rt.cfg.judge, rt.settings, model_name, service, guard, renderer,
                                         f"environments.{name}.judge")
         if rt.cfg.partner is not None:
-            rt.partner = await open_chat_model(rt.cfg.partner, model_name, service, guard, renderer,
-                                               f"environments.{name}.partner")
+            where = f"environments.{name}.partner"
+            rt.partner = await open_chat_model(rt.cfg.partner, model_name, service, guard, renderer, where)
+            if rt.cfg.partner.pool:
+                assert isinstance(rt.partner, ServiceChat)  # the config refuses a pool at an endpoint
+                pool = PastSelves(rt.partner, rt.cfg.partner.pool)
+                for step, path in past[-rt.cfg.partner.pool:]:
+                    pool.add(step, await guard(f"opening {where}'s past self {path}",
+                                               service.create_sampling_client, model_path=path))
+                rt.partner = pool
 
 
 async def remove_unlogged_checkpoints(config: TrainConfig, console: ConsoleLog, files: RunFiles,

@@ -50,6 +50,7 @@ from polyrl.config.checks import check_config
 from polyrl.errors import RunStoppedError, ServiceLostError
 from polyrl.evaluate import evaluate_sampler
 from polyrl.report import refresh_for_training
+from polyrl.rl.chat_models import PastSelves
 from polyrl.rl.rollout_queue import StepBatch
 from polyrl.rl.run import Run, RunState, close_run, open_run, reopen_run, resume_hint, sampler_options
 from polyrl.rl.step_metrics import bound_warnings, episode_row, no_update_reason, step_row, update_metrics
@@ -209,6 +210,9 @@ async def checkpoint(run: Run, state: RunState) -> Saved:
                "sampler_path": sampler_path, "cursors": dict(state.cursors), "draw_step": state.draw_step,
                "consumed": [list(key) for key in state.consumed], "wandb_run_id": state.wandb_run_id}
         run.console.info(f"checkpoint {name}: {saved.path}")
+        for rt in run.runtimes.values():  # a pool of past selves takes the checkpoint in
+            if isinstance(rt.partner, PastSelves):
+                rt.partner.add(done, sampler)
     else:
         sampler = await run.guard("updating the sampler", training.save_weights_and_get_sampling_client,
                                   **sampler_options(config))
