@@ -577,8 +577,9 @@ class TrainConfig(PolicyConfig):
                                  f"{env.nonterminal_reward:g} is past limits.max_abs_reward={bound:g}: every "
                                  "unfinished episode would fail"))
             if env.partner is not None and env.partner.pool and not self.save_every:
-                problems.append((f"environments.{name}.partner.pool", "past selves join the pool at every "
-                                 "save_every, but save_every is 0 (only the final checkpoint): set save_every"))
+                problems.append((f"environments.{name}.partner.pool",
+                                 "past selves join the pool at every save_every, but save_every is 0 (only "
+                                 "the final checkpoint): set save_every"))
         if self.eval_every > 0 and not any("test" in env.splits for env in self.environments.values()):
             problems.append(("eval_every", "evaluation needs at least one environment with a test split"))
         if problems:
