@@ -379,3 +379,34 @@ def test_train_against_a_pool_of_past_selves(tiny_model_dir, tmp_path):
         config({"pool": 2}, save_every=0, name="never")
     with pytest.raises(ValidationError, match="a partner at base_url cannot be one"):
         config({"pool": 2, "model": "m", "base_url": "http://127.0.0.1:9/v1"}, name="endpoint")
+
+
+@pytest.mark.slow
+def test_self_play_moves_the_win_rate_of_the_seat_that_decides_the_game(tiny_model_dir, tmp_path):
+    """Self-play on LetterDuel (tests/fixtures/letter_duel.py), where seat 0 wins by writing 'e's: both
+    seats are the policy, and seat 0's win rate rises as it learns; every game is won by exactly one
+    seat, so seat 1's rewards mirror seat 0's."""
+    import tests.fixtures.letter_duel as duel
+    from polyrl.rl.train import train
+    from polyrl.tracking.console import ConsoleLog
+
+    cfg = TrainConfig(model_name=tiny_model_dir, lora_rank=8, batch_size=4, max_steps=12, max_tokens=6,
+                      learning_rate=3e-2, save_every=0, seed=0, log_path=str(tmp_path / "run"),
+                      local={"store_dir": str(tmp_path / "store")}, outputs={"report": False},
+                      environments={"duel": {"type": f"textarena:{duel.ENV_ID}", "num_rollouts": 8,
+                                             "max_turns": 1, "splits": {"test": None},
+                                             "args": {"opponent": "self"}}})
+    train(cfg, ConsoleLog(enabled=False))
+    wins = []
+    for step in range(12):
+        episodes = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / f"step_{step:06d}.jsonl")
+                    .read_text().splitlines()]
+        # the seats of one game are written side by side
+        games = [{ep["role"]: ep for ep in episodes[i:i + 2]} for i in range(0, len(episodes), 2)]
+        assert len(games) == 32 and all(set(g) == {"player0", "player1"} for g in games)
+        for g in games:  # one winner per game, decided by the writer's line
+            writer = next(m["content"] for m in g["player0"]["messages"] if m["role"] == "assistant")
+            assert g["player0"]["reward"] == (1.0 if duel.e_share(writer) >= duel.THRESHOLD else -1.0)
+            assert g["player1"]["reward"] == -g["player0"]["reward"]
+        wins.append(sum(g["player0"]["reward"] > 0 for g in games) / len(games))
+    assert sum(wins[-3:]) / 3 > sum(wins[:3]) / 3 + 0.3, wins
