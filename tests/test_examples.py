@@ -47,6 +47,8 @@ class Example:
     logs: tuple[str, ...] = ()  # metric keys its steps must log
     server: str | None = None  # a server script it needs, started on 127.0.0.1 for the run
     needs: str | None = None  # the optional package it needs (skipped without it)
+    stage_of: str | None = None  # the pipeline script that runs it, with the paths earlier stages wrote
+    stages: tuple[str, ...] = ()  # a pipeline script's stages (it has a test of its own)
 
     @property
     def documented(self) -> str:
@@ -96,6 +98,16 @@ EXAMPLES: dict[str, Example] = {
     "dpo/dpo.yaml": Example(("polyrl", "dpo", "--config_path", "examples/dpo/dpo.yaml"), steps=2,
                             files=("dpo/make_pairs.py", "dpo/pairs.jsonl", "dpo/held_out.jsonl"),
                             logs=("dpo/loss", "dpo/accuracy", "dpo/margin")),
+    "rlhf/rlhf.sh": Example(("sh", "examples/rlhf/rlhf.sh"),
+                            files=("rlhf/make_demos.py", "rlhf/demos.jsonl", "dpo/pairs.jsonl",
+                                   "dpo/held_out.jsonl"),
+                            stages=("rlhf/sft.yaml", "rlhf/reward_model.yaml", "rlhf/train.yaml")),
+    "rlhf/sft.yaml": Example(("polyrl", "sft", "--config_path", "examples/rlhf/sft.yaml"),
+                             stage_of="rlhf/rlhf.sh"),
+    "rlhf/reward_model.yaml": Example(("polyrl", "reward-model", "--config_path",
+                                       "examples/rlhf/reward_model.yaml"), stage_of="rlhf/rlhf.sh"),
+    "rlhf/train.yaml": Example(("polyrl", "train", "--config_path", "examples/rlhf/train.yaml"),
+                               stage_of="rlhf/rlhf.sh"),
 }
 
 
@@ -107,6 +119,11 @@ def example_files() -> set[str]:
 def configs() -> list[str]:
     """The examples found on disk: every config, command line or script under examples/."""
     return sorted(p for p in example_files() if p.endswith(CONFIG_SUFFIXES))
+
+
+def standalone() -> list[str]:
+    """The examples that run on their own (a pipeline script and its stages have a test of their own)."""
+    return [name for name in configs() if not (example(name).stage_of or example(name).stages)]
 
 
 def example(name: str) -> Example:
@@ -225,7 +242,7 @@ def trained_checkpoint(store: Path, model: str) -> str:
     return training.save_weights_for_sampler("teacher").result().path
 
 
-@pytest.mark.parametrize("name", configs())
+@pytest.mark.parametrize("name", standalone())
 def test_example_validates(name, checkout, tiny_model_dir, monkeypatch):
     ex = example(name)
     if ex.needs:
@@ -282,7 +299,7 @@ def start_server(script: str, checkout: Path) -> tuple[subprocess.Popen, str]:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # peft and transformers
-@pytest.mark.parametrize("name", configs())
+@pytest.mark.parametrize("name", standalone())
 def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatch):
     ex = example(name)
     if ex.needs:
@@ -339,3 +356,38 @@ def test_example_runs_on_a_tiny_model(name, checkout, tiny_model_dir, monkeypatc
         episodes = [json.loads(line) for line in first_step]
         assert episodes and all(ep["messages"][0]["content"].startswith("Write a word of at least")
                                 for ep in episodes)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # peft and transformers
+def test_the_rlhf_example_runs_its_three_stages(checkout, tiny_model_dir):
+    """examples/rlhf/rlhf.sh as its header says, with overrides for every stage: SFT, then a reward model,
+    then RL from the SFT state scored by that reward model, each stage finding the paths the one before
+    wrote."""
+    for stage in example("rlhf/rlhf.sh").stages:
+        assert example(stage).stage_of == "rlhf/rlhf.sh"
+        assert f"({stage.split('/')[1]})" in header("rlhf/rlhf.sh")  # the script names each stage
+    out = checkout / "run"
+    argv = ["sh", "examples/rlhf/rlhf.sh", f"model_name={tiny_model_dir}", "max_steps=2", "batch_size=2",
+            "lora_rank=4", f"local.store_dir={checkout / 'store'}"]
+    done = subprocess.run(argv, check=False, cwd=checkout, env={**environ(checkout), "OUT": str(out)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def rows(stage: str) -> list[dict]:
+        return [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
+
+    sft = json.loads((out / "sft" / "sft.json").read_text())
+    assert [r["step"] for r in rows("sft") if "optim/loss" in r] == [0, 1]
+    reward_model = json.loads((out / "reward_model" / "reward_model.json").read_text())
+    assert reward_model["held_out_before"]["accuracy"] == pytest.approx(0.5, abs=0.5)  # scored, 32 pairs
+    assert [r["step"] for r in rows("reward_model") if "reward_model/loss" in r] == [0, 1]
+    assert f"initialized weights from {sft['state_path']}" in done.stderr  # RL starts from the SFT state
+    rl = rows("rl")
+    assert [r["step"] for r in rl] == [-1, 0, 1]
+    assert all(r["judge/calls"] + r["judge/cached"] == 16 and r["rollouts/failed"] == 0 for r in rl[1:])
+    assert all(r["env/arithmetic/judge/score"] <= 0 for r in rl[1:])  # the logprob of "Yes"
+    assert "test/arithmetic/judge_score" in rl[0] and "test/arithmetic/judge_score" in rl[-1]
+    episode = json.loads((out / "rl" / "trajectories" / "step_000000.jsonl").read_text().splitlines()[0])
+    assert episode["judge"][0]["prompt"].startswith("Is the assistant's last reply a good one?")
+    assert reward_model["sampler_path"].startswith("tinker://")
