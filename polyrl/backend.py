@@ -34,7 +34,8 @@ def make_service_client(config: Any) -> Any:
                              micro_batch_tokens=local.micro_batch_tokens,
                              gradient_checkpointing=local.gradient_checkpointing,
                              max_store_bytes=local.max_store_bytes, sampler_dtype=local.sampler_dtype,
-                             sampler=local.sampler, vllm=vllm_settings(local.vllm, config.lora_rank))
+                             sampler=local.sampler, vllm=vllm_settings(local.vllm, config.lora_rank),
+                             attention=local.attention)
     import tinker
 
     return tinker.ServiceClient(**_sdk_credentials(config))

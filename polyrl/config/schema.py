@@ -132,6 +132,10 @@ class LocalEngineConfig(BaseModel):
         "auto", description="Recompute activations in backward instead of keeping them (less memory, ~30% "
         "more compute); 'auto' turns it on for models of 300M parameters and more.",
     )
+    attention: Literal["auto", "dense", "tree", "flex"] = Field(
+        "auto", description="How packed rows attend: 'dense' (a [rows, width, width] mask through SDPA), "
+        "'tree' (SDPA calls over each datum's own path), 'flex' (FlexAttention over the rows' prefix trees, "
+        "compiled on CUDA); 'auto': tree on a CPU, else dense. Tree and flex need full causal SDPA layers.")
     max_store_bytes: int | None = Field(
         None, ge=1, description="Cap on the bytes the checkpoint store holds; a save that would pass it is "
         "refused (nothing of it kept) until checkpoints are deleted or expire. null = no cap.",

@@ -17,18 +17,30 @@ gathered queries, keys and values (:class:`AttentionPlan`, built with the rows).
 belongs to exactly one segment, so the outputs put back in packed order are the dense mask's, pair for
 pair. A call without a plan (the sampler's prefill, a decode step) is plain SDPA over its mask, in float32
 on a CPU for 16-bit inputs.
+
+:func:`flex_tree_attention` computes the same pairs with PyTorch's FlexAttention. A row's tokens form a trie
+(each token's parent is the token before it on its datum's path), and a token attends to a key exactly
+when the key is the token or one of its ancestors. A depth-first walk numbers each token on entering it
+and notes the number after its last descendant (:class:`FlexTree`, built with the rows), so that test is
+two comparisons of ``[rows, width]`` integers, which FlexAttention's block mask evaluates. On CUDA
+FlexAttention is compiled (a block-sparse kernel); elsewhere it runs uncompiled, and a pass that needs
+gradients (FlexAttention has no backward on a CPU) runs the same test as a dense mask through SDPA.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 FLOAT32_ATTENTION = "polyrl_sdpa_float32"  # a 16-bit learner's attention on a CPU (registered on use)
 TREE_ATTENTION = "polyrl_tree"
-PLAN = "polyrl_attention_plan"  # the keyword that carries a micro-batch's plan down to the attention
+FLEX_ATTENTION = "polyrl_flex"
+PLAN = "polyrl_attention_plan"  # the keyword that carries a micro-batch's plan (or FlexTree) down
 # Padding a bucket may add, as a share of its real query-key pairs, before a segment starts a new bucket;
 # and what one more bucket costs, in pairs (a call per layer and pass, and its gathers).
 BUCKET_WASTE = 0.5
@@ -109,6 +121,75 @@ def plan(paths: list[dict[int, list[int]]], width: int) -> AttentionPlan:
     return AttentionPlan(buckets, inverse)
 
 
+@dataclass
+class FlexTree:
+    """Each packed position's place in a depth-first walk of its row's trie: ``kv`` is ``q`` or one of its
+    ancestors exactly when ``enter[kv] <= enter[q] < exit[kv]``. The masks are built on a pass's first
+    layer and kept for its other layers (and for a recomputing backward)."""
+
+    enter: torch.Tensor  # [rows, width] int32: the position's number in the walk
+    exit: torch.Tensor  # [rows, width] int32: the number after its last descendant's
+    _block: BlockMask | None = field(default=None, repr=False)
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+
+    def to(self, device) -> FlexTree:
+        return FlexTree(self.enter.to(device), self.exit.to(device))
+
+    def mask_mod(self):
+        enter, exit_ = self.enter, self.exit
+
+        def ancestor_or_self(b, h, q, kv):
+            return (enter[b, kv] <= enter[b, q]) & (enter[b, q] < exit_[b, kv])
+
+        return ancestor_or_self
+
+    def block_mask(self) -> BlockMask:
+        if self._block is None:
+            rows, width = self.enter.shape
+            self._block = create_block_mask(self.mask_mod(), rows, None, width, width, self.enter.device)
+        return self._block
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[rows, 1, width, width]`` bool: the same test for every pair."""
+        if self._dense is None:
+            rows, width = self.enter.shape
+            self._dense = create_mask(self.mask_mod(), rows, None, width, width, self.enter.device)
+        return self._dense
+
+
+def flex_tree(paths: list[dict[int, list[int]]], width: int) -> FlexTree:
+    """The :class:`FlexTree` of rows of ``width`` whose datums lie at ``paths`` (as for :func:`plan`). Every
+    position on no path (padding) is numbered after the row's tokens, a leaf of its own: it attends to
+    itself only, so no attention row is empty."""
+    enter = torch.empty((len(paths), width), dtype=torch.int32)
+    exit_ = torch.empty_like(enter)
+    for r, row_paths in enumerate(paths):
+        children: dict[int, list[int]] = {-1: []}  # -1: the root above every datum's first token
+        for path in row_paths.values():
+            # the positions an earlier datum placed are a prefix of the path (a trie)
+            start = bisect.bisect_left(path, True, key=lambda p: p not in children)
+            parent = path[start - 1] if start else -1
+            for p in path[start:]:
+                children[p] = []
+                children[parent].append(p)
+                parent = p
+        order, stack = [], children[-1][::-1]  # positions in the walk's order
+        while stack:
+            p = stack.pop()
+            order.append(p)
+            stack.extend(children[p][::-1])
+        size: dict[int, int] = {}  # tokens in each subtree
+        for p in reversed(order):
+            size[p] = 1 + sum(size[c] for c in children[p])
+        padding = [p for p in range(width) if p not in size]
+        positions = torch.tensor(order + padding, dtype=torch.long)
+        numbers = torch.arange(width, dtype=torch.int32)
+        enter[r, positions] = numbers
+        exit_[r, positions] = numbers + torch.tensor([size[p] for p in order] + [1] * len(padding),
+                                                     dtype=torch.int32)
+    return FlexTree(enter, exit_)
+
+
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    **kwargs) -> tuple[torch.Tensor, None]:
@@ -118,13 +199,8 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     on a CPU)."""
     attention_plan: AttentionPlan | None = kwargs.pop(PLAN, None)
     if attention_plan is None:
-        if query.device.type == "cpu":
-            return float32_attention(module, query, key, value, attention_mask, dropout=dropout,
-                                     scaling=scaling, **kwargs)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return _masked_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 **kwargs)
     rows, heads, width, dim = query.shape
     kv_heads = key.shape[1]
     # on a CPU, 16-bit attention computes in float32 (see float32_attention)
@@ -146,6 +222,47 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return torch.cat(outputs).index_select(0, attention_plan.inverse).view(rows, width, heads, dim), None
 
 
+def flex_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Hugging Face's attention interface, as :func:`tree_attention`, along a :class:`FlexTree`
+    (``kwargs[PLAN]``) with FlexAttention: compiled on CUDA; elsewhere uncompiled, or, where gradients are
+    needed (FlexAttention has no backward on a CPU), the tree's dense mask through SDPA. 16-bit inputs on
+    a CPU compute in float32. Without a tree, SDPA over ``attention_mask``."""
+    tree: FlexTree | None = kwargs.pop(PLAN, None)
+    if tree is None:
+        return _masked_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 **kwargs)
+    if not isinstance(tree, FlexTree):
+        raise TypeError(f"flex attention takes a FlexTree (micro_batches(..., flex=True)), not "
+                        f"{type(tree).__name__}")
+    wide = torch.float32 if query.device.type == "cpu" else query.dtype
+    q, k, v = (x.to(wide) for x in (query, key, value))
+    gqa = key.shape[1] != query.shape[1]
+    if query.device.type == "cuda":
+        out = _compiled_flex_attention()(q, k, v, block_mask=tree.block_mask(), scale=scaling, enable_gqa=gqa)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=tree.dense_mask(),
+                                                               scale=scaling, enable_gqa=gqa)
+    else:
+        out = flex_attention(q, k, v, block_mask=tree.block_mask(), scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def _masked_attention(module, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """SDPA over ``attention_mask`` (:func:`float32_attention` on a CPU): a call without a plan."""
+    if query.device.type == "cpu":
+        return float32_attention(module, query, key, value, attention_mask, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def supports_tree_attention(config) -> bool:
     """Whether a text model's attention can run along plans: SDPA attention over full causal layers, with
     no sliding window, soft-capping or attention sinks."""
@@ -163,6 +280,17 @@ def register_tree_attention() -> None:
 
     AttentionInterface.register(TREE_ATTENTION, tree_attention)
     AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)
+
+
+@functools.cache
+def register_flex_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FLEX_ATTENTION, flex_tree_attention)
+    AttentionMaskInterface.register(FLEX_ATTENTION, sdpa_mask)
+    # uncompiled off CUDA on purpose (exact, for test-sized passes): PyTorch's advice to compile is noise here
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
 def float32_attention(module, query, key, value, attention_mask, **kwargs):

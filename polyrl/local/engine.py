@@ -138,19 +138,20 @@ class Engine:
                micro_batch_tokens: int | str = "auto",
                gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
                sampler_dtype: str = "auto", sampler: str = "polyrl",
-               vllm: VllmSettings | None = None) -> "Engine":
+               vllm: VllmSettings | None = None, attention: str = "auto") -> "Engine":
         key = (str(Store(store_dir).root), device, dtype, micro_batch_tokens, gradient_checkpointing,
-               max_store_bytes, sampler_dtype, sampler, vllm)
+               max_store_bytes, sampler_dtype, sampler, vllm, attention)
         with cls._shared_lock:
             if key not in cls._shared:
                 cls._shared[key] = cls(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
-                                       max_store_bytes, sampler_dtype, sampler, vllm)
+                                       max_store_bytes, sampler_dtype, sampler, vllm, attention)
             return cls._shared[key]
 
     def __init__(self, store_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
                  micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
-                 sampler_dtype: str = "auto", sampler: str = "polyrl", vllm: VllmSettings | None = None):
+                 sampler_dtype: str = "auto", sampler: str = "polyrl", vllm: VllmSettings | None = None,
+                 attention: str = "auto"):
         if micro_batch_tokens != "auto" and (type(micro_batch_tokens) is not int or micro_batch_tokens < 1):
             raise ValueError(f"micro_batch_tokens must be a positive integer or 'auto', got "
                              f"{micro_batch_tokens!r}")
@@ -177,6 +178,7 @@ class Engine:
         # tokens per forward/backward pass (see micro_batch_budget), where the models will load
         self.micro_batch_tokens = micro_batch_budget(micro_batch_tokens, select_device(device))
         self.gradient_checkpointing = gradient_checkpointing
+        self.attention = attention  # local.attention (see BaseModel)
         self._bases: dict[str, BaseModel] = {}
         self._adapter_ids = itertools.count()
         self._queue: queue.Queue = queue.Queue()
@@ -398,7 +400,7 @@ class Engine:
     def base(self, name: str) -> BaseModel:
         if name not in self._bases:
             base = BaseModel(name, self.device_name, self.dtype_name, self.gradient_checkpointing,
-                             self.sampler_dtype_name)
+                             self.sampler_dtype_name, self.attention)
             log.info("%s: %s", name, base.sampler_note)
             self._bases[name] = base
             if self.vllm_settings is not None:  # starts in the background while the caller goes on
@@ -490,7 +492,8 @@ class Engine:
         call_tokens = CPU_CALL_TOKENS if base.device.type == "cpu" else None
         if not any(p.images for p in prepared):
             return micro_batches([p.tokens for p in prepared], self.micro_batch_tokens, base.linear_per_pair,
-                                 base.device, call_tokens=call_tokens, tree=base.tree_attention)
+                                 base.device, call_tokens=call_tokens, tree=base.tree_attention,
+                                 flex=base.attention == "flex")
         # images: keyed sequences (shared prefixes only where the images agree), multimodal positions
         keys: dict[tuple[str, int], int] = {}
         sequences = [keyed(p.tokens, p.images, keys) for p in prepared]

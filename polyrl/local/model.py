@@ -26,10 +26,13 @@ import torch
 
 from polyrl.errors import UserInputError
 from polyrl.local.attention import (
+    FLEX_ATTENTION,
     FLOAT32_ATTENTION,
     PLAN,
     TREE_ATTENTION,
     AttentionPlan,
+    FlexTree,
+    register_flex_attention,
     register_float32_attention,
     register_tree_attention,
     supports_tree_attention,
@@ -126,7 +129,8 @@ class BaseModel:
     """A Hugging Face causal LM wrapped by PEFT, holding named LoRA adapters."""
 
     def __init__(self, name: str, device: str = "auto", dtype: str = "auto",
-                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto"):
+                 gradient_checkpointing: bool | str = "auto", sampler_dtype: str = "auto",
+                 attention: str = "auto"):
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.name = name
@@ -176,13 +180,14 @@ class BaseModel:
             wanted = False  # auto samples from the learner's weights rather than run the machine short
         self.sampler_copy = (SamplerCopy(model, self.sampler_dtype, MERGED_SAMPLING_MAX_BYTES) if wanted
                              else None)
-        # packed rows attend along each datum's path on a CPU (see polyrl.local.attention); a GPU keeps the
-        # dense mask until tree attention is measured there
-        self.tree_attention = (self.device.type == "cpu" and self.vision is None
-                               and supports_tree_attention(model.config))
-        if self.tree_attention:
+        self.attention = self._select_attention(attention)
+        self.tree_attention = self.attention != "dense"  # rows packed full, attending along each datum's path
+        if self.attention == "tree":
             register_tree_attention()
             model.set_attn_implementation(TREE_ATTENTION)
+        elif self.attention == "flex":
+            register_flex_attention()
+            model.set_attn_implementation(FLEX_ATTENTION)
         elif (self.device.type == "cpu" and self.dtype != torch.float32 and self.vision is None
                 and model.config._attn_implementation == "sdpa"):
             register_float32_attention()
@@ -193,6 +198,23 @@ class BaseModel:
         self._wrap_layers_for_checkpointing()
         self._split_head: bool | None = None  # whether decoder + unembedding reproduce the model's logits
         self.linear_per_pair = self._linear_per_pair()
+
+    def _select_attention(self, setting: str) -> str:
+        """How packed rows attend, for ``local.attention`` ``setting`` (see :mod:`polyrl.local.attention`):
+        ``dense``, ``tree`` or ``flex`` as set; ``auto``: tree on a CPU where the model allows it (a GPU
+        keeps the dense mask until tree attention is measured there), else dense. Tree and flex attention
+        need a text model whose attention :func:`supports_tree_attention`: asked for elsewhere, an error."""
+        if setting not in ("auto", "dense", "tree", "flex"):
+            raise UserInputError(f"local.attention: 'auto', 'dense', 'tree' or 'flex', not {setting!r}")
+        along = self.vision is None and supports_tree_attention(self.hf_model.config)
+        if setting == "auto":
+            return "tree" if self.device.type == "cpu" and along else "dense"
+        if setting != "dense" and not along:
+            raise UserInputError(
+                f"local.attention {setting!r}: model {self.name!r} cannot attend along packed datums' paths "
+                "(that needs a text model with SDPA attention over full causal layers, without a sliding "
+                "window, soft-capping or attention sinks); use 'auto' or 'dense'")
+        return setting
 
     @property
     def tokenizer(self):
@@ -255,14 +277,14 @@ class BaseModel:
         return 2 * per_block / (4 * heads * head_dim) / MASKED_ATTENTION_SLOWDOWN
 
     def packed_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: torch.Tensor,
-                       plan: AttentionPlan | None = None, **vision: torch.Tensor
+                       plan: AttentionPlan | FlexTree | None = None, **vision: torch.Tensor
                        ) -> tuple[torch.Tensor, bool]:
         """Packed rows through the model with the active adapter, under a boolean ``attend`` mask
-        ``[rows, 1, width, width]`` (query attends to key), or along ``plan`` (tree attention; ``attend``
-        is then a placeholder): ``(last hidden states, True)`` when the unembedding can be applied apart
-        (:meth:`logits`), else ``(float32 logits, False)``. ``vision``: the rows' images
-        (``pixel_values``, ``image_grid_thw``) for a vision-language model, whose ``position_ids`` are then
-        ``[4, rows, width]``."""
+        ``[rows, 1, width, width]`` (query attends to key), or along ``plan`` (tree attention's plan, or the
+        rows' :class:`FlexTree` for flex attention; ``attend`` is then a placeholder): ``(last hidden
+        states, True)`` when the unembedding can be applied apart (:meth:`logits`), else ``(float32 logits,
+        False)``. ``vision``: the rows' images (``pixel_values``, ``image_grid_thw``) for a vision-language
+        model, whose ``position_ids`` are then ``[4, rows, width]``."""
         mask: torch.Tensor = attend
         along = {PLAN: plan} if plan is not None else {}
         if self.hf_model.config._attn_implementation == "eager":  # eager adds the mask to the scores

@@ -12,9 +12,9 @@ Under a dense mask, attention over a row costs in proportion to the row's length
 it, so rows are not made longer than they pay for: a datum that shares a prefix joins the row
 when computing it there (its new tokens, attending over the longer row) costs less than a row of
 its own; unrelated datums share a row, without padding between them, up to the length of the
-longest datum (which padding would cost anyway). Under tree attention (:mod:`polyrl.local.attention`,
-a plan instead of the mask) a token attends to its own datum's path whatever the row's length, so
-every datum joins the row until it is full. Rows are then grouped, sorted by length, into
+longest datum (which padding would cost anyway). Under tree or flex attention (:mod:`polyrl.local.attention`,
+a plan or the rows' trie instead of the mask) a token attends to its own datum's path whatever the row's
+length, so every datum joins the row until it is full. Rows are then grouped, sorted by length, into
 micro-batches of at most ``budget`` padded tokens: the fewest micro-batches, then the least padding.
 
 Images (vision-language models): a datum's image positions hold a negative key for (the image, its
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from polyrl.config.schema import DEFAULT_MICRO_BATCH_TOKENS
-from polyrl.local.attention import AttentionPlan, plan
+from polyrl.local.attention import AttentionPlan, FlexTree, flex_tree, plan
 
 # Cost of a token in the linear layers, in units of one query-key pair of attention, when a model
 # does not say (see BaseModel.attention_cost_ratio).
@@ -82,7 +82,7 @@ class MicroBatch:
     lengths: list[int]  # token count of each datum in ``datums``
     image_keys: list[int] = field(default_factory=list)  # images, in the order their placeholders appear
     vision: dict = field(default_factory=dict)  # the images' pixel values and grids (set by the engine)
-    plan: AttentionPlan | None = None  # attention along each datum's path, instead of ``attend``
+    plan: AttentionPlan | FlexTree | None = None  # attention along each datum's path, instead of ``attend``
 
     @property
     def tokens(self) -> int:
@@ -171,20 +171,21 @@ def group_rows(lengths: list[int], budget: int, call_tokens: int | None = None) 
 
 def micro_batches(sequences: list[list[int]], budget: int, linear_per_pair: float = DEFAULT_LINEAR_PER_PAIR,
                   device: torch.device | str = "cpu", mrope: list[torch.Tensor | None] | None = None,
-                  placeholder: int = 0, call_tokens: int | None = None, tree: bool = False
+                  placeholder: int = 0, call_tokens: int | None = None, tree: bool = False, flex: bool = False
                   ) -> list[MicroBatch]:
     """Packed rows of ``sequences`` in micro-batches of at most ``budget`` padded tokens, grouped as
     :func:`group_rows` does with ``call_tokens``. With ``mrope`` (vision-language models),
     negative tokens are image keys (laid as ``placeholder``) and positions are ``[4, rows, width]``: the
     token's index, then its datum's multimodal positions. ``tree``: each micro-batch carries the plan of
-    attention along its datums' paths (:mod:`polyrl.local.attention`) instead of a dense mask."""
+    attention along its datums' paths (:mod:`polyrl.local.attention`) instead of a dense mask; with ``flex``,
+    its rows' :class:`FlexTree` (for FlexAttention) instead of the plan."""
     rows = pack_rows(sequences, budget, linear_per_pair, tree)
-    return [_tensors([rows[i] for i in idx], device, mrope, placeholder, tree)
+    return [_tensors([rows[i] for i in idx], device, mrope, placeholder, tree, flex)
             for idx in group_rows([len(r) for r in rows], budget, call_tokens)]
 
 
 def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = None,
-             placeholder: int = 0, tree: bool = False) -> MicroBatch:
+             placeholder: int = 0, tree: bool = False, flex: bool = False) -> MicroBatch:
     width = max(len(r) for r in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
@@ -215,6 +216,9 @@ def _tensors(rows: list[Row], device, mrope: list[torch.Tensor | None] | None = 
     if multimodal is not None:
         ids = ids.masked_fill(ids < 0, placeholder)
         pos = torch.cat([pos.unsqueeze(0), multimodal])
+    along: AttentionPlan | FlexTree | None = None
+    if tree:
+        paths = [row.paths for row in rows]
+        along = (flex_tree(paths, width) if flex else plan(paths, width)).to(device)
     return MicroBatch(datums, ids.to(device), pos.to(device), attend.to(device), torch.cat(gather).to(device),
-                      lengths, image_keys,
-                      plan=plan([row.paths for row in rows], width).to(device) if tree else None)
+                      lengths, image_keys, plan=along)

@@ -182,7 +182,8 @@ class ServiceClient:
     (``auto``: bfloat16 where the device runs it fast; see
     :func:`polyrl.local.sampler_copy.select_sampler_dtype`). ``sampler`` is what samples: ``polyrl`` (the
     engine's own sampler), ``vllm`` (vLLM, reached as ``vllm`` says: :mod:`polyrl.local.vllm`) or ``auto``
-    (:func:`polyrl.local.vllm.resolve_sampler`).
+    (:func:`polyrl.local.vllm.resolve_sampler`). ``attention`` is how packed rows attend in training
+    (``auto`` | ``dense`` | ``tree`` | ``flex``; :meth:`polyrl.local.model.BaseModel._select_attention`).
 
     The client is the session: the sequences its samplers record (``record_stability_info=True``) are
     what its training clients' ``stable_reinforce`` datums may name (:mod:`polyrl.local.stability`).
@@ -192,14 +193,14 @@ class ServiceClient:
                  models: Sequence[str] = (), micro_batch_tokens: int | str = "auto",
                  gradient_checkpointing: bool | str = "auto", max_store_bytes: int | None = None,
                  project_id: str | None = None, sampler_dtype: str = "auto", sampler: str = "polyrl",
-                 vllm: VllmSettings | None = None, **_ignored: Any):
+                 vllm: VllmSettings | None = None, attention: str = "auto", **_ignored: Any):
         vllm = vllm or VllmSettings()
         self.sampler = resolve_sampler(sampler, device, vllm)
         if self.sampler == "vllm" and not vllm.urls:
             stop_on_sigterm()  # the vLLM servers this engine starts end with it
         self.engine = Engine.shared(store_dir, device, dtype, micro_batch_tokens, gradient_checkpointing,
                                     max_store_bytes, sampler_dtype, self.sampler,
-                                    vllm if self.sampler == "vllm" else None)
+                                    vllm if self.sampler == "vllm" else None, attention)
         self._project_id = project_id or os.environ.get("TINKER_PROJECT_ID") or None
         self.session_id = f"local-{uuid.uuid4().hex[:8]}"
         self.records = SequenceRecords()

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", choices=["auto", "true", "false"], default="auto",
                    help="recompute activations in backward to save memory (auto: on for models of 300M+ "
                         "parameters)")
+    p.add_argument("--attention", choices=["auto", "dense", "tree", "flex"], default="auto",
+                   help="how packed training rows attend (auto: tree on a CPU, dense mask on a GPU; flex: "
+                        "FlexAttention over the rows' prefix trees, compiled on CUDA)")
     p.add_argument("--max-body-mb", type=float, default=64.0,
                    help="largest accepted request body (413 above)")
     p.add_argument("--long-poll", type=float, default=30.0, help="seconds retrieve_future waits before a 408")
@@ -150,6 +153,7 @@ def config_from_args(args: argparse.Namespace, keys: list[str]) -> "ServeConfig"
                               sampler_dtype=args.sampler_dtype,
                               micro_batch_tokens=args.micro_batch_tokens or "auto",
                               gradient_checkpointing=checkpointing, max_store_bytes=args.max_store_bytes,
+                              attention=args.attention,
                               sampler=args.sampler,
                               vllm=VllmConfig(python=args.vllm_python, urls=args.vllm_url))
     return ServeConfig(models=list(args.models), api_keys=keys, local=local,

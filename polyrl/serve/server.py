@@ -95,7 +95,7 @@ class Server:
             sampler = resolve_sampler(local.sampler, local.device, vllm)
             engine = Engine(local.store_dir, local.device, local.dtype, local.micro_batch_tokens,
                             local.gradient_checkpointing, local.max_store_bytes, local.sampler_dtype, sampler,
-                            vllm if sampler == "vllm" else None)
+                            vllm if sampler == "vllm" else None, local.attention)
         self.engine = engine
         self.limits = P.RequestLimits(config.max_request_tokens, config.max_request_datums,
                                       config.max_target_k, config.max_request_images, config.max_image_bytes,
