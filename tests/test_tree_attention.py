@@ -9,7 +9,6 @@ import shutil
 import pytest
 import torch
 
-import polyrl.local.attention as attention
 from polyrl.errors import UserInputError
 from polyrl.local.attention import PLAN, flex_tree, flex_tree_attention, plan, tree_attention
 from polyrl.local.compute import packed_logprobs
@@ -184,11 +183,21 @@ def test_flex_attention_gives_the_models_dense_logprobs_loss_and_lora_gradients(
     gen = torch.Generator().manual_seed(5)
     targets = [torch.randint(3, 500, (len(s),), generator=gen).to(DEVICE) for s in sequences]
     coefs = [torch.randn(len(s), generator=gen).to(DEVICE) for s in sequences]
-    built: list[str] = []
+    import sys
+
+    import torch.nn.attention.flex_attention as flex  # polyrl.local.attention imports from it where used
+
+    built: list[str] = []  # the masks polyrl's attention built (not those PyTorch builds on the way)
+
+    def counted(real, name):
+        def build(*args, **kwargs):
+            if sys._getframe(1).f_globals["__name__"] == "polyrl.local.attention":
+                built.append(name)
+            return real(*args, **kwargs)
+        return build
+
     for name in ("create_block_mask", "create_mask"):
-        real = getattr(attention, name)
-        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name, **k: built.append(_name)
-                            or _real(*a, **k))
+        monkeypatch.setattr(flex, name, counted(getattr(flex, name), name))
     batches = dict(zip(("dense", "flex"), _dense_and_tree(sequences, device=DEVICE, flex=True)))
     results = {}
     for kind, mbs in batches.items():

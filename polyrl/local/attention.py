@@ -33,9 +33,12 @@ import bisect
 import functools
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+
+if TYPE_CHECKING:  # FlexAttention is imported where it is used: it costs ~0.3 s of every engine's start
+    from torch.nn.attention.flex_attention import BlockMask
 
 FLOAT32_ATTENTION = "polyrl_sdpa_float32"  # a 16-bit learner's attention on a CPU (registered on use)
 TREE_ATTENTION = "polyrl_tree"
@@ -144,6 +147,8 @@ class FlexTree:
         return ancestor_or_self
 
     def block_mask(self) -> BlockMask:
+        from torch.nn.attention.flex_attention import create_block_mask
+
         if self._block is None:
             rows, width = self.enter.shape
             self._block = create_block_mask(self.mask_mod(), rows, None, width, width, self.enter.device)
@@ -151,6 +156,8 @@ class FlexTree:
 
     def dense_mask(self) -> torch.Tensor:
         """``[rows, 1, width, width]`` bool: the same test for every pair."""
+        from torch.nn.attention.flex_attention import create_mask
+
         if self._dense is None:
             rows, width = self.enter.shape
             self._dense = create_mask(self.mask_mod(), rows, None, width, width, self.enter.device)
@@ -229,6 +236,8 @@ def flex_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     (``kwargs[PLAN]``) with FlexAttention: compiled on CUDA; elsewhere uncompiled, or, where gradients are
     needed (FlexAttention has no backward on a CPU), the tree's dense mask through SDPA. 16-bit inputs on
     a CPU compute in float32. Without a tree, SDPA over ``attention_mask``."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     tree: FlexTree | None = kwargs.pop(PLAN, None)
     if tree is None:
         return _masked_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -251,6 +260,8 @@ def flex_tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 
 @functools.cache
 def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention)
 
 
