@@ -31,7 +31,8 @@ def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exac
     renderer = get_renderer("qwen3", tokenizer)
     call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
     policy = ScriptedSampler(renderer, [{"role": "assistant", "content": "", "tool_calls": [call]},
-                                        {"role": "assistant", "content": "It is 3."}],
+                                        {"role": "assistant", "content": "It is 3."},
+                                        {"role": "assistant", "content": "", "tool_calls": [call]}],
                              logprobs=lambda n: np.linspace(-0.1, -1.0, n))
     tools = [{"type": "function", "function": {"name": "add", "description": "Add.",
                                                "parameters": {"type": "object", "properties": {}}}}]
@@ -48,22 +49,25 @@ def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exac
                 session = server.open_session(policy, max_tokens=16, temperature=0.5, seed=11)
                 url = session.base_url + "/chat/completions"
                 first = (await http.post(url, json={"model": "m", "messages": messages, "tools": tools,
-                                                    "max_tokens": 99})).json()
+                                                    "max_tokens": 99},
+                                         headers={"X-Session-ID": "trace-1"})).json()
                 reply = first["choices"][0]["message"]
                 follow = messages + [reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
                                              "content": "3"}]
                 second = (await http.post(url, json={"model": "m", "messages": follow, "tools": tools,
                                                      "temperature": 0.0})).json()
+                streamed = await http.post(url, json={"model": "m", "messages": messages, "tools": tools,
+                                                      "stream": True})
                 errors = [(await http.post(url, json=body)).status_code for body in (
-                    {"messages": messages, "n": 2}, {"messages": messages, "stream": True}, {"messages": []})]
+                    {"messages": messages, "n": 2}, {"messages": []})]
                 missing = await http.post(server.url.replace("/v1", "/s/nope/v1") + "/chat/completions",
                                           json={"messages": messages})
                 models = (await http.get(session.base_url + "/models")).json()
-            return session, first, second, errors, missing.status_code, models
+            return session, first, second, streamed, errors, missing.status_code, models
         finally:
             server.stop()
 
-    session, first, second, errors, missing, models = asyncio.run(scenario())
+    session, first, second, streamed, errors, missing, models = asyncio.run(scenario())
     choice = first["choices"][0]
     assert first["prompt_token_ids"] == renderer.initial_prompt(messages, tools)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
@@ -79,12 +83,24 @@ def test_endpoint_returns_tokens_logprobs_and_continues_conversations_token_exac
                                           + renderer.continuation([{"role": "tool", "content": "3"}]))
     assert (second["choices"][0]["message"]["content"] == "It is 3."
             and second["choices"][0]["finish_reason"] == "stop")
-    assert [ex.extends for ex in session.exchanges] == [None, 0]
+    assert [ex.extends for ex in session.exchanges] == [None, 0, None]
+    # the client's conversation name (verifiers' trace id) is recorded with its exchange
+    assert [ex.conversation for ex in session.exchanges] == ["trace-1", None, None]
+    # stream=true: one chunk with the whole reply as its delta (tool calls indexed), then [DONE]
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in streamed.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]" and len(events) == 2
+    chunk = json.loads(events[0])
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["prompt_token_ids"] == first["prompt_token_ids"]
+    delta = chunk["choices"][0]["delta"]
+    assert delta["tool_calls"][0]["index"] == 0 and delta["tool_calls"][0]["function"]["name"] == "add"
+    assert chunk["choices"][0]["finish_reason"] == "tool_calls" and chunk["choices"][0]["token_ids"]
     # request values win over the session's defaults, max_tokens capped by the session's budget
     assert (policy.params[0].max_tokens, policy.params[0].temperature) == (16, 0.5)
     assert policy.params[1].temperature == 0.0
     assert policy.params[0].seed != policy.params[1].seed  # seeded per (session seed, turn)
-    assert errors == [400, 400, 400] and missing == 404 and models["data"][0]["id"] == "polyrl"
+    assert errors == [400, 400] and missing == 404 and models["data"][0]["id"] == "polyrl"
 
 
 # ---------------------------------------------------------------------------- config load
