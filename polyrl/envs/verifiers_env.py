@@ -1,123 +1,257 @@
-"""``verifiers:<module>``: environments written with the verifiers library (classic API).
+"""``verifiers:<taskset>``: environments written with the verifiers library, version 0.4.
 
-verifiers drives its own rollouts: it formats the prompt, calls the model over an OpenAI-compatible
-chat endpoint, runs its environment turns and scores the result with its rubric. polyrl therefore
-serves the policy being trained on 127.0.0.1 (:mod:`polyrl.openai_server`), one session per rollout
-bound to the current sampling client, and runs ``env.run_rollout`` against it.
+verifiers 0.4 environments are tasksets (``verifiers.v1``): a package exporting a ``Taskset`` that
+yields tasks, each scoring its trace with ``@reward`` methods and plugged judges (an LLM judge over a
+rubric: ``judges: [{id: rubric, ...}]``), with tools served over MCP by the taskset's or task's
+``Toolset``. An agent (a harness program in a runtime) plays each task; verifiers runs the episode and
+scores it. polyrl serves the policy being trained on 127.0.0.1 (:mod:`polyrl.openai_server`), one
+session per rollout bound to the current sampling client, and runs ``env.run_episode`` against it.
 
-The endpoint returns the exact prompt and sampled token ids and the sampler logprobs (vLLM's extra
-fields), which verifiers' chat client passes through into the rollout's trajectory. Those become the
-episode's tokens, token-exact, when each turn's prompt extends the previous prompt and reply (the
-endpoint builds multi-turn prompts that way). Otherwise (a client that drops the token fields, or a
-rewritten history) the conversation is re-tokenized with the renderer and its logprobs recomputed with
-the sampling client; such episodes log a warning and carry the metric ``retokenized`` = 1.
+``<taskset>`` is a taskset id as verifiers resolves it: an installed package (``my-env``, imported as
+``my_env``; a hub id ``owner/name@version`` names the package ``name``) or a dotted module, found
+among the installed modules and under the working directory. ``args`` is verifiers' environment
+config (the ``[env]`` table of its TOML: ``taskset``, ``agent``, an env ``id`` such as ``best-of-n``,
+``timeout``, ...) without ``taskset.id``; ``test_taskset`` (polyrl's) is merged over ``taskset`` for
+the ``test`` split (without it the test split is the train tasks). Each agent seat defaults to the
+``subprocess`` runtime and, for a taskset that bundles no harness, to the ``polyrl-chat`` harness
+(:mod:`polyrl.envs.verifiers_chat`: verifiers' chat loop with MCP tools, run by polyrl's own Python);
+the entry's ``max_turns`` becomes each seat's ``max_turns``. Set any of them in ``args`` to override.
 
-``<module>`` is a module name (``pkg.my_env``) or a ``.py`` file path; its
-``load_environment(**args)`` returns the environment, as ``vf.load_environment`` expects. The
-environment's ``dataset`` is the train split, its ``eval_dataset`` (else ``dataset``) the test split.
-Not supported, refused before the run starts: verifiers >= 0.4 without the classic API, rubrics
-with group reward functions, completion-format (non-chat) environments.
+Tokens: every request to the endpoint is recorded with its exact prompt and sampled tokens and the
+sampler logprobs, under the trace it belongs to (verifiers names the trace in a header). They become
+the episode's tokens, token-exact, when each turn's prompt extends the previous prompt and reply (the
+endpoint builds multi-turn prompts that way). Otherwise (a history the harness rewrote) the
+conversation is re-tokenized with the renderer and its logprobs recomputed with the sampling client;
+such episodes log a warning and carry the metric ``retokenized`` = 1. A verifiers episode gives one
+polyrl episode per trainable agent run: one for a single-agent taskset; for a multi-agent env (an env
+``id`` such as ``best-of-n``, or one the taskset exports) each with its agent's name as the role.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
 import importlib
+import importlib.util
 import logging
+import sys
 from typing import Any
 
 from polyrl.envs.base import EnvBuilder, register_env
-from polyrl.envs.module_env import check_load_environment, import_target
+from polyrl.envs.module_env import load_module
 from polyrl.openai_server import OpenAIServer, incoming_message
 from polyrl.rl.episode import Episode, RolloutContext, SamplerError, finalize_reward
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'polyrl[verifiers]'"
+SUPPORTED = ((0, 4), (0, 5))  # [lowest, first unsupported)
+TEST_TASKSET = "test_taskset"
+NO_KEY_VAR = "POLYRL_LOCAL_ENDPOINT_KEY"  # an unset variable: the local endpoint needs no key
 
 
 def _vf():
-    """The classic verifiers API (``verifiers.legacy`` in 0.3.x, the package root before)."""
+    """``verifiers.v1`` of a supported verifiers release, else a one-line ``ValueError``."""
     try:
-        import verifiers  # noqa: F401
+        import verifiers
     except ImportError as exc:
         raise ValueError(f"verifiers environments need the verifiers package ({INSTALL_HINT})") from exc
-    try:
-        vf = importlib.import_module("verifiers.legacy")
-    except ImportError:
-        vf = importlib.import_module("verifiers")
-    try:
-        env_cls = vf.Environment
-    except Exception:  # noqa: BLE001 - 0.4's root forwards to a legacy package it does not ship
-        env_cls = None
-    if env_cls is None or not hasattr(env_cls, "run_rollout"):
-        version = getattr(importlib.import_module("verifiers"), "__version__", "?")
-        raise ValueError(f"verifiers {version} has no classic Environment.run_rollout API; polyrl's adapter "
-                         f"needs verifiers 0.3.x (pip install 'verifiers<0.4')")
+    version = getattr(verifiers, "__version__", "0")
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if not SUPPORTED[0] <= parts < SUPPORTED[1]:
+        raise ValueError(f"verifiers {version} is installed; polyrl runs verifiers 0.4 environments "
+                         f"(pip install 'verifiers>=0.4,<0.5')")
+    import verifiers.v1 as vf
+
+    from polyrl.envs import verifiers_chat
+
+    # verifiers imports a harness id as a top-level module: make polyrl's answer to its id
+    sys.modules.setdefault(verifiers_chat.MODULE_ALIAS, verifiers_chat)
     return vf
 
 
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    if isinstance(obj, dict):
-        return obj.get(key, default)
-    return getattr(obj, key, default)
+def _one_line(exc: BaseException) -> str:
+    """A pydantic ValidationError (or any exception) as one line."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
+                             for e in errors())
+        except Exception:  # noqa: BLE001 - not a pydantic error after all
+            pass
+    return " ".join(str(exc).split())
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if nested else value
+    return out
+
+
+def _module_name(target: str) -> str:
+    """The module verifiers imports for a taskset id (hub ``owner/name@version`` -> ``name``)."""
+    return target.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+def _import_taskset(vf, target: str) -> None:
+    """Import the taskset's module the way polyrl imports ``module:`` targets (installed, or under the
+    working directory), so a missing or broken one is a one-line error, and check it is a taskset."""
+    if target.endswith(".py") or target.startswith((".", "/", "~")):
+        raise ValueError(f"verifiers:{target}: verifiers 0.4 loads a taskset by name, not by path; install "
+                         f"its package (pip install -e <dir>) and write verifiers:<name>")
+    name = _module_name(target)
+    if "." in name:
+        raise ValueError(f"verifiers:{target}: verifiers 0.4 names a taskset by its package (a top-level "
+                         f"module such as my_env, installed or in the working directory), not a dotted path")
+    builtin = f"verifiers.v1.tasksets.{name}"
+    module = (importlib.import_module(builtin) if importlib.util.find_spec(builtin) is not None
+              else load_module(name, what="verifiers taskset"))
+    exported = [getattr(module, n, None) for n in getattr(module, "__all__", ())]
+    if not any(isinstance(obj, type) and issubclass(obj, vf.Taskset) for obj in exported):
+        legacy = " (a load_environment module of verifiers < 0.4, which polyrl no longer runs)" \
+            if hasattr(module, "load_environment") else ""
+        raise ValueError(f"verifiers:{target}: module {module.__name__!r} exports no verifiers.v1 Taskset "
+                         f"through __all__{legacy}")
+
+
+def env_config(target: str, args: dict[str, Any], max_turns: int | None = None):
+    """verifiers' environment config for ``verifiers:<target>`` with ``args`` (see the module docstring),
+    each agent seat given polyrl's defaults (and ``max_turns``, when given). A one-line ``ValueError``
+    for anything wrong."""
+    vf = _vf()
+    _import_taskset(vf, target)
+    from polyrl.envs.verifiers_chat import HARNESS_ID, MODULE_ALIAS
+
+    raw = copy.deepcopy({k: v for k, v in args.items() if k != TEST_TASKSET})
+    taskset = raw.get("taskset") or {}
+    if not isinstance(taskset, dict) or "id" in taskset:
+        raise ValueError(f"verifiers:{target}: args.taskset must be a mapping of the taskset's config, "
+                         f"without an id (the taskset is the one named in the type)")
+    raw["taskset"] = {**taskset, "id": target}
+    try:
+        cls = vf.env_config_type(target, str(raw.get("id") or ""))
+        bundled = vf.default_harness_id(target) != "bash"
+        for name, field in cls.model_fields.items():
+            author = field.default
+            if not isinstance(author, vf.AgentConfig):
+                continue
+            seat = raw.get(name)
+            if seat is None:
+                seat = {}
+            if not isinstance(seat, dict):
+                raise ValueError(f"args.{name} must be a mapping (the {name!r} agent's config)")
+            pinned = author.model_fields_set
+            if "runtime" not in seat and "runtime" not in pinned:
+                seat["runtime"] = {"type": "subprocess"}
+            if "harness" not in seat and author.harness is None and not bundled:
+                seat["harness"] = {"id": HARNESS_ID}
+            if max_turns is not None and "max_turns" not in seat and author.max_turns is None:
+                seat["max_turns"] = max_turns
+            raw[name] = seat
+        config = vf.resolve_env_config(raw)
+    except ValueError as exc:
+        if type(exc) is ValueError and not hasattr(exc, "errors"):
+            raise ValueError(f"verifiers:{target}: {_one_line(exc)}") from None
+        raise ValueError(f"verifiers:{target} args: {_one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - a taskset or harness that fails to load or validate
+        raise ValueError(f"verifiers:{target}: {type(exc).__name__}: {_one_line(exc)}") from None
+    for name, seat in config:
+        ours = (isinstance(seat, vf.AgentConfig) and seat.harness is not None
+                and _module_name(seat.harness.id) == MODULE_ALIAS)
+        if ours and seat.runtime.type != "subprocess":
+            raise ValueError(f"verifiers:{target}: args.{name}: the {HARNESS_ID} harness runs in the "
+                             f"subprocess runtime, not {seat.runtime.type!r}")
+    return config
 
 
 def _tool_spec(tool: Any) -> dict:
     return {"type": "function",
-            "function": {"name": _get(tool, "name"), "description": _get(tool, "description") or "",
-                         "parameters": _get(tool, "parameters") or {"type": "object", "properties": {}}}}
+            "function": {"name": tool.name, "description": tool.description or "",
+                         "parameters": tool.parameters or {"type": "object", "properties": {}}}}
 
 
 @register_env("verifiers:")
 class VerifiersBuilder(EnvBuilder):
-    """Runs a verifiers environment's own rollouts against polyrl's OpenAI-compatible endpoint."""
-
-    @classmethod
-    def validate_args(cls, type_name: str, args: dict[str, Any]) -> None:
-        target = type_name.partition(":")[2].strip()
-        if not target:
-            raise ValueError("verifiers environments are named 'verifiers:<module or file.py>'")
-        _vf()
-        check_load_environment(target, args, what="verifiers environment")
+    """Runs a verifiers 0.4 environment's episodes against polyrl's OpenAI-compatible endpoint."""
 
     def __init__(self, args: dict[str, Any], seed: int = 0, type_name: str = ""):
         super().__init__(args, seed, type_name)
-        self.validate_args(type_name, self.args)
-        vf = _vf()
         self.target = type_name.partition(":")[2].strip()
-        self.env = import_target(self.target, what="verifiers environment").load_environment(**self.args)
-        if not isinstance(self.env, vf.Environment):
-            raise ValueError(f"{self.target}.load_environment() returned {type(self.env).__name__}, "
-                             f"not a verifiers Environment")
-        if getattr(self.env, "message_type", "chat") != "chat":
-            raise ValueError(f"{self.target}: only chat environments are supported, not "
-                             f"message_type={self.env.message_type!r}")
-        if getattr(self.env, "requires_group_rollouts", False):
-            raise ValueError(f"{self.target}: rubrics with group reward functions are not supported "
-                             f"(polyrl runs and scores each rollout on its own)")
-        self._datasets: dict[str, Any] = {}
-        self.server = None
+        if not self.target:
+            raise ValueError("verifiers environments are named 'verifiers:<taskset id>' (an installed "
+                             "package or module exporting a verifiers Taskset)")
+        test = self.args.get(TEST_TASKSET)
+        if test is not None and not isinstance(test, dict):
+            raise ValueError(f"verifiers:{self.target}: args.{TEST_TASKSET} must be a mapping of the "
+                             f"taskset's config")
+        self.config = env_config(self.target, self.args)
+        self._test_args = _merge(self.args, {"taskset": test}) if test else None
+        if self._test_args is not None:
+            env_config(self.target, self._test_args)  # a bad test_taskset fails at config load too
+        # by split: (the tasks so far, the stream of an infinite taskset, the taskset)
+        self._tasks: dict[str, tuple[list, Any, Any]] = {}
+        self._env = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._env_lock: asyncio.Lock | None = None
+        self._serving: contextlib.AsyncExitStack | None = None
+        self.server: OpenAIServer | None = None
         self.retokenized = 0
 
     # -- tasks -----------------------------------------------------------------------------------------
 
-    def dataset(self, split: str):
-        if split not in self._datasets:
-            has_eval = (self.env.eval_dataset is not None
-                        or getattr(self.env, "eval_dataset_source", None) is not None)
-            self._datasets[split] = (self.env.get_eval_dataset() if split == "test" and has_eval
-                                     else self.env.get_dataset())
-        return self._datasets[split]
+    def _taskset(self, split: str):
+        key = "test" if split == "test" and self._test_args else "train"  # test: train's tasks by default
+        if key not in self._tasks:
+            vf = _vf()
+            config = env_config(self.target, self._test_args) if key == "test" else self.config
+            taskset = vf.load_taskset(config.taskset)
+            self._tasks[key] = ([], iter(taskset) if not taskset.bounded else None, taskset)
+        return self._tasks[key]
+
+    def task(self, split: str, index: int):
+        tasks, stream, taskset = self._taskset(split)
+        if stream is None and not tasks:
+            tasks.extend(taskset)
+        while stream is not None and len(tasks) <= index:
+            tasks.append(next(stream))
+        return tasks[index]
 
     def num_tasks(self, split: str) -> int | None:
-        return len(self.dataset(split))
+        tasks, stream, taskset = self._taskset(split)
+        if stream is not None:
+            return None  # an infinite taskset
+        if not tasks:
+            tasks.extend(taskset)
+        return len(tasks)
 
     def make(self, split: str, index: int):
         raise NotImplementedError("verifiers environments run their own rollouts (EnvBuilder.rollout)")
 
     # -- rollouts ----------------------------------------------------------------------------------------
 
-    def _ensure_server(self, renderer):
+    async def _ready_env(self, ctx: RolloutContext):
+        """The environment, built with the entry's max_turns and serving (its shared tool servers and
+        interception up) from the first rollout until :meth:`aclose`."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # (another event loop: what served the last one is gone with it)
+            self._loop, self._env_lock, self._env, self._serving = loop, asyncio.Lock(), None, None
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+        assert self._env_lock is not None
+        async with self._env_lock:
+            if self._env is None:
+                vf = _vf()
+                env = vf.load_environment(env_config(self.target, self.args, ctx.settings.max_turns))
+                stack = contextlib.AsyncExitStack()
+                await stack.enter_async_context(env.serving())
+                self._env, self._serving = env, stack
+        return self._env
+
+    def _ensure_server(self, renderer) -> OpenAIServer:
         if self.server is None or self.server.renderer is not renderer or not self.server.running:
             if self.server is not None:
                 self.server.stop()
@@ -126,70 +260,55 @@ class VerifiersBuilder(EnvBuilder):
         return self.server
 
     async def rollout(self, ctx: RolloutContext) -> list[Episode]:
-        from openai import AsyncOpenAI
-
         vf = _vf()
-
+        env = await self._ready_env(ctx)
+        task = self.task(ctx.split, ctx.task_index)
         server = self._ensure_server(ctx.renderer)
         server.set_sampler(ctx.sampler)
-        session = server.open_session(ctx.sampler, ctx.settings.max_tokens, ctx.settings.temperature,
-                                      ctx.seed)
-        row = dict(self.dataset(ctx.split)[ctx.task_index])
-        sampling_args = {k: v for k, v in (self.env.sampling_args or {}).items() if k not in ("n",)}
-        sampling_args.update(temperature=ctx.settings.temperature, max_tokens=ctx.settings.max_tokens)
-        native = AsyncOpenAI(base_url=session.base_url, api_key="polyrl-local", max_retries=0,
-                             timeout=ctx.settings.timeout)
-        client = vf.OpenAIChatCompletionsClient(native)
+        settings = ctx.settings
+        session = server.open_session(ctx.sampler, settings.max_tokens, settings.temperature, ctx.seed)
+        model = vf.ModelContext(
+            model=server.model_name,
+            client=vf.EvalClientConfig(base_url=session.base_url, api_key_var=NO_KEY_VAR),
+            sampling=vf.SamplingConfig(temperature=settings.temperature, max_tokens=settings.max_tokens))
         try:
-            output = await self.env.run_rollout(row, client, "polyrl", sampling_args,
-                                                state_columns=["trajectory"])
+            result = await env.run_episode(task, model)
         finally:
             server.close_session(session)
-            await native.close()
-        return [await self._episode(ctx, output, session)]
+        problems = [f"{e.type}: {e.message}" for e in result.errors]
+        problems += [f"{e.type}: {e.message}" for t in result.traces for e in t.errors]
+        if problems or not result.ok:
+            detail = " ".join(problems[-1].split())[:2000] if problems else "it did not complete"
+            raise RuntimeError(f"verifiers episode failed: {detail}")
+        traces = [t for t in result.traces if t.agent.trainable]
+        if not traces:
+            raise RuntimeError("the verifiers episode has no trainable agent run")
+        multi = not isinstance(env, vf.SingleAgentEnv)  # roles by agent name (the same in every rollout)
+        return [await self._episode(ctx, trace, session, trace.agent.name if multi else "")
+                for trace in traces]
 
-    async def _episode(self, ctx: RolloutContext, output: dict, session) -> Episode:
-        ep = ctx.episode()
-        error = output.get("error")
-        empty_reply = bool(error) and "EmptyModelResponseError" in str(error.get("error_chain_str", error))
-        if error and not empty_reply:
-            raise RuntimeError("verifiers rollout failed: "
-                               f"{error.get('error_chain_repr') or error.get('message')}")
-        prompt = [incoming_message(m) for m in output.get("prompt") or []]
-        completion = [incoming_message(m) for m in output.get("completion") or []]
-        tools = [_tool_spec(t) for t in output.get("tool_defs") or []]
-        ep.messages, ep.tools = prompt + completion, tools
+    async def _episode(self, ctx: RolloutContext, trace, session, role: str) -> Episode:
+        from verifiers.v1.dialects.chat import message_to_wire
 
-        turns = []  # (prompt ids, completion ids, logprobs, stop reason) per sampled turn
-        for step in output.get("trajectory") or []:
-            tokens = _get(step, "tokens")
-            if tokens is None:
-                turns = None
-                break
-            finish = _get(_get(_get(step, "response"), "message"), "finish_reason")
-            turns.append((list(_get(tokens, "prompt_ids")), list(_get(tokens, "completion_ids")),
-                          [float(x) for x in _get(tokens, "completion_logprobs")],
-                          "length" if finish == "length" or _get(step, "is_truncated") else "stop"))
-        if empty_reply and turns is not None and session.exchanges:
-            # The empty reply never reached the trajectory; its exchange is the session's last one.
-            seen = {_get(_get(s, "response"), "id") for s in output.get("trajectory") or []}
-            last = session.exchanges[-1]
-            if last.response_id not in seen:
-                turns.append((last.prompt_tokens, last.completion_tokens, last.logprobs, last.stop_reason))
-                ep.messages.append({"role": "assistant", "content": ""})
-            ep.metrics["empty_reply"] = 1.0
-
-        exact = turns is not None and bool(turns) and self._append_exact(ep, turns)
+        ep = ctx.episode(role)
+        ep.messages = [incoming_message(message_to_wire(m)) for m in trace.messages]
+        ep.tools = [_tool_spec(t) for t in trace.tools]
+        tagged = any(ex.conversation for ex in session.exchanges)
+        exchanges = [ex for ex in session.exchanges if not tagged or ex.conversation == trace.id]
+        turns = [(ex.prompt_tokens, ex.completion_tokens, ex.logprobs, ex.stop_reason) for ex in exchanges]
+        exact = bool(turns) and len(turns) == trace.num_turns and self._append_exact(ep, turns)
         if not exact:
             await self._append_retokenized(ep, ctx)
         ep.metrics["retokenized"] = 0.0 if exact else 1.0
-        for key, value in (output.get("metrics") or {}).items():
+        for name, reward in trace.rewards.items():
+            if reward is not None:
+                ep.metrics[name] = float(reward.score)
+        for name, value in trace.metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                ep.metrics[key] = float(value)
-        reward = output.get("reward")
-        reward = float(reward) if isinstance(reward, (int, float)) else 0.0
+                ep.metrics[name] = float(value)
+        reward = float(trace.reward)
         ep.step_rewards = [0.0] * max(0, ep.num_turns - 1) + [reward]
-        ep.done_by_env = not output.get("is_truncated", False)
+        ep.done_by_env = not (trace.is_truncated or trace.is_timeout)
         finalize_reward(ep, ctx.settings)
         return ep
 
@@ -213,12 +332,13 @@ class VerifiersBuilder(EnvBuilder):
 
         self.retokenized += 1
         if self.retokenized == 1 or self.retokenized % 100 == 0:
-            logger.warning("%s: rollout tokens were not passed through (or the history was rewritten); "
-                           "re-tokenizing the conversation (%d episodes so far, metric 'retokenized')",
+            logger.warning("%s: the turns' tokens do not continue each other (the harness rewrote the "
+                           "history); re-tokenizing the conversation (%d episodes so far, metric "
+                           "'retokenized')",
                            self.target, self.retokenized)
         tokens, weights = ctx.renderer.supervised(ep.messages, ep.tools or None)
         if not any(weights):
-            raise RuntimeError("the verifiers rollout has no assistant turn to train on")
+            raise RuntimeError("the verifiers episode has no assistant turn to train on")
         try:
             logprobs = await ctx.sampler.compute_logprobs(types.ModelInput.from_ints(tokens))
         except Exception as exc:  # noqa: BLE001 - a sampler without compute_logprobs
@@ -240,6 +360,9 @@ class VerifiersBuilder(EnvBuilder):
             start = end
 
     async def aclose(self) -> None:
+        if self._serving is not None:
+            stack, self._serving, self._env = self._serving, None, None
+            await stack.aclose()
         if self.server is not None:
             self.server.stop()
             self.server = None
