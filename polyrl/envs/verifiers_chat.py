@@ -25,8 +25,7 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harness import Harness
 from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE, PEP_723_END
 
-HARNESS_ID = "polyrl-chat"
-MODULE_ALIAS = "polyrl_chat"  # the module name verifiers imports for HARNESS_ID
+from polyrl.envs.verifiers_env import HARNESS_ID
 
 __all__ = ["PolyrlChatHarness"]
 

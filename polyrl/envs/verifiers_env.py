@@ -49,6 +49,8 @@ INSTALL_HINT = "pip install 'polyrl[verifiers]'"
 SUPPORTED = ((0, 4), (0, 5))  # [lowest, first unsupported)
 TEST_TASKSET = "test_taskset"
 NO_KEY_VAR = "POLYRL_LOCAL_ENDPOINT_KEY"  # an unset variable: the local endpoint needs no key
+HARNESS_ID = "polyrl-chat"  # polyrl's harness (polyrl/envs/verifiers_chat.py)
+MODULE_ALIAS = "polyrl_chat"  # the module name verifiers imports for HARNESS_ID
 
 
 def _vf():
@@ -64,10 +66,9 @@ def _vf():
                          f"(pip install 'verifiers>=0.4,<0.5')")
     import verifiers.v1 as vf
 
-    from polyrl.envs import verifiers_chat
-
-    # verifiers imports a harness id as a top-level module: make polyrl's answer to its id
-    sys.modules.setdefault(verifiers_chat.MODULE_ALIAS, verifiers_chat)
+    # verifiers imports a harness id as a top-level module: make polyrl's harness answer to its id (loaded
+    # here, as a plug-in, since it subclasses verifiers' Harness at its top)
+    sys.modules.setdefault(MODULE_ALIAS, importlib.import_module("polyrl.envs.verifiers_chat"))
     return vf
 
 
@@ -123,8 +124,6 @@ def env_config(target: str, args: dict[str, Any], max_turns: int | None = None):
     for anything wrong."""
     vf = _vf()
     _import_taskset(vf, target)
-    from polyrl.envs.verifiers_chat import HARNESS_ID, MODULE_ALIAS
-
     raw = copy.deepcopy({k: v for k, v in args.items() if k != TEST_TASKSET})
     taskset = raw.get("taskset") or {}
     if not isinstance(taskset, dict) or "id" in taskset:
