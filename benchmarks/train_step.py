@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--micro-batch-tokens", type=int, help="the engine's local.micro_batch_tokens (default: "
                                                            "the engine's own)")
+    ap.add_argument("--attention", choices=["auto", "dense", "tree", "flex"], default="auto",
+                    help="the engine's local.attention (flex: FlexAttention, compiled on CUDA; on a CPU a "
+                         "training pass runs its mask densely, so time it on a GPU)")
     args = ap.parse_args()
 
     import torch
@@ -72,6 +75,7 @@ def main() -> None:
     from polyrl.models.tiny import build_tiny_model
 
     local = {"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}
+    local["attention"] = args.attention
     root, service = local_service(args.threads, **local)
     engine = service.engine
     model_dir = args.model or str(engine.call(lambda: build_tiny_model(root / "model", args.size, seed=0)))
@@ -104,15 +108,17 @@ def main() -> None:
     real = sum(lengths)
     per_pair = tc._state.base.linear_per_pair
     tree = tc._state.base.tree_attention  # how the engine packs (rows fill up under tree attention)
+    flex = tc._state.base.attention == "flex"
     micro = micro_batches([d.model_input.to_ints() for d in data], engine.micro_batch_tokens, per_pair,
-                          tree=tree)
+                          tree=tree, flex=flex)
     engine_padded = sum(mb.tokens for mb in micro)
     naive_padded = max(lengths) * len(lengths)
     n_params = sum(p.numel() for n, p in tc._state.base.hf_model.named_parameters() if "lora_" not in n)
     model_name = args.model or f"tiny {args.size!r}"
     print(f"model: {model_name} ({n_params / 1e6:.2f}M params), LoRA rank {args.rank}, "
           f"torch {torch.__version__}, on {device} in {str(dtype).removeprefix('torch.')} (both sides), "
-          f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs")
+          f"{engine.call(torch.get_num_threads)} threads, {os.cpu_count()} CPUs, "
+          f"attention {tc._state.base.attention}")
 
     def polyrl_step(batch) -> float:
         fb = tc.forward_backward(batch, "importance_sampling")
@@ -156,7 +162,8 @@ def main() -> None:
 
         shared_batch, distinct_batch = grpo_batch(True), grpo_batch(False)
         packed = sum(int(mb.input_ids.numel()) for mb in micro_batches(
-            [d.model_input.to_ints() for d in shared_batch], engine.micro_batch_tokens, per_pair, tree=tree))
+            [d.model_input.to_ints() for d in shared_batch], engine.micro_batch_tokens, per_pair, tree=tree,
+            flex=flex))
         _, times, cpu = interleaved({"shared prompts": lambda: polyrl_step(shared_batch),
                                      "distinct prompts": lambda: polyrl_step(distinct_batch)})
         tokens = sum(d.model_input.length for d in shared_batch)
